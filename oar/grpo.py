@@ -1,0 +1,142 @@
+"""GRPO: group-relative advantages, the clipped policy loss, and lean per-token log-probs.
+
+Legend: B rollouts (P prompts x G rollouts, a prompt's G rollouts contiguous), T completion length,
+V vocabulary. Masks are bool (B, T).
+
+SPEC §1, with the conventions TRL and verl share so results compare:
+  A_i      = (r_i - mean_g r) / (std_g r + 1e-4)              std unbiased (ddof = 1)
+  rho_it   = exp(logpi_theta - logpi_old)
+  l_it     = -min(rho A_it, clip(rho, 1 - eps_low, 1 + eps_high) A_it) + beta_KL k3_it
+  k3_it    = exp(ref - logpi) - (ref - logpi) - 1
+Advantages enter the loss per token, shape (B, T): GRPO broadcasts A_i over the completion, OAR
+multiplies by its weights. There is one loss; OAR with unit weights *is* GRPO.
+
+Deviations: a group whose rewards are all equal gets advantages of exactly 0 (not the ~1e-17 that
+float rounding of `r - mean` can leave), so tied groups never move the policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADVANTAGE_EPS = 1e-4
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+    """Group-relative advantages A_i (SPEC §1). `rewards` (B,) -> (B,).
+
+    scale="group": divide by each group's unbiased std + 1e-4 (GRPO, the default);
+    scale="batch": divide by the unbiased std of the whole batch + 1e-4 (Dr. GRPO-style robustness);
+    scale="none":  centre only. Rollouts of one prompt are contiguous: rewards.view(P, G).
+    """
+    assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (rewards.shape, group_size)
+    assert group_size >= 2, "a group needs at least 2 rollouts to have a baseline"
+    r = rewards.float().view(-1, group_size)  # (P, G)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if scale == "group":
+        adv = centred / (r.std(dim=1, keepdim=True) + ADVANTAGE_EPS)
+    elif scale == "batch":
+        adv = centred / (r.std() + ADVANTAGE_EPS)
+    elif scale == "none":
+        adv = centred
+    else:
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    tied = (r == r[:, :1]).all(dim=1, keepdim=True)  # every reward equal to the first
+    return adv.masked_fill(tied, 0.0).view(-1)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
+    """log softmax(logits)[labels] for every position. logits (B, T, V), labels (B, T) -> (B, T) float32.
+
+    Works on `chunk_rows` rows at a time, as logit[label] - logsumexp(logits), so no (B, T, V)
+    log-softmax copy ever exists (the logits themselves are the caller's). The logsumexp runs in
+    float32 whatever the logits' dtype, so bfloat16 logits lose no more than their own rounding.
+    Differentiable: the backward of each chunk recomputes its softmax.
+    """
+    assert logits.shape[:-1] == labels.shape, (logits.shape, labels.shape)
+    out = []
+    for rows, lab in zip(logits.split(chunk_rows), labels.split(chunk_rows)):
+        rows = rows.float()
+        picked = rows.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(rows, dim=-1))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
+    """Entropy of each position's next-token distribution: logits (B, T, V) -> (B, T) float32."""
+    out = []
+    for rows in logits.split(chunk_rows):
+        logp = torch.log_softmax(rows.float(), dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    kl_beta: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    aggregation: str = "seq_mean",
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate loss with token-level advantages (SPEC §1). All inputs (B, T).
+
+    The normalizer is named, so the loss is exact under accumulation and across processes:
+      seq_mean:   sum_i [sum_t l_it m_it / sum_t m_it] / num_sequences
+                  (num_sequences: rows with >= 1 valid token, of the whole global batch if given)
+      token_mean: sum_it l_it m_it / num_tokens   (num_tokens: valid tokens of the global batch)
+    With the defaults (None) the normalizer is this batch's own count. Rows with no valid token
+    contribute 0 and are not counted, so padding rows never change the loss.
+
+    Returns (loss, stats) where stats are detached floats over valid tokens: clip_frac (tokens
+    whose clipped term was the active one), approx_kl (k3 of old vs new), ratio_mean, and kl_ref
+    when a reference is given.
+    """
+    assert logprobs.shape == old_logprobs.shape == advantages.shape == completion_mask.shape, (
+        logprobs.shape, old_logprobs.shape, advantages.shape, completion_mask.shape)
+    valid = completion_mask.bool()
+    mask = valid.to(logprobs.dtype)
+    # Padding may hold anything (even inf): select, never multiply, so it cannot leak a NaN.
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    if kl_beta != 0.0:
+        assert ref_logprobs is not None, "kl_beta > 0 needs ref_logprobs"
+        per_token = per_token + kl_beta * _k3(torch.where(valid, ref_logprobs - logprobs, 0.0))
+
+    per_token = torch.where(valid, per_token, 0.0)
+    lengths = mask.sum(dim=1)
+    if aggregation == "seq_mean":
+        per_seq = (per_token * mask).sum(dim=1) / lengths.clamp(min=1.0)
+        denom = num_sequences if num_sequences is not None else (lengths > 0).sum().clamp(min=1)
+        loss = per_seq.sum() / denom
+    elif aggregation == "token_mean":
+        denom = num_tokens if num_tokens is not None else lengths.sum().clamp(min=1.0)
+        loss = (per_token * mask).sum() / denom
+    else:
+        raise ValueError(f"aggregation must be 'seq_mean' or 'token_mean', got {aggregation!r}")
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        stats = {
+            "clip_frac": float(((clipped < unclipped).to(mask.dtype) * mask).sum() / n),
+            "approx_kl": float((_k3(-log_ratio) * mask).sum() / n),
+            "ratio_mean": float((ratio * mask).sum() / n),
+        }
+        if ref_logprobs is not None:
+            stats["kl_ref"] = float((_k3(torch.where(valid, ref_logprobs - logprobs, 0.0))).sum() / n)
+    return loss, stats
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL: exp(x) - x - 1 with x = log(q / p); >= 0, unbiased."""
+    return torch.exp(log_ratio) - log_ratio - 1.0

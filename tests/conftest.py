@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny random Llama and a hand-made padded batch, built in the test (no downloads)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def tiny_llama(vocab_size: int = 40, hidden: int = 32, layers: int = 2, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, attn_implementation="eager",
+    )
+    return LlamaForCausalLM(config).float().eval()
+
+
+def padded_batch(seed: int = 0, vocab_size: int = 40):
+    """Three rows laid out as the sampler lays them out: left-padded prompt, completion
+    (reasoning, answer, EOS), right padding. Returns ids, attention, reasoning and answer masks (B, L)."""
+    g = torch.Generator().manual_seed(seed)
+    # (left pad, prompt, reasoning, answer, eos + right pad)
+    layouts = [(0, 5, 8, 2, 1), (2, 3, 6, 3, 2), (1, 4, 7, 1, 3)]
+    rows, attn, reas, ans = [], [], [], []
+    for lp, p, r, a, tail in layouts:
+        n = lp + p + r + a + tail
+        ids = torch.randint(3, vocab_size, (n,), generator=g)
+        ids[:lp] = 0
+        ids[lp + p + r + a] = 2  # EOS
+        ids[lp + p + r + a + 1 :] = 0
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[lp : lp + p + r + a + 1] = 1
+        rm = torch.zeros(n, dtype=torch.bool)
+        rm[lp + p : lp + p + r] = True
+        am = torch.zeros(n, dtype=torch.bool)
+        am[lp + p + r : lp + p + r + a] = True
+        rows.append(ids), attn.append(mask), reas.append(rm), ans.append(am)
+    return torch.stack(rows), torch.stack(attn), torch.stack(reas), torch.stack(ans)
+
+
+@pytest.fixture
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture
+def batch():
+    return padded_batch()
