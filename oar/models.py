@@ -8,6 +8,8 @@ log-probs of training equal those of sampling.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -27,3 +29,46 @@ def forward_logits(model, input_ids=None, attention_mask=None, *, inputs_embeds=
         logits_to_keep=logits_to_keep,
     )
     return out.logits
+
+
+class ModelError(ValueError):
+    """A model name that cannot be loaded; the message says which input and what to do."""
+
+
+def resolve_model(name: str) -> tuple[str, dict]:
+    """Where `name` points: ('tiny-arith' | hub id | local folder | .gguf file) -> (path or id,
+    extra from_pretrained kwargs). Checks local paths before anything expensive happens; building
+    tiny-arith is left to `load_model`."""
+    if name == "tiny-arith":
+        return name, {}
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelError(f"--model {name}: no such .gguf file. Pass an existing GGUF file, a model folder, or a hub id.")
+        return str(path.parent), {"gguf_file": path.name}
+    looks_local = name.startswith((".", "/", "~")) or path.exists() or name.count("/") > 1
+    if looks_local and not (path / "config.json").is_file():
+        raise ModelError(f"--model {name}: not a model folder (no config.json there). Pass a folder written by "
+                         f"save_pretrained, a .gguf file, a hub id such as Qwen/Qwen2.5-Math-1.5B, or tiny-arith.")
+    return str(path) if path.exists() else name, {}
+
+
+def load_model(name: str, *, dtype: str = "float32"):
+    """(model, tokenizer) for a model name as `resolve_model` accepts it. The tokenizer pads on the
+    left (generation needs it) and has a pad token (its EOS when it had none)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, kwargs = resolve_model(name)
+    if source == "tiny-arith":
+        from oar.tiny_arith import ensure_tiny_arith
+
+        source = str(ensure_tiny_arith())
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    if tokenizer.eos_token_id is None:
+        raise ModelError(f"--model {name}: its tokenizer has no EOS token, so completions cannot end. "
+                         f"Set tokenizer.eos_token and save the tokenizer again.")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # pads are masked out; sharing EOS is harmless
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
+    return model, tokenizer

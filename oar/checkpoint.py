@@ -1,0 +1,86 @@
+"""Checkpoints that survive being killed: written under a temporary name, renamed when complete.
+
+A checkpoint is `output_dir/checkpoint-<step>/` holding accelerate's state (model, optimizer, RNG,
+registered objects) and `trainer_state.json` (the step it resumes at). It is written to
+`checkpoint-<step>.tmp/` and renamed only once every process has finished writing, so a directory
+named `checkpoint-<step>` is always complete; a run killed mid-save leaves a `.tmp` that the next
+save or resume removes. The newest `keep` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict, keep: int) -> Path:
+    """Save accelerate's state plus `state` (JSON) as checkpoint-<step>, atomically; keep the last `keep`."""
+    root = Path(output_dir)
+    final = root / f"checkpoint-{step}"
+    tmp = root / f"checkpoint-{step}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        _write_json(tmp / "trainer_state.json", {**state, "step": step})
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():  # the same step saved before a crash: the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in root.glob("checkpoint-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: str | Path) -> dict:
+    """Restore accelerate's state from `path`; returns its trainer_state.json."""
+    accelerator.load_state(str(path))
+    return json.loads((Path(path) / "trainer_state.json").read_text())
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write JSON under a temporary name, then rename: a reader never sees half a file."""
+    _write_json(Path(path), obj)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,75 @@
+"""Held-out evaluation shared by `eval.py` and `train.py`: sample, extract, check, gather.
+
+Problems are sharded across processes (problem i on process i mod n), each problem's k samples on
+one process, and the per-problem records are gathered and put back in order. Scoring uses the same
+`rewards` functions as training, so "correct" means the same thing in both.
+
+  avg@k     mean over problems of the fraction of its k samples that are correct (greedy pass@1 at k=1)
+  pass@j    unbiased estimator 1 - C(n - c, j) / C(n, j) per problem (Chen et al., 2021), j <= k
+"""
+
+from __future__ import annotations
+
+from math import comb
+
+import torch
+
+from oar.rewards import extract_answer, reward
+from oar.sampler import format_prompt, sample
+
+
+def evaluate(model, tokenizer, problems, *, accelerator=None, instruction: str = "", batch_size: int = 64,
+             max_new_tokens: int = 256, num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0) -> tuple[list[dict], dict]:
+    """Returns (records in problem order, summary). `batch_size` counts sequences (prompts x samples)."""
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    mine = list(range(rank, len(problems), world))
+    per_batch = max(1, batch_size // num_samples)
+    was_training = model.training
+    model.eval()
+    records = []
+    for start in range(0, len(mine), per_batch):
+        idx = mine[start : start + per_batch]
+        prompts = [format_prompt(tokenizer, problems[i].problem, instruction) for i in idx]
+        seeds = [seed * 1_000_003 + i * num_samples + s for i in idx for s in range(num_samples)]
+        out = sample(model, tokenizer, prompts, group_size=num_samples, seeds=seeds,
+                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        for j, i in enumerate(idx):
+            texts = out.texts[j * num_samples : (j + 1) * num_samples]
+            correct = [reward(t, problems[i].answer) == 1.0 for t in texts]
+            extracted = [extract_answer(t) for t in texts]
+            one = num_samples == 1
+            records.append({
+                "index": i, "problem": problems[i].problem, "gold": problems[i].answer,
+                "completion": texts[0] if one else texts, "extracted": extracted[0] if one else extracted,
+                "correct": correct[0] if one else correct,
+                "truncated": bool(out.truncated[j * num_samples]) if one else out.truncated[j * num_samples : (j + 1) * num_samples].tolist(),
+            })
+    model.train(was_training)
+    if accelerator is not None and world > 1:
+        from accelerate.utils import gather_object
+
+        records = gather_object(records)
+    records.sort(key=lambda r: r["index"])
+    return records, summarize(records, num_samples)
+
+
+def summarize(records: list[dict], num_samples: int) -> dict:
+    """avg@k, unbiased pass@j for j = 1, 2, 4, ... <= k, and the no-answer and truncation rates."""
+    as_list = lambda v: v if isinstance(v, list) else [v]
+    correct = torch.tensor([sum(as_list(r["correct"])) for r in records], dtype=torch.float64)
+    n = num_samples
+    summary = {"problems": len(records), "num_samples": n,
+               "accuracy": float(correct.mean() / n) if records else 0.0,
+               "frac_no_answer": _mean([e is None for r in records for e in as_list(r["extracted"])]),
+               "frac_truncated": _mean([t for r in records for t in as_list(r["truncated"])])}
+    j = 1
+    while j <= n:
+        summary[f"pass@{j}"] = _mean([1.0 - comb(n - int(c), j) / comb(n, j) for c in correct.tolist()])
+        j *= 2
+    return summary
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(sum(values) / len(values)) if values else 0.0

@@ -1,0 +1,79 @@
+"""What a run leaves behind and prints: config.json, metrics.jsonl, a line per step, summary.json,
+the final model. Only the main process writes; every method is safe to call on all processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from oar.checkpoint import write_json_atomic
+
+
+class RunLog:
+    def __init__(self, accelerator, output_dir: str, config: dict, *, resume: bool, total_steps: int, start_step: int = 0):
+        self.acc, self.dir = accelerator, Path(output_dir)
+        self.main = accelerator.is_main_process
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.bar = None
+        if not self.main:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.dir / "config.json", config)
+        if resume and self.metrics_path.exists():  # drop lines logged after the checkpoint we resume from
+            lines = [ln for ln in self.metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start_step]
+            self.metrics_path.write_text("".join(ln + "\n" for ln in lines))
+        elif not resume:
+            self.metrics_path.write_text("")
+        if accelerator.log_with:
+            accelerator.init_trackers("oar", config={k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))})
+        if sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def say(self, message: str) -> None:
+        if not self.main:
+            return
+        if self.bar:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def step(self, step: int, metrics: dict) -> None:
+        """Append one line to metrics.jsonl, print a readable line, forward to trackers."""
+        if self.acc.log_with:
+            self.acc.log(metrics, step=step)
+        if not self.main:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        line = (f"step {step:4d} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/length']:5.1f}"
+                f" | H {metrics['policy/entropy']:.2f} | clip {metrics['loss/clip_frac']:.3f}"
+                f" | ess {metrics['oar/ess_ratio']:.2f} | |g| {metrics['optim/grad_norm']:.2f} | {metrics['time/step_s']:.1f}s")
+        if "eval/accuracy" in metrics:
+            line += f" | held-out {metrics['eval/accuracy']:.3f}"
+        self.say(line)
+        if self.bar:
+            self.bar.update(1)
+
+    def records(self, name: str, rows: list[dict]) -> None:
+        if self.main:
+            tmp = self.dir / (name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(self.dir / name)
+
+    def finish(self, summary: dict, model, tokenizer) -> None:
+        """Save the final model (safetensors, loadable with from_pretrained) and summary.json."""
+        self.acc.wait_for_everyone()
+        if self.main:
+            if self.bar:
+                self.bar.close()
+            final = self.dir / "final"
+            model.save_pretrained(final, safe_serialization=True)
+            tokenizer.save_pretrained(final)
+            write_json_atomic(self.dir / "summary.json", summary)
+            self.say("summary: " + json.dumps(summary))
+        if self.acc.log_with:
+            self.acc.end_training()
+        self.acc.wait_for_everyone()

@@ -1,0 +1,246 @@
+"""Rollouts: batched sampling with a KV cache, and the masks OAR needs (SPEC §2).
+
+Legend: P prompts, G rollouts per prompt (contiguous: rows i*G .. i*G+G-1 share prompt i),
+B = P*G rollouts, Lp padded prompt width, T completion width, L = Lp + T, V vocabulary.
+
+Layout of every sequence: [left padding | prompt | completion | right padding], so the completion
+starts at column Lp in every row. The completion is the generated tokens up to and including the
+EOS that ends it (EOS is inside `completion_mask`: stopping earns credit); a rollout that hits
+`max_new_tokens` without EOS is `truncated`. The completion text is split with
+`rewards.find_answer` into reasoning (before the final-answer marker) and answer (the extracted
+answer's characters) and mapped back to tokens:
+  reasoning_mask  tokens that end before the marker starts
+  answer_mask     tokens that overlap the answer's character span
+Both are empty for a rollout with no final answer (it gets plain GRPO weights).
+
+Why a sampling loop of our own rather than `generate`: each rollout draws its randomness from its
+own seeded generator (one uniform per token, inverse-CDF sampling), so a rollout is the same
+whatever batch or process it lands in — one process and eight give the same rollouts, and a resumed
+run replays the interrupted one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oar.models import position_ids
+from oar.rewards import find_answer
+
+
+@dataclass
+class Rollout:
+    input_ids: torch.Tensor  # (B, L) long
+    attention_mask: torch.Tensor  # (B, L) long
+    completion_mask: torch.Tensor  # (B, L) bool: generated tokens through EOS
+    reasoning_mask: torch.Tensor  # (B, L) bool
+    answer_mask: torch.Tensor  # (B, L) bool
+    truncated: torch.Tensor  # (B,) bool: no EOS within max_new_tokens
+    texts: list[str]  # completion texts, special tokens removed
+    prompt_width: int  # Lp: completions start at this column
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: slice) -> "Rollout":
+        """The rollouts `rows` (a micro-batch), same layout."""
+        return Rollout(
+            self.input_ids[rows], self.attention_mask[rows], self.completion_mask[rows],
+            self.reasoning_mask[rows], self.answer_mask[rows], self.truncated[rows], self.texts[rows],
+            self.prompt_width,
+        )
+
+
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def resolve_instruction(instruction: str, dataset: str) -> str:
+    """The text appended to each problem: `instruction` as given, or for 'auto' nothing on the built-in
+    arith task (tiny-arith knows its format) and the usual \\boxed{} request elsewhere."""
+    if instruction != "auto":
+        return instruction
+    return "" if dataset == "arith" else BOXED_INSTRUCTION
+
+
+def format_prompt(tokenizer, problem: str, instruction: str = "") -> str:
+    """The prompt text: the tokenizer's chat template when it has one, the plain problem otherwise."""
+    content = f"{problem}\n{instruction}".strip() if instruction else problem
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    return content + "\n"
+
+
+def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and attention mask, (N, Lp). A chat-templated prompt already holds its
+    special tokens, so none are added a second time."""
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    encoded = [tokenizer(p, add_special_tokens=not templated)["input_ids"] for p in prompts]
+    width = max(len(e) for e in encoded)
+    ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e):] = torch.tensor(e, dtype=torch.long)
+        mask[i, width - len(e):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def sample(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    group_size: int,
+    seeds: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> Rollout:
+    """G rollouts for each of P prompt texts. `seeds` has one seed per rollout (B = P*G); with
+    temperature 0 decoding is greedy and the seeds are unused."""
+    assert len(seeds) == len(prompts) * group_size, (len(seeds), len(prompts), group_size)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Lp), groups contiguous
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    stop = stop_token_ids(model, tokenizer)
+    completion = generate(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds)
+    return build_rollout(tokenizer, prompt_ids, prompt_mask, completion, stop)
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds):
+    """Autoregressive sampling with a KV cache. (B, Lp) prompts -> (B, T) completion ids, padded with
+    `pad_token_id` after each row's EOS; T <= max_new_tokens."""
+    from transformers import DynamicCache
+
+    b = prompt_ids.shape[0]
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    eos = torch.tensor(sorted(eos_token_ids), device=prompt_ids.device)
+    mask = prompt_mask
+    pos = position_ids(mask)
+    cache = DynamicCache()
+    logits = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    next_pos = pos[:, -1:] + 1
+    done = torch.zeros(b, dtype=torch.bool, device=prompt_ids.device)
+    tokens = []
+    for _ in range(max_new_tokens):
+        u = torch.stack([torch.rand((), generator=g) for g in generators]).to(logits.device)
+        token = _pick(logits.float(), temperature, top_p, u).masked_fill(done, pad_token_id)
+        tokens.append(token)
+        done = done | torch.isin(token, eos)
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache,
+                       use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
+    return torch.stack(tokens, dim=1)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling with the row's uniform u (B,); greedy at temperature 0.
+    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    probs, order = probs.sort(dim=-1, descending=True)
+    if top_p < 1.0:
+        probs = probs * ((probs.cumsum(-1) - probs) < top_p)  # the most likely token is always kept
+    cdf = probs.cumsum(-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).clamp(max=cdf.shape[-1] - 1)
+    return order.gather(-1, choice).squeeze(-1)
+
+
+def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids) -> Rollout:
+    """Assemble the (B, L) layout and the masks from prompts (B, Lp) and completions (B, T)."""
+    b, width = prompt_ids.shape
+    eos = torch.tensor(sorted(eos_token_ids), device=completion.device)
+    is_eos = torch.isin(completion, eos)
+    first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(is_eos[:, 0], completion.shape[1], dtype=torch.long))
+    cols = torch.arange(completion.shape[1], device=completion.device)
+    gen_mask = cols[None] <= first_eos[:, None]  # through EOS (or everything, when truncated)
+    truncated = ~is_eos.any(1)
+
+    reasoning = torch.zeros_like(gen_mask)
+    answer = torch.zeros_like(gen_mask)
+    texts = []
+    for i in range(b):
+        content = completion[i, : int(first_eos[i])].tolist()  # tokens before EOS
+        text, offsets = _char_offsets(tokenizer, content)
+        texts.append(text)
+        span = find_answer(text)
+        if span is None:
+            continue
+        for t, (start, end) in enumerate(offsets):
+            reasoning[i, t] = end <= span.marker_start and end > start
+            answer[i, t] = start < span.end and end > span.start
+
+    pad = lambda m: torch.cat([torch.zeros_like(prompt_mask, dtype=torch.bool), m], dim=1)
+    return Rollout(
+        input_ids=torch.cat([prompt_ids, completion.masked_fill(~gen_mask, tokenizer.pad_token_id)], dim=1),
+        attention_mask=torch.cat([prompt_mask, gen_mask.long()], dim=1),
+        completion_mask=pad(gen_mask),
+        reasoning_mask=pad(reasoning),
+        answer_mask=pad(answer),
+        truncated=truncated,
+        texts=texts,
+        prompt_width=width,
+    )
+
+
+def _char_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Decoded text and each token's (start, end) character span in it. Decoding token by token is
+    exact for most tokenizers; where it is not (SentencePiece spaces, a character split across
+    byte-level tokens) the spans come from decoding growing prefixes instead."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+    if "".join(pieces) == text:
+        ends = torch.tensor([len(p) for p in pieces], dtype=torch.long).cumsum(0).tolist()
+    else:
+        ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    starts = [0] + ends[:-1]
+    return text, list(zip(starts, ends))
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """Tokens that end a completion: the tokenizer's EOS and the model's generation-config EOS ids
+    (chat models often stop on an end-of-turn token that is not the tokenizer's EOS)."""
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(config_eos) if isinstance(config_eos, (list, tuple)) else {config_eos}
+    return {int(i) for i in ids if i is not None}
+
+
+def with_reference_answer(rollout: Rollout, tokenizer, golds: list[str], template: str):
+    """`outcome_source=reference` (the authors' code): keep each rollout's prompt and reasoning where
+    they are, replace what follows by `template` filled with the gold answer, and mark the gold
+    answer's tokens. Returns (input_ids, attention_mask, reasoning_mask, answer_mask), each (B, L');
+    reasoning positions are the rollout's own, so scores on them map back one to one."""
+    rows = []
+    for i, gold in enumerate(golds):
+        text = template.format(answer=gold)
+        start = template.index("{answer}")  # the gold answer's characters are text[start : start + len(gold)]
+        prefix = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
+        answer = tokenizer(gold, add_special_tokens=False)["input_ids"]
+        suffix = tokenizer(text[start + len(gold):], add_special_tokens=False)["input_ids"]
+        reasoning = rollout.reasoning_mask[i].nonzero().flatten()
+        cut = int(reasoning[-1]) + 1 if reasoning.numel() else rollout.prompt_width
+        rows.append((rollout.input_ids[i, :cut].tolist(), rollout.attention_mask[i, :cut].tolist(), prefix, answer, suffix))
+    width = max(len(ids) + len(p) + len(a) + len(s) for ids, _, p, a, s in rows)
+    device = rollout.input_ids.device
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    answer_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    reasoning_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    keep = min(width, rollout.reasoning_mask.shape[1])
+    reasoning_mask[:, :keep] = rollout.reasoning_mask[:, :keep].cpu()
+    for i, (ids, att, p, a, s) in enumerate(rows):
+        seq = ids + p + a + s
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = torch.tensor(att + [1] * (len(p) + len(a) + len(s)))
+        answer_mask[i, len(ids) + len(p) : len(ids) + len(p) + len(a)] = True
+    return input_ids.to(device), attention.to(device), reasoning_mask.to(device), answer_mask.to(device)

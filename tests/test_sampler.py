@@ -1,0 +1,97 @@
+"""Sampler: the (B, L) layout and the masks on hand-made completions; sampling determinism."""
+
+import pytest
+import torch
+
+from oar.sampler import build_rollout, encode_prompts, format_prompt, sample, with_reference_answer
+from oar.tiny_arith import make_tokenizer
+
+from conftest import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()  # one token per character: masks can be checked character by character
+
+
+def _rollout(tok, prompts, completions, budget):
+    ids, mask = encode_prompts(tok, prompts, "cpu")
+    rows = []
+    for c in completions:
+        t = tok(c, add_special_tokens=False)["input_ids"]
+        if not c.endswith("…"):  # "…" marks a completion cut by the budget: no EOS
+            t = t + [tok.eos_token_id]
+        else:
+            t = tok(c[:-1], add_special_tokens=False)["input_ids"]
+        rows.append(t + [tok.pad_token_id] * (budget - len(t)))
+    return build_rollout(tok, ids, mask, torch.tensor(rows), {tok.eos_token_id})
+
+
+def test_masks_on_a_hand_made_completion(tok):
+    prompts = ["Q: Compute 1 + 2.\nA:\n", "Q: 7\nA:\n"]
+    completions = ["1 + 2 = 3\n#### 3", "12 * 3 = 36\n#### 36"]
+    ro = _rollout(tok, prompts, completions, budget=24)
+    lp = ro.prompt_width
+    assert lp == len(prompts[0]) and (ro.attention_mask[1, : lp - len(prompts[1])] == 0).all()  # left padding
+    for i, c in enumerate(completions):
+        comp = ro.completion_mask[i].nonzero().flatten()
+        # Completion = its characters + EOS, starting at Lp; nothing after EOS.
+        assert comp.tolist() == list(range(lp, lp + len(c) + 1))
+        assert ro.input_ids[i, lp + len(c)] == tok.eos_token_id
+        assert (ro.attention_mask[i, lp + len(c) + 1 :] == 0).all()
+        marker = c.index("####")
+        reasoning = ro.reasoning_mask[i].nonzero().flatten() - lp
+        assert reasoning.tolist() == list(range(marker))  # every character before the marker
+        answer = ro.answer_mask[i].nonzero().flatten() - lp
+        assert "".join(c[k] for k in answer.tolist()) == c.split("#### ")[1]
+    assert ro.texts == completions and not ro.truncated.any()
+
+
+def test_truncated_and_answerless_rollouts(tok):
+    ro = _rollout(tok, ["Q: 1\nA:\n"] * 2, ["1 + 1 = 2\n#### 2…", "no marker here"], budget=16)
+    assert ro.truncated.tolist() == [True, False]
+    # A truncated rollout keeps all its tokens in the completion (it has no EOS to include).
+    assert int(ro.completion_mask[0].sum()) == 16
+    # No final answer: no reasoning/answer span, so OAR leaves it with GRPO's weights.
+    assert not ro.reasoning_mask[1].any() and not ro.answer_mask[1].any()
+
+
+def test_reference_outcome_keeps_reasoning_positions(tok):
+    ro = _rollout(tok, ["Q: 5\nA:\n"], ["2 + 2 = 5\n#### 5"], budget=20)
+    ids, attn, reas, ans = with_reference_answer(ro, tok, ["4"], "#### {answer}")
+    assert torch.equal(reas[0, : ro.reasoning_mask.shape[1]].nonzero(), ro.reasoning_mask[0, : ids.shape[1]].nonzero())
+    text = tok.decode(ids[0][attn[0].bool()])
+    assert text.endswith("2 + 2 = 5\n#### 4")
+    assert tok.decode(ids[0][ans[0]]) == "4"
+
+
+def test_format_prompt_uses_chat_template_when_present(tok):
+    assert format_prompt(tok, "Compute 1 + 2.") == "Q: Compute 1 + 2.\nA:\n"
+    plain = make_tokenizer()
+    plain.chat_template = None
+    assert format_prompt(plain, "Compute 1 + 2.", "Think.") == "Compute 1 + 2.\nThink.\n"
+
+
+def test_greedy_sampling_matches_hf_generate(tok):
+    model = tiny_llama(vocab_size=len(tok), seed=1)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    prompts = ["Q: Compute 12 + 7.\nA:\n", "Q: 3\nA:\n"]
+    ro = sample(model, tok, prompts, group_size=1, seeds=[0, 1], max_new_tokens=12, temperature=0.0)
+    ids, mask = encode_prompts(tok, prompts, "cpu")
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    for i in range(2):
+        got = ro.input_ids[i, ro.completion_mask[i]].tolist()
+        want = ref[i, ids.shape[1]:].tolist()
+        assert got == want[: len(got)]
+
+
+def test_a_rollout_does_not_depend_on_its_batch(tok):
+    model = tiny_llama(vocab_size=len(tok), seed=2)
+    a, b = "Q: Compute 1 + 2 + 3.\nA:\n", "Q: 9\nA:\n"
+    both = sample(model, tok, [a, b], group_size=2, seeds=[10, 11, 12, 13], max_new_tokens=10)
+    alone = sample(model, tok, [b], group_size=2, seeds=[12, 13], max_new_tokens=10)
+    assert both.texts[2:] == alone.texts
+    again = sample(model, tok, [a, b], group_size=2, seeds=[10, 11, 12, 13], max_new_tokens=10)
+    assert again.texts == both.texts
+    assert len(set(both.texts[:2] + both.texts[2:])) > 1  # the seeds do make rollouts differ

@@ -1,0 +1,356 @@
+"""Train a policy on maths problems with GRPO, OAR-G or OAR-P (arXiv 2601.07408).
+
+    accelerate launch train.py                                # tiny-arith on arith, OAR-G, CPU-friendly
+    accelerate launch --num_processes 8 train.py --model Qwen/Qwen2.5-Math-1.5B \
+        --dataset ../shared/data/gsm8k/train.jsonl --eval_dataset ../shared/data/gsm8k/test.jsonl --method oar-g
+
+One step, in the order of the paper:
+  1. rollout     G samples for each of this process's prompts (a prompt's group stays on one process)
+  2. reward      1 if the extracted final answer matches the gold answer
+  3. advantage   group-relative A_i (SPEC §1)
+  4. update      per micro-batch: forward -> log-probs; OAR scores -> bi-level weights w_it (SPEC §3-5);
+                 loss with token advantages A_i w_it; backward. GRPO is the same path with w = 1.
+  5. step        clip the gradient norm, optimizer and LR-schedule step
+  6. log / eval / checkpoint
+
+Departures from the paper and the authors' code (each also stated where it lives):
+  * OAR-G takes its clean probe from the update's own forward pass (no extra forward), and its noise
+    for rollout i comes from rollout i's own seed, so scores do not depend on micro-batching.
+  * Sampling is our own KV-cache loop with a seeded generator per rollout (oar/sampler.py), so the
+    rollouts of a step are identical for any number of processes and after a resume.
+  * One policy update per batch of rollouts, so pi_old = pi_theta.detach() (ratio 1 in value).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from oar import checkpoint as ckpt
+from oar.data import DataError, load_problems
+from oar.evaluation import evaluate
+from oar.launch import make_accelerator
+from oar.gating import bilevel_weights, weight_stats
+from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
+from oar.models import ModelError, forward_logits, load_model, resolve_model
+from oar.oar_grad import gradient_scores
+from oar.oar_perturb import perturbation_scores
+from oar.probes import PROBES, outcome_from_logits
+from oar.rewards import reward
+from oar.runlog import RunLog
+from oar.sampler import format_prompt, resolve_instruction, sample, with_reference_answer
+
+METHODS = ("grpo", "oar-g", "oar-p")
+
+
+@dataclass
+class Config:
+    """Every setting of a run; saved as config.json in the output directory."""
+
+    # -- what to train
+    model: str = field(default="tiny-arith", metadata={"help": "Hub id, local folder, .gguf file, or 'tiny-arith' (built on first use)."})
+    dataset: str = field(default="arith", metadata={"help": "'arith', a .jsonl file (problem, answer), or a `datasets` name."})
+    eval_dataset: str = field(default="", metadata={"help": "Held-out problems; default: arith's test split for arith, none otherwise."})
+    method: str = field(default="oar-g", metadata={"help": "grpo | oar-g | oar-p."})
+    output_dir: str = field(default="runs/default", metadata={"help": "Checkpoints, metrics.jsonl, summary.json, final model."})
+    resume: bool = field(default=False, metadata={"help": "Resume from the newest complete checkpoint in output_dir."})
+    seed: int = field(default=0, metadata={"help": "Seeds data order, sampling and OAR-G noise."})
+    instruction: str = field(default="auto", metadata={"help": "Appended to each problem; 'auto': none for arith, a \\boxed{} request otherwise."})
+    train_size: int = field(default=10_000, metadata={"help": "Problems drawn from an arith/HF set (files: all rows)."})
+    dtype: str = field(default="float32", metadata={"help": "Weights dtype when loading (mixed precision comes from the accelerate config)."})
+    # -- rollouts
+    steps: int = field(default=120, metadata={"help": "Optimizer steps (one batch of rollouts each)."})
+    prompts_per_step: int = field(default=32, metadata={"help": "P: prompts per step, over all processes."})
+    group_size: int = field(default=8, metadata={"help": "G: rollouts per prompt (>= 2)."})
+    max_new_tokens: int = field(default=64, metadata={"help": "Completion budget; longer completions are truncated."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of rollouts."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass of rollouts."})
+    # -- GRPO loss
+    learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (1e-6 suits 1.5B models)."})
+    warmup_steps: int = field(default=5, metadata={"help": "Linear LR warm-up steps."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient-norm clip."})
+    micro_batch_size: int = field(default=64, metadata={"help": "Rollouts per forward/backward; accumulation covers the rest."})
+    clip_low: float = field(default=0.2, metadata={"help": "PPO clip epsilon below 1."})
+    clip_high: float = field(default=0.2, metadata={"help": "PPO clip epsilon above 1 (0.28 for DAPO's clip-higher)."})
+    kl_beta: float = field(default=0.0, metadata={"help": "k3 KL penalty to the initial model; > 0 loads a reference copy."})
+    aggregation: str = field(default="seq_mean", metadata={"help": "seq_mean (mean of per-sequence means) | token_mean (global token mean)."})
+    advantage_scale: str = field(default="group", metadata={"help": "Advantage divisor: group | batch | none."})
+    mask_truncated: bool = field(default=False, metadata={"help": "Give truncated completions no loss."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
+    # -- OAR
+    probe: str = field(default="answer_mean", metadata={"help": "Outcome probe: last | answer_mean | answer_joint."})
+    probe_warmup: int = field(default=0, metadata={"help": "Use the 'last' probe for the first N steps, then --probe (paper)."})
+    outcome_source: str = field(default="rollout", metadata={"help": "rollout: the rollout's own answer; reference: the gold answer appended after the reasoning."})
+    reference_template: str = field(default="#### {answer}", metadata={"help": "Conclusion appended for outcome_source=reference."})
+    gate_quantile: float = field(default=0.4, metadata={"help": "q: scores below the q-quantile are suppressed (authors' code: 0.25)."})
+    gate_boost: float = field(default=2.0, metadata={"help": "beta: boost of scores above the quantile (authors' code: 1.0)."})
+    gate_floor: float = field(default=0.1, metadata={"help": "Smallest weight of a suppressed token (1.0 = boost only)."})
+    preserve_mass: bool = field(default=True, metadata={"help": "Rescale weights so each rollout's advantage mass equals GRPO's."})
+    noise_std: float = field(default=1e-3, metadata={"help": "OAR-G: std of the embedding noise."})
+    perturb_span: int = field(default=1, metadata={"help": "OAR-P: tokens masked together (1 = exact; >1 approximate)."})
+    perturb_chunk_tokens: int = field(default=8192, metadata={"help": "OAR-P: recomputed tokens per batch of masked copies (memory bound)."})
+    # -- logging, evaluation, checkpoints
+    eval_every: int = field(default=40, metadata={"help": "Held-out evaluation every N steps (0: only before and after)."})
+    eval_size: int = field(default=500, metadata={"help": "Held-out problems per evaluation."})
+    eval_batch_size: int = field(default=256, metadata={"help": "Sequences per generation batch during evaluation."})
+    save_every: int = field(default=40, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
+    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept."})
+    log_with: str = field(default="", metadata={"help": "Also log to accelerate trackers: tensorboard, wandb, ... (comma-separated)."})
+    max_bad_steps: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row (each is skipped)."})
+
+
+def check_config(cfg: Config, num_processes: int) -> None:
+    """Every impossible setting, named with its fix, before anything expensive happens."""
+    problems = []
+    need = lambda ok, msg: ok or problems.append(msg)
+    need(cfg.method in METHODS, f"--method {cfg.method}: choose one of {', '.join(METHODS)}.")
+    need(cfg.probe in PROBES, f"--probe {cfg.probe}: choose one of {', '.join(PROBES)}.")
+    need(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO needs >= 2 rollouts per prompt for a baseline.")
+    need(cfg.prompts_per_step % num_processes == 0,
+         f"--prompts_per_step {cfg.prompts_per_step} does not divide over {num_processes} processes; use a multiple of {num_processes}.")
+    local = cfg.prompts_per_step // num_processes * cfg.group_size
+    need(cfg.micro_batch_size >= 1 and local % cfg.micro_batch_size == 0,
+         f"--micro_batch_size {cfg.micro_batch_size} must divide the {local} rollouts each process holds "
+         f"(prompts_per_step / processes x group_size).")
+    need(0.0 < cfg.gate_quantile < 1.0, f"--gate_quantile {cfg.gate_quantile}: must lie strictly between 0 and 1.")
+    need(cfg.gate_boost >= 0 and cfg.gate_floor >= 0, "--gate_boost and --gate_floor must be >= 0.")
+    need(cfg.noise_std >= 0, f"--noise_std {cfg.noise_std}: must be >= 0.")
+    need(cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts need sampling (> 0).")
+    need(0 < cfg.top_p <= 1, f"--top_p {cfg.top_p}: must lie in (0, 1].")
+    need(cfg.aggregation in ("seq_mean", "token_mean"), f"--aggregation {cfg.aggregation}: seq_mean or token_mean.")
+    need(cfg.advantage_scale in ("group", "batch", "none"), f"--advantage_scale {cfg.advantage_scale}: group, batch or none.")
+    need(cfg.outcome_source in ("rollout", "reference"), f"--outcome_source {cfg.outcome_source}: rollout or reference.")
+    need("{answer}" in cfg.reference_template, "--reference_template must contain {answer}.")
+    need(cfg.steps >= 1 and cfg.max_new_tokens >= 1 and cfg.prompts_per_step >= 1, "--steps, --max_new_tokens and --prompts_per_step must be >= 1.")
+    need(cfg.perturb_span >= 1, "--perturb_span must be >= 1.")
+    need(cfg.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1.")
+    need(hasattr(torch, cfg.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def prompt_order(step: int, local: int, rank: int, n_problems: int, prompts_per_step: int, seed: int) -> list[int]:
+    """Indices of this process's prompts at `step`: epochs of seeded permutations, a function of the
+    step alone (so a resumed run sees the same data), the global batch split in contiguous slices."""
+    first = step * prompts_per_step + rank * local
+    out = []
+    for k in range(first, first + local):
+        epoch, i = divmod(k, n_problems)
+        out.append(int(np.random.default_rng([seed, epoch]).permutation(n_problems)[i]))
+    return out
+
+
+def rollout_seeds(seed: int, step: int, global_prompts: list[int], group_size: int) -> list[int]:
+    """One seed per rollout, from (run seed, step, global prompt slot, sample): independent of
+    which process or micro-batch the rollout lands in."""
+    return [(seed * 1_000_003 + step) * 10_007 * group_size + p * group_size + g for p in global_prompts for g in range(group_size)]
+
+
+def token_weights(cfg, model, mb, probe, clean, seeds, golds, tokenizer):
+    """Step 4's OAR part for one micro-batch: weights (b, L), all ones for GRPO, and the seconds the
+    scoring took. `clean`: the clean outcome from the update's forward (OAR-G, rollout source)."""
+    if cfg.method == "grpo":
+        return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0.0
+    start = time.perf_counter()
+    ids, attn, reas, ans = mb.input_ids, mb.attention_mask, mb.reasoning_mask, mb.answer_mask
+    if cfg.outcome_source == "reference":  # score against the gold answer appended after the reasoning
+        ids, attn, reas, ans = with_reference_answer(mb, tokenizer, golds, cfg.reference_template)
+        clean = None
+    if cfg.method == "oar-g":
+        h = model.config.hidden_size
+        noise = torch.zeros(*ids.shape, h)
+        for i, seed in enumerate(seeds):  # rollout i's noise comes from its own seed: batching-independent
+            noise[i, reas[i].cpu()] = torch.randn(int(reas[i].sum()), h, generator=torch.Generator().manual_seed(seed + 7919))
+        scores = gradient_scores(model, ids, attn, reas, ans, probe=probe, noise_std=cfg.noise_std,
+                                 noise=noise.to(ids.device), clean=clean)
+    else:
+        scores = perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=tokenizer.pad_token_id,
+                                     max_chunk_tokens=cfg.perturb_chunk_tokens, span=cfg.perturb_span)
+    width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
+    full = torch.zeros(mb.input_ids.shape, device=scores.device)
+    full[:, :width] = scores[:, :width]
+    weights = bilevel_weights(full, mb.reasoning_mask, quantile=cfg.gate_quantile, boost=cfg.gate_boost,
+                              floor=cfg.gate_floor, preserve_mass=cfg.preserve_mass)
+    return weights, time.perf_counter() - start
+
+
+def main(cfg: Config) -> dict:
+    from accelerate.utils import set_seed
+
+    accelerator = make_accelerator(log_with=[t for t in cfg.log_with.split(",") if t] or None)
+    n_proc, rank = accelerator.num_processes, accelerator.process_index
+    local_prompts = cfg.prompts_per_step // n_proc
+    try:  # every cheap check first: nothing is loaded or written when one fails
+        check_config(cfg, n_proc)
+        resolve_model(cfg.model)
+        train_set = load_problems(cfg.dataset, split="train", limit=cfg.train_size if cfg.dataset == "arith" else None, seed=cfg.seed)
+        eval_name = cfg.eval_dataset or ("arith" if cfg.dataset == "arith" else "")
+        eval_set = load_problems(eval_name, split="test", limit=cfg.eval_size) if eval_name else []
+        resume_from = ckpt.latest_checkpoint(cfg.output_dir)
+        if cfg.resume and resume_from is None:
+            raise ValueError(f"--resume: no complete checkpoint in {cfg.output_dir}; drop --resume to start afresh.")
+        if not cfg.resume and resume_from is not None:
+            raise ValueError(f"--output_dir {cfg.output_dir} holds checkpoints of an earlier run: pass --resume to "
+                             f"continue it, or choose another --output_dir.")
+    except (ValueError, DataError, ModelError) as err:
+        raise SystemExit(f"train.py: error: {err}") from None
+    instruction = resolve_instruction(cfg.instruction, cfg.dataset)
+    set_seed(cfg.seed)
+
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = load_model(cfg.model, dtype=cfg.dtype)[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    n_micro = local_prompts * cfg.group_size // cfg.micro_batch_size
+    accelerator.gradient_accumulation_steps = n_micro
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(schedule)  # stepped once per RL step, on every process
+    if ref_model is not None:
+        ref_model = ref_model.to(accelerator.device)
+    policy = accelerator.unwrap_model(model)
+
+    start_step, history = 0, {"step_seconds": [], "bad_steps": 0}
+    if cfg.resume:
+        state = ckpt.load_checkpoint(accelerator, resume_from)
+        start_step, history = state["step"], state["history"]
+    log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step)
+    if cfg.resume:
+        log.say(f"resumed from {resume_from} (step {start_step})")
+    eval_kw = dict(accelerator=accelerator, instruction=instruction, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens)
+    if eval_set and "eval_before" not in history:
+        history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
+        log.say(f"held-out accuracy before training: {history['eval_before']:.3f} on {len(eval_set)} problems")
+
+    bad_in_a_row = 0
+    for step in range(start_step, cfg.steps):
+        t0 = time.perf_counter()
+        # 1. rollout: this process's slice of the step's prompts, G samples each
+        slots = [step * cfg.prompts_per_step + rank * local_prompts + k for k in range(local_prompts)]
+        idx = prompt_order(step, local_prompts, rank, len(train_set), cfg.prompts_per_step, cfg.seed)
+        seeds = rollout_seeds(cfg.seed, step, slots, cfg.group_size)
+        prompts = [format_prompt(tokenizer, train_set[i].problem, instruction) for i in idx]
+        golds = [train_set[i].answer for i in idx for _ in range(cfg.group_size)]
+        ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
+                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+        t_rollout = time.perf_counter() - t0
+
+        # 2. reward
+        rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)], device=accelerator.device)
+
+        # 3. group-relative advantage (a prompt's group is on this process: no gather needed)
+        advantages = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)  # (B,)
+
+        # 4. update, micro-batch by micro-batch. Only completion columns (from Lp) are scored:
+        # logits at Lp-1 .. L-1 predict completion tokens Lp .. L. The normalizer is global (every
+        # micro-batch and process), and the loss is scaled by n_micro x n_proc because accelerate
+        # divides it by the accumulation steps and DDP averages over processes.
+        lp = ro.prompt_width
+        completion = ro.completion_mask & ~ro.truncated[:, None] if cfg.mask_truncated else ro.completion_mask
+        n_seq = accelerator.reduce(completion.any(1).sum().float(), "sum")
+        n_tok = accelerator.reduce(completion.sum().float(), "sum")
+        probe = "last" if step < cfg.probe_warmup else cfg.probe
+        model.train()
+        stats, w_all, oar_seconds = [], [], 0.0
+        for m in range(n_micro):
+            rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
+            mb = ro.select(rows)
+            with accelerator.accumulate(model):
+                logits = forward_logits(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1)
+                labels = mb.input_ids[:, lp:]  # (b, T)
+                logprobs = token_logprobs(logits[:, :-1], labels)  # (b, T)
+                clean = None
+                if cfg.method == "oar-g" and cfg.outcome_source == "rollout":  # OAR-G's clean probe, for free
+                    clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe)
+                weights, secs = token_weights(cfg, policy, mb, probe, clean, seeds[rows], golds[rows], tokenizer)
+                oar_seconds += secs
+                token_adv = advantages[rows, None] * weights[:, lp:]  # (b, T): A_it = A_i w_it
+                ref = None
+                if ref_model is not None:
+                    with torch.no_grad():
+                        ref_logits = forward_logits(ref_model, mb.input_ids, mb.attention_mask, logits_to_keep=labels.shape[1] + 1)
+                        ref = token_logprobs(ref_logits[:, :-1], labels)
+                loss, s = policy_loss(logprobs, logprobs.detach(), token_adv, completion[rows, lp:], clip_low=cfg.clip_low,
+                                      clip_high=cfg.clip_high, kl_beta=cfg.kl_beta, ref_logprobs=ref, aggregation=cfg.aggregation,
+                                      num_sequences=n_seq, num_tokens=n_tok)
+                accelerator.backward(loss * n_micro * n_proc)
+                valid = completion[rows, lp:]
+                s["entropy"] = float((token_entropy(logits[:, :-1].detach()) * valid).sum() / valid.sum().clamp(min=1))
+                stats.append(s)
+                w_all.append(weights)
+
+        # 5. step, unless the gradient is not finite (a NaN loss or logit anywhere): the norm is the
+        # same on every process after DDP's all-reduce, so all of them skip together.
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        if torch.isfinite(grad_norm):
+            optimizer.step()
+            bad_in_a_row = 0
+        else:
+            bad_in_a_row += 1
+            history["bad_steps"] += 1
+            log.say(f"warning: step {step + 1}: non-finite gradient norm, update skipped ({history['bad_steps']} so far)")
+            if bad_in_a_row >= cfg.max_bad_steps:
+                raise SystemExit(f"train.py: error: {bad_in_a_row} steps in a row had a non-finite loss or gradient; "
+                                 f"stopping. Lower --learning_rate, check the model's dtype, or resume from the last checkpoint.")
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        history["step_seconds"].append(time.perf_counter() - t0)
+
+        # 6. log, evaluate, checkpoint
+        metrics = step_metrics(ro, rewards, cfg.group_size, stats, torch.cat(w_all), grad_norm, schedule)
+        metrics |= {"time/step_s": history["step_seconds"][-1], "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro)}
+        values = accelerator.reduce(torch.tensor(list(metrics.values()), device=accelerator.device), "mean")
+        metrics = dict(zip(metrics, values.tolist()))
+        if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
+        log.step(step + 1, metrics)
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, {"history": history}, cfg.keep_checkpoints)
+
+    summary = {"method": cfg.method, "model": cfg.model, "steps": cfg.steps, "processes": n_proc,
+               "seconds_per_step": float(np.median(history["step_seconds"])) if history["step_seconds"] else None,
+               "skipped_steps": history["bad_steps"]}
+    if eval_set:
+        records, final = evaluate(policy, tokenizer, eval_set, **eval_kw)
+        summary |= {"eval_problems": len(eval_set), "accuracy_before": history.get("eval_before"), "accuracy_after": final["accuracy"]}
+        log.records("eval_final.jsonl", records)
+    log.finish(summary, policy, tokenizer)
+    return summary
+
+
+def step_metrics(ro, rewards, group_size, stats, weights, grad_norm, schedule) -> dict:
+    """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes)."""
+    mean = lambda key: float(np.mean([s[key] for s in stats]))
+    grouped = rewards.view(-1, group_size)
+    lengths = ro.completion_mask.sum(1).float()
+    has_answer = ro.answer_mask.any(1)
+    m = {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "reward/frac_zero_std_groups": float((grouped.std(1) == 0).float().mean()),
+        "completion/length": float(lengths.mean()), "completion/frac_truncated": float(ro.truncated.float().mean()),
+        "loss/clip_frac": mean("clip_frac"), "loss/approx_kl": mean("approx_kl"), "policy/entropy": mean("entropy"),
+        "optim/grad_norm": float(grad_norm), "optim/lr": schedule.get_last_lr()[0],
+        "oar/frac_no_answer": float((~has_answer).float().mean()),
+    }
+    if "kl_ref" in stats[0]:
+        m["loss/kl_ref"] = mean("kl_ref")
+    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask).items()}
+    return m
+
+
+def parse_args(argv=None) -> Config:
+    from transformers import HfArgumentParser
+
+    (cfg,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    return cfg
+
+
+if __name__ == "__main__":
+    main(parse_args(sys.argv[1:]))
