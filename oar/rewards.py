@@ -1,0 +1,299 @@
+r"""Answer extraction and checking: the outcome reward r_i, and the answer span A_i the probes read.
+
+`find_answer` gives the final answer of a completion and its character span; SPEC's reasoning span
+R_i is `text[:marker_start]`. Markers: the last `\boxed{..}` / `\fbox{..}` (nested braces matched,
+`\{ \}` skipped; also `\boxed 5`); the text after the last `####` to the end of its line (GSM8K);
+the text after the last "the (final) answer is" (any case) to the end of its sentence or line.
+For the last two, wrapping `$`, `\(..\)`, `**`, a leading `:` and a trailing `.` are trimmed.
+Which wins: only the last occurrence of each marker counts (an earlier box is a result the model
+went on to revise), and of those the marker that starts LAST wins: the final answer comes last.
+A marker that gives no answer (`\boxed{}`, an unclosed `\boxed{12`, a bare `####`) is ignored, and
+there is no "last number" fallback: no marker, no answer. When the winner sits inside an earlier
+marker's answer ("The answer is $\boxed{5}$"), the answer is the inner `5` but `marker_start` is
+where the OUTER marker starts: "The answer is $" is marker, not reasoning. Scanning is linear.
+
+`answers_match(pred, gold)` stops at the first verdict of:
+1. numbers: if both sides are plain numbers (`1,000`, `0.5`, `\frac{1}{2}`, `-3./2`, `4.5e33`,
+   `4.5\times10^{33}`) once `$`, `\%`, `^\circ`, `\text{}` units and spaces are dropped, they are
+   compared as exact rationals, and that is final (`10\%` matches `10`, not `0.1`);
+2. strings: equal after a light normalisation (no spaces or `\left`, `\dfrac` -> `\frac`,
+   `\text{x}` -> `x`, ...), so identical answers always match, whatever sympy makes of them;
+3. math-verify: equivalence through sympy (`\frac{\sqrt3}{2}`, `2π` for `2\pi`, intervals, tuples,
+   sets, `x=5` for `5`, simple expressions).
+Why math-verify earns its place as a dependency: MATH-style gold answers are LaTeX, and string
+normalisation alone (Hendrycks' `is_equiv`) rejects equivalent forms such as `\sqrt{50}` for
+`5\sqrt{2}` or `\{2,1\}` for `\{1,2\}`; hand-written graders that fix this grow into long tables of
+special cases. math-verify (Hugging Face; the checker of open-r1 and lighteval) parses both sides
+to sympy and compares them numerically and symbolically, so the reward measures being right rather
+than matching the reference's notation. Steps 1-2 keep it off the hot path: plain numbers never
+reach it.
+
+Bounding its time: math-verify's timeouts use `signal.alarm`, which raises outside the main thread
+and, in it, cancels any alarm the caller had set. We turn them off and run parse + verify under one
+deadline of our own (`_deadline`) that works in any thread and leaves signals alone. Like a signal,
+it cannot stop one C call holding the GIL (sympy computing `9^{9^{9}}` exactly), so answers over
+MV_MAX_CHARS and towers, huge powers or factorials (`_may_explode`) skip step 3. Nothing raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import re
+import threading
+from fractions import Fraction
+from typing import NamedTuple
+
+import math_verify
+
+MV_SECONDS = 1.0  # deadline for math-verify's parse + verify of one pair
+MV_MAX_CHARS = 1_000  # longer answers skip math-verify (and stay under Python's int-str limit)
+MAX_NUMBER_CHARS = 1_000  # longer numbers are compared as strings, never converted
+MAX_GROWTH = 10**6  # about the most digits an exact integer may reach before sympy stalls in C
+
+
+class AnswerSpan(NamedTuple):
+    answer: str  # the extracted final answer, stripped
+    start: int  # text[start:end] == answer
+    end: int
+    marker_start: int  # where the final-answer marker begins; the reasoning span is text[:marker_start]
+
+
+# --------------------------------------------------------------------------------------- extraction
+
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_PHRASE = re.compile(r"\bthe\s+(?:final\s+)?answer\s+is\b", re.IGNORECASE)
+_BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.DOTALL)
+_SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
+_SPACES = re.compile(r"\s*")
+_BARE_TOKEN = re.compile(r"[^\s${}]+")
+_DEPTH_STEP = {"{": 1, "}": -1}
+
+
+def _group_end(text: str, open_at: int) -> int | None:
+    """Index just past the `}` that closes the `{` at `open_at`, or None if it never closes."""
+    depth = 0
+    for m in _BRACE_OR_ESCAPE.finditer(text, open_at):  # `\{` is matched whole, so never counted
+        depth += _DEPTH_STEP.get(m.group(), 0)
+        if depth == 0:
+            return m.end()
+    return None
+
+
+def _trim(text: str, start: int, end: int, wrappers: bool) -> tuple[int, int]:
+    r"""Shrink [start, end) past spaces and, if `wrappers`, past `$ * \( \[ :` in front and `$ * \) \] .` behind."""
+    while start < end:  # index tests, not slices, so that a long run of spaces stays linear
+        if text[start].isspace() or (wrappers and text[start] in "$*:"):
+            start += 1
+        elif text[end - 1].isspace() or (wrappers and text[end - 1] in "$*."):
+            end -= 1
+        elif wrappers and text.startswith(("\\(", "\\["), start, end):
+            start += 2
+        elif wrappers and text.endswith(("\\)", "\\]"), start, end):
+            end -= 2
+        else:
+            break
+    return start, end
+
+
+def _last(pattern: re.Pattern, text: str) -> re.Match | None:
+    """The last non-overlapping match of `pattern` in `text`, in one linear pass."""
+    match = None
+    for match in pattern.finditer(text):
+        pass
+    return match
+
+
+def _boxed(text: str) -> tuple[int, int, int, int] | None:
+    """(marker_start, answer_start, answer_end, region_end) of the last box; None if it never closes."""
+    m = _last(_BOX, text)
+    if m is None:
+        return None
+    at = _SPACES.match(text, m.end()).end()
+    if text.startswith("{", at):
+        end = _group_end(text, at)
+        return None if end is None else (m.start(), at + 1, end - 1, end)
+    bare = _BARE_TOKEN.match(text, at)  # `\boxed 5`, as in some MATH solutions (`\boxed5` is not)
+    return (m.start(), at, bare.end(), bare.end()) if bare and at > m.end() else None
+
+
+def _to_line_end(text: str, marker_start: int, after: int, sentence: bool) -> tuple[int, int, int, int]:
+    """(marker_start, answer_start, answer_end, region_end): to the end of the line, or sentence."""
+    stop = _SENTENCE_END.search(text, after) if sentence else None
+    newline = text.find("\n", after)
+    end = stop.start() if stop else (newline if newline >= 0 else len(text))
+    return marker_start, after, end, end
+
+
+def find_answer(text: str) -> AnswerSpan | None:
+    """The final answer of `text` and its span (rules in the module docstring), or None."""
+    if not isinstance(text, str):
+        return None
+    candidates = []  # ((marker_start, answer_start, answer_end, region_end), is_line_marker)
+    if (box := _boxed(text)) is not None:
+        candidates.append((box, False))
+    if (hashes := text.rfind("####")) >= 0:
+        candidates.append((_to_line_end(text, hashes, hashes + 4, sentence=False), True))
+    if (phrase := _last(_PHRASE, text)) is not None:
+        candidates.append((_to_line_end(text, phrase.start(), phrase.end(), sentence=True), True))
+    best = None
+    for (marker, start, end, _), is_line in candidates:
+        start, end = _trim(text, start, end, wrappers=is_line)
+        if is_line and _BOX.search(text, start, end):
+            continue  # "The answer is $\boxed{}$": the box speaks for the phrase, even when empty
+        if start < end and (best is None or marker > best.marker_start):
+            best = AnswerSpan(text[start:end], start, end, marker)
+    if best is None:
+        return None
+    # The winner inside an earlier marker's answer region belongs to that marker: start there.
+    outer = [marker for (marker, start, _, stop), _ in candidates if start <= best.marker_start < stop]
+    return best._replace(marker_start=min(outer, default=best.marker_start))
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer text of `text` (see `find_answer`), or None."""
+    span = find_answer(text)
+    return None if span is None else span.answer
+
+
+# ----------------------------------------------------------------------------------------- checking
+
+_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_SCIENTIFIC = re.compile(rf"(?P<m>{_NUM})(?:(?:[eE]|\\times10\^|\\cdot10\^)\{{?(?P<e>[-+]?\d{{1,4}})\}}?)?")
+_FRACTION = re.compile(
+    rf"(?P<sign>[-+]?)\\frac\{{(?P<n>{_NUM})\}}\{{(?P<d>{_NUM})\}}|(?P<n2>{_NUM})/(?P<d2>{_NUM})"
+)
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
+_UNITS = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}")
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf)\{([^{}]*)\}")
+_NOISE = re.compile(  # dropped from both sides: spacing, sizing, currency, percent and degree signs
+    r"\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\[!,;: ]|\s+|\\?\$|\\?%|\^\{?\\circ\}?|°|\\degree"
+)
+
+
+def _canonical(answer: str) -> str:
+    """A light string normalisation: answers with equal canonical forms are equal."""
+    answer = answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
+    answer = _NOISE.sub("", _TEXT_WRAPPER.sub(r"\1", answer)).replace("\u2212", "-")  # U+2212 minus
+    return answer.rstrip(".")
+
+
+def _as_number(answer: str) -> Fraction | None:
+    r"""The exact value of a plain number, `\text{}` units dropped; None if it is not one."""
+    answer = _canonical(_UNITS.sub("", answer))
+    if len(answer) > MAX_NUMBER_CHARS:  # Fraction("7" * 10**5) is slow, and past 4,300 digits raises
+        return None
+    if _THOUSANDS.fullmatch(answer):
+        answer = answer.replace(",", "")  # whole thousands groups only: "1,2" is a pair, not 12
+    if m := _SCIENTIFIC.fullmatch(answer):
+        return Fraction(m["m"]) * Fraction(10) ** int(m["e"] or 0)
+    if m := _FRACTION.fullmatch(answer):
+        numerator, denominator = Fraction(m["n"] or m["n2"]), Fraction(m["d"] or m["d2"])
+        return None if denominator == 0 else (-1 if m["sign"] == "-" else 1) * numerator / denominator
+    return None
+
+
+_POWER = re.compile(r"\^|\*\*")
+_FACTORIAL = re.compile(r"(?<!\\)!(?!=)")  # `\!` is a LaTeX space and `!=` no factorial
+_SMALL_FACTORIAL_ARG = re.compile(r"(?:^|[^\d.])\d{1,3}$|[A-Za-z]\s*$")
+_DIGITS = re.compile(r"\d+")
+
+
+def _may_explode(latex: str) -> bool:
+    """Whether sympy might build a huge exact integer from `latex`, in C, where no deadline reaches:
+    a factorial of more than a letter or a 3-digit literal, a tower (a power or factorial inside an
+    exponent), or (widest digit run) x (product of the literals in all exponents) > MAX_GROWTH, a
+    bound on the digits of `(9999^{9999})^{99}`. Conservative: `x^{10}+x^9+...+x^2` is refused too."""
+    for m in _FACTORIAL.finditer(latex):
+        if not _SMALL_FACTORIAL_ARG.search(latex[max(0, m.start() - 4) : m.start()]):
+            return True
+    growth = max((len(run) for run in _DIGITS.findall(latex)), default=1)
+    for m in _POWER.finditer(latex):
+        at = _SPACES.match(latex, m.end()).end()
+        digits = _DIGITS.match(latex, at)  # `^123`: count the whole run, to be safe
+        end = digits.end() if digits else _group_end(latex, at) if latex.startswith("{", at) else at + 1
+        if end is None or _POWER.search(latex, at, end) or _FACTORIAL.search(latex, at, end):
+            return True
+        for run in _DIGITS.findall(latex, at, end):
+            growth *= max(int(run), 1) if len(run) <= 6 else MAX_GROWTH + 1
+            if growth > MAX_GROWTH:
+                return True
+    return False
+
+
+class _Timeout(BaseException):
+    """Raised at the deadline; a BaseException, so that `except Exception` in sympy lets it through."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Raise `_Timeout` in the calling thread after `seconds`, from a timer thread (CPython async
+    exception). Catch it around the whole `with`: the exit clears one not yet delivered."""
+    thread_id, lock, state = threading.get_ident(), threading.Lock(), {"done": False, "fired": False}
+
+    def fire():
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                exception = ctypes.py_object(_Timeout)
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exception)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["fired"]:  # fired, maybe not yet delivered: NULL clears a pending exception
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
+
+
+# We pass timeouts of None on purpose (`_deadline` replaces them); math-verify warns once about it.
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(lambda record: "Timeout is disabled" not in record.getMessage())
+
+_LATEX_ONLY = (math_verify.LatexExtractionConfig(boxed_match_priority=0),)
+
+
+@functools.lru_cache(maxsize=4096)  # a gold answer is parsed once per prompt, not once per rollout
+def _parse(answer: str) -> tuple:
+    return tuple(math_verify.parse("\\boxed{" + answer + "}", _LATEX_ONLY, parsing_timeout=None))
+
+
+def _math_verify_equal(pred: str, gold: str) -> bool:
+    """math-verify's verdict within MV_SECONDS; False on a timeout, an error or a refused input."""
+    if max(len(pred), len(gold)) > MV_MAX_CHARS or _may_explode(pred) or _may_explode(gold):
+        return False
+    try:
+        with _deadline(MV_SECONDS):  # verify of an empty parse is False
+            return math_verify.verify(list(_parse(gold)), list(_parse(pred)), timeout_seconds=None)
+    except (Exception, _Timeout):  # a checker failure is a wrong answer, never a crashed run
+        return False
+
+
+def answers_match(pred: str | None, gold: str) -> bool:
+    """Whether the extracted answer `pred` equals the raw reference `gold` (checks: module docstring)."""
+    if not isinstance(pred, str) or not isinstance(gold, str):
+        return False
+    pred, gold = pred.strip(), gold.strip()
+    pred_canonical, gold_canonical = _canonical(pred), _canonical(gold)
+    if not pred_canonical or not gold_canonical:
+        return False
+    pred_value, gold_value = _as_number(pred), _as_number(gold)
+    if pred_value is not None and gold_value is not None:
+        return pred_value == gold_value  # exact and final: 0.333 is not 1/3
+    return pred_canonical == gold_canonical or _math_verify_equal(pred, gold)
+
+
+def reward(completion: str, gold: str, *, format_bonus: float = 0.0) -> float:
+    """1.0 if the final answer of `completion` matches `gold`, else 0.0; plus `format_bonus` when a
+    final answer was found at all, right or wrong (0 by default: the paper's reward is 0/1)."""
+    span = find_answer(completion)
+    if span is None:
+        return 0.0
+    return float(answers_match(span.answer, gold)) + format_bonus
