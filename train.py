@@ -46,6 +46,12 @@ from oar.runlog import RunLog
 from oar.sampler import format_prompt, resolve_instruction, sample, with_reference_answer
 
 METHODS = ("grpo", "oar-g", "oar-p")
+# Settings a resumed run may change: they change neither the data, the rollouts nor the updates
+# (micro-batching and processes give the same update, tests/test_distributed.py). Any other setting
+# must match the checkpoint's, or a resume would splice two different runs into one.
+RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
+             "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
+             "gradient_checkpointing", "perturb_chunk_tokens"}
 
 
 @dataclass
@@ -135,6 +141,16 @@ def check_config(cfg: Config, num_processes: int) -> None:
         raise ValueError("\n".join(problems))
 
 
+def check_resume(cfg: Config, state: dict, where) -> None:
+    """A resume continues the checkpoint's run: every setting outside RESUMABLE must be the same."""
+    saved = state.get("config", {})
+    changed = [f"--{k} {v} (the checkpoint has {saved[k]})" for k, v in asdict(cfg).items()
+               if k not in RESUMABLE and k in saved and saved[k] != v]
+    if changed:
+        raise ValueError(f"--resume: {where} belongs to a run with other settings: {'; '.join(changed)}. Pass the "
+                         f"checkpoint's values to continue it, or choose another --output_dir to start a new run.")
+
+
 def prompt_order(step: int, local: int, rank: int, n_problems: int, prompts_per_step: int, seed: int) -> list[int]:
     """Indices of this process's prompts at `step`: epochs of seeded permutations, a function of the
     step alone (so a resumed run sees the same data), the global batch split in contiguous slices."""
@@ -198,12 +214,13 @@ def main(cfg: Config) -> dict:
         if not cfg.resume and resume_from is not None:
             raise ValueError(f"--output_dir {cfg.output_dir} holds checkpoints of an earlier run: pass --resume to "
                              f"continue it, or choose another --output_dir.")
+        if cfg.resume:
+            check_resume(cfg, ckpt.read_state(resume_from), resume_from)
+        instruction = resolve_instruction(cfg.instruction, cfg.dataset)
+        set_seed(cfg.seed)
+        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"train.py: error: {err}") from None
-    instruction = resolve_instruction(cfg.instruction, cfg.dataset)
-    set_seed(cfg.seed)
-
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = load_model(cfg.model, dtype=cfg.dtype)[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None
@@ -221,6 +238,7 @@ def main(cfg: Config) -> dict:
     if cfg.resume:
         state = ckpt.load_checkpoint(accelerator, resume_from)
         start_step, history = state["step"], state["history"]
+        accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step)
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
@@ -283,6 +301,7 @@ def main(cfg: Config) -> dict:
                 accelerator.backward(loss * n_micro * n_proc)
                 valid = completion[rows, lp:]
                 s["entropy"] = float((token_entropy(logits[:, :-1].detach()) * valid).sum() / valid.sum().clamp(min=1))
+                s["tokens"] = float(valid.sum())  # weights the micro-batch means: the step's are then token means
                 stats.append(s)
                 w_all.append(weights)
 
@@ -312,7 +331,7 @@ def main(cfg: Config) -> dict:
             metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
         log.step(step + 1, metrics)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, {"history": history}, cfg.keep_checkpoints)
+            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, {"history": history, "config": asdict(cfg)}, cfg.keep_checkpoints)
 
     summary = {"method": cfg.method, "model": cfg.model, "steps": cfg.steps, "processes": n_proc,
                "seconds_per_step": float(np.median(history["step_seconds"])) if history["step_seconds"] else None,
@@ -327,7 +346,8 @@ def main(cfg: Config) -> dict:
 
 def step_metrics(ro, rewards, group_size, stats, weights, grad_norm, schedule) -> dict:
     """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes)."""
-    mean = lambda key: float(np.mean([s[key] for s in stats]))
+    tokens = max(sum(s["tokens"] for s in stats), 1.0)
+    mean = lambda key: sum(s[key] * s["tokens"] for s in stats) / tokens  # the same for any micro-batching
     grouped = rewards.view(-1, group_size)
     lengths = ro.completion_mask.sum(1).float()
     has_answer = ro.answer_mask.any(1)
@@ -353,4 +373,7 @@ def parse_args(argv=None) -> Config:
 
 
 if __name__ == "__main__":
-    main(parse_args(sys.argv[1:]))
+    try:
+        main(parse_args(sys.argv[1:]))
+    except KeyboardInterrupt:
+        raise SystemExit("train.py: interrupted. Run the same command with --resume to continue from the last checkpoint.") from None

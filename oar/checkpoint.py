@@ -4,7 +4,9 @@ A checkpoint is `output_dir/checkpoint-<step>/` holding accelerate's state (mode
 registered objects) and `trainer_state.json` (the step it resumes at). It is written to
 `checkpoint-<step>.tmp/` and renamed only once every process has finished writing, so a directory
 named `checkpoint-<step>` is always complete; a run killed mid-save leaves a `.tmp` that the next
-save or resume removes. The newest `keep` checkpoints are kept.
+save removes. The newest `keep` checkpoints are kept; an older one is renamed to `.old` before it is
+deleted, so a kill during the deletion never leaves a half-deleted folder under a checkpoint's name.
+A folder counts as a checkpoint only when it holds trainer_state.json (written last).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _NAME.match(p.name)) and (p / "trainer_state.json").is_file()]
     return [p for _, p in sorted(found)]
 
 
@@ -51,17 +54,24 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict,
         os.replace(tmp, final)
         _fsync_dir(root)
         for old in checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in root.glob("checkpoint-*.tmp"):
+            doomed = old.with_name(old.name + ".old")
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(old, doomed)  # atomic: out of the list at once, deleted below
+        for stale in [*root.glob("checkpoint-*.tmp"), *root.glob("checkpoint-*.old")]:
             shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
+def read_state(path: str | Path) -> dict:
+    """A checkpoint's trainer_state.json (cheap: read before anything is loaded)."""
+    return json.loads((Path(path) / "trainer_state.json").read_text())
+
+
 def load_checkpoint(accelerator, path: str | Path) -> dict:
     """Restore accelerate's state from `path`; returns its trainer_state.json."""
     accelerator.load_state(str(path))
-    return json.loads((Path(path) / "trainer_state.json").read_text())
+    return read_state(path)
 
 
 def write_json_atomic(path: str | Path, obj) -> None:

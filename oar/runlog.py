@@ -4,6 +4,8 @@ the final model. Only the main process writes; every method is safe to call on a
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,8 +23,8 @@ class RunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.dir / "config.json", config)
         if resume and self.metrics_path.exists():  # drop lines logged after the checkpoint we resume from
-            lines = [ln for ln in self.metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start_step]
-            self.metrics_path.write_text("".join(ln + "\n" for ln in lines))
+            lines = [ln for ln in self.metrics_path.read_text().splitlines() if _step_of(ln) <= start_step]
+            _replace_text(self.metrics_path, "".join(ln + "\n" for ln in lines))  # a kill here loses nothing
         elif not resume:
             self.metrics_path.write_text("")
         if accelerator.log_with:
@@ -64,16 +66,35 @@ class RunLog:
             tmp.replace(self.dir / name)
 
     def finish(self, summary: dict, model, tokenizer) -> None:
-        """Save the final model (safetensors, loadable with from_pretrained) and summary.json."""
+        """Save the final model (safetensors, loadable with from_pretrained) and summary.json. The
+        model goes to final.tmp first: a folder named `final` is always complete."""
         self.acc.wait_for_everyone()
         if self.main:
             if self.bar:
                 self.bar.close()
-            final = self.dir / "final"
-            model.save_pretrained(final, safe_serialization=True)
-            tokenizer.save_pretrained(final)
+            final, tmp = self.dir / "final", self.dir / "final.tmp"  # written whole, then renamed
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final, ignore_errors=True)  # a resumed run that had already finished
+            os.replace(tmp, final)
             write_json_atomic(self.dir / "summary.json", summary)
             self.say("summary: " + json.dumps(summary))
         if self.acc.log_with:
             self.acc.end_training()
         self.acc.wait_for_everyone()
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; infinity for a blank or torn one (a run killed mid-write leaves
+    half a line at the end), so it is dropped with the lines after the checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

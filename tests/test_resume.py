@@ -1,0 +1,180 @@
+"""Interrupted runs lose nothing: a real train.py killed with SIGKILL (between steps, in the middle
+of writing a checkpoint, in the middle of a metrics line) and resumed with --resume ends exactly
+where an uninterrupted run ends: the same metrics for every step, the same final parameters.
+
+The kills are made deterministic by a prelude run in the child before train.py: it wraps one
+function so that the process SIGKILLs itself at a chosen point (no test hook in the code itself).
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from oar import checkpoint as ckpt
+from tinyrun import TINY, TRAIN, build_model, check_ok, final_params, initial_params, max_abs_diff, metrics, run_inprocess, run_script
+
+KILL_DURING_SAVE = """
+import os, signal, oar.checkpoint as c
+_write = c._write_json
+def _dying_write(path, obj):  # accelerate's state is in checkpoint-{step}.tmp; trainer_state.json is next
+    if path.parent.name == "checkpoint-{step}.tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+    _write(path, obj)
+c._write_json = _dying_write
+"""
+
+KILL_MID_METRICS_LINE = """
+import os, signal, oar.runlog as r
+_step = r.RunLog.step
+def _dying_step(self, step, metrics):
+    if step == {step}:  # half a line reaches the disk, then the process dies
+        with open(self.metrics_path, "a") as f:
+            f.write('{{"step": {step}, "reward/me')
+        os.kill(os.getpid(), signal.SIGKILL)
+    _step(self, step, metrics)
+r.RunLog.step = _dying_step
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-trained")
+
+
+def _args(model: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out),
+            "--steps", "6", "--save_every", "1", "--keep_checkpoints", "2", "--micro_batch_size", "4",
+            "--method", "oar-g", *TINY, "--warmup_steps", "4", *extra]  # resumes land inside the LR warm-up
+
+
+def _names(run: Path) -> list[str]:
+    return sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint-"))
+
+
+def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys(), g["step"]
+        for key in w:
+            assert math.isclose(g[key], w[key], rel_tol=1e-5, abs_tol=1e-6), (g["step"], key, g[key], w[key])
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly(tiny_model, tmp_path):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    run_inprocess(_args(tiny_model, straight))  # the same code and thread count as a child: the same floats
+    want = metrics(straight)
+    assert len(want) == 6
+    # The property is only tested if the policy learns: rewards vary within groups, parameters move.
+    assert sum(m["reward/frac_zero_std_groups"] < 1 and m["optim/grad_norm"] > 0 for m in want) >= 3
+    assert max_abs_diff(final_params(straight), initial_params(tiny_model)) > 1e-3
+
+    # 1. killed while writing checkpoint-3: accelerate's state is in checkpoint-3.tmp, not renamed yet.
+    died = run_script(TRAIN, _args(tiny_model, broken), prelude=KILL_DURING_SAVE.format(step=3))
+    assert died.returncode == -9, died.stderr[-3000:]
+    assert _names(broken) == ["checkpoint-1", "checkpoint-2", "checkpoint-3.tmp"]
+    assert [m["step"] for m in metrics(broken)] == [1, 2, 3]  # step 3 was logged before the save
+
+    # 2. --resume starts from checkpoint-2 (the .tmp is ignored, then cleaned up); killed again while
+    # appending step 5's metrics line, which leaves half a line at the end of metrics.jsonl.
+    died = run_script(TRAIN, _args(tiny_model, broken, "--resume"), prelude=KILL_MID_METRICS_LINE.format(step=5))
+    assert died.returncode == -9, died.stderr[-3000:]
+    assert "resumed from" in died.stdout and "(step 2)" in died.stdout
+    assert _names(broken) == ["checkpoint-3", "checkpoint-4"]  # the newest 2 kept, the stale .tmp gone
+    assert (broken / "metrics.jsonl").read_text().endswith('"reward/me')
+
+    # 3. --resume again, to the end (in this process: the child runs above are the real kills).
+    summary = run_inprocess(_args(tiny_model, broken, "--resume"))
+    assert _names(broken) == ["checkpoint-5", "checkpoint-6"]
+    _assert_same_metrics(metrics(broken), want)  # each step once, in order, as if never interrupted
+    assert max_abs_diff(final_params(broken), final_params(straight)) <= 1e-6
+    assert summary["skipped_steps"] == 0
+
+
+def test_resume_refuses_a_changed_run(tiny_model, tmp_path):
+    """Resuming with settings that change what the run computes (here the seed) would silently
+    splice two different runs into one metrics.jsonl: it is refused, naming the setting."""
+    out = tmp_path / "run"
+    run_inprocess(_args(tiny_model, out, "--steps", "1"))
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(SystemExit) as stop:
+        run_inprocess(_args(tiny_model, out, "--steps", "2", "--resume", "--seed", "1"))
+    assert "--seed 1 (the checkpoint has 0)" in str(stop.value) and "checkpoint-1" in str(stop.value)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing touched
+
+
+def test_resume_may_change_the_micro_batch(tiny_model, tmp_path):
+    """Micro-batching does not change the update, so a resume may change it (e.g. on a smaller
+    machine). accelerate restores its accumulation counter from the checkpoint (2 micro-batches
+    seen); with 4 per step it would then step the optimizer mid-step and drop the real step."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_inprocess(_args(tiny_model, straight, "--steps", "2"))
+    run_inprocess(_args(tiny_model, split, "--steps", "1"))
+    run_inprocess(_args(tiny_model, split, "--steps", "2", "--resume", "--micro_batch_size", "2"))
+    _assert_same_metrics(metrics(split), metrics(straight))
+    assert max_abs_diff(final_params(split), final_params(straight)) <= 1e-5
+
+
+# -- checkpoint bookkeeping, without a model ------------------------------------------------------
+
+class _OneProcess:
+    """The part of an Accelerator that oar.checkpoint uses, writing a stand-in state file."""
+
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        Path(path, "model.safetensors").write_text("weights")
+
+    def load_state(self, path):
+        assert Path(path, "model.safetensors").is_file()
+
+
+def test_latest_checkpoint_ignores_unfinished_ones(tmp_path):
+    acc = _OneProcess()
+    for step in (1, 2, 10):
+        ckpt.save_checkpoint(acc, tmp_path, step, {"history": {}}, keep=5)
+    (tmp_path / "checkpoint-11.tmp").mkdir()  # killed mid-save
+    (tmp_path / "checkpoint-12.old").mkdir()  # killed while deleting a rotated-out checkpoint
+    (tmp_path / "checkpoint-x").mkdir()
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"  # numeric, not text, order
+    assert ckpt.load_checkpoint(acc, ckpt.latest_checkpoint(tmp_path))["step"] == 10
+
+
+def test_saving_keeps_the_newest_and_cleans_leftovers(tmp_path):
+    acc = _OneProcess()
+    (tmp_path / "checkpoint-3.tmp").mkdir(parents=True)
+    (tmp_path / "checkpoint-1.old").mkdir()
+    for step in range(1, 6):
+        ckpt.save_checkpoint(acc, tmp_path, step, {"history": {"bad_steps": 0}}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-5"]
+    state = json.loads((tmp_path / "checkpoint-5" / "trainer_state.json").read_text())
+    assert state == {"history": {"bad_steps": 0}, "step": 5}
+
+
+def test_a_checkpoint_dir_without_trainer_state_is_not_complete(tmp_path):
+    """A directory with a checkpoint's name but no trainer_state.json (copied by hand, or an old
+    checkpoint half deleted by an earlier version) is not resumed from."""
+    acc = _OneProcess()
+    ckpt.save_checkpoint(acc, tmp_path, 1, {"history": {}}, keep=5)
+    (tmp_path / "checkpoint-2").mkdir()
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
+
+
+def test_metrics_of_a_resumed_run_start_at_its_checkpoint(tmp_path):
+    """RunLog keeps the lines up to the resumed step, drops later ones and a torn last line."""
+    from oar.runlog import RunLog
+
+    class Acc:
+        is_main_process, log_with = True, None
+
+    lines = [json.dumps({"step": s, "reward/mean": 0.5}) for s in (1, 2, 3)] + ['{"step": 4, "rew']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    RunLog(Acc(), str(tmp_path), {}, resume=True, total_steps=5, start_step=2)
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]

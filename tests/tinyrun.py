@@ -1,0 +1,133 @@
+"""Helpers for the tests that run train.py end to end: a tiny model that earns some reward, and
+ways to run train.py (subprocess, `accelerate launch`, or in this process).
+
+Why a trained model: a random model never writes a correct answer, so every reward is 0, every
+advantage is 0, the gradient is 0 and the parameters never move; any "same update" test would
+then pass trivially. A few seconds of supervised training on 1-operation, 1-digit arith problems
+(the same problems the RL run then sees) gives rewards of about 0.5 with mixed groups.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "train.py"
+EVAL = ROOT / "eval.py"
+TIME_KEYS = ("time/", "oar/seconds_per_rollout")  # wall-clock metrics: never equal between runs
+
+# Flags every end-to-end test run shares: tiny batches, no evaluation, one thread per process.
+TINY = ["--instruction", "", "--prompts_per_step", "2", "--group_size", "4", "--max_new_tokens", "20",
+        "--learning_rate", "1e-3", "--warmup_steps", "1", "--eval_every", "0"]
+
+
+def build_model(out: Path) -> Path:
+    """Save a briefly trained tiny-arith-style model, its tokenizer and `data.jsonl` into `out`
+    (once per session: a finished folder is reused). Returns `out`."""
+    if (out / "data.jsonl").is_file():
+        return out
+    from oar.data import Problem
+    from oar.tiny_arith import TinyArithRecipe, make_model, make_tokenizer, train
+
+    problems = [Problem(f"Compute {a} {op} {b}.", str(a + b if op == "+" else a * b))
+                for a in range(2, 7) for b in range(2, 5) for op in "+*"]  # 30, in arith's format
+    recipe = TinyArithRecipe(hidden_size=32, num_layers=2, num_heads=4, steps=200, batch_size=32, lr=1e-2, warmup_steps=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the build's floats depend on the thread count; keep it fixed
+    try:
+        torch.manual_seed(0)
+        tok = make_tokenizer()
+        model = make_model(tok, recipe)
+        train(model, tok, problems * (recipe.steps * recipe.batch_size // len(problems) + 1), recipe)
+    finally:
+        torch.set_num_threads(threads)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(tmp / "data.jsonl", "w") as f:
+        f.writelines(json.dumps({"problem": p.problem, "answer": p.answer}) + "\n" for p in problems)
+    tmp.rename(out)
+    return out
+
+
+def env() -> dict:
+    """Environment of a child run: one torch thread (2 shared cores; oversubscription makes a
+    tiny step 20x slower), no network, the repository importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def run_script(script: Path, args: list[str], *, prelude: str = "", timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python script args` in a child process. `prelude` is Python run first in the child (the
+    tests use it to make the run kill itself at a chosen point)."""
+    if prelude:
+        code = (f"import runpy, sys\n{prelude}\nsys.argv = [{str(script)!r}] + sys.argv[1:]\n"
+                f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+        cmd = [sys.executable, "-c", code, *args]
+    else:
+        cmd = [sys.executable, str(script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], num_processes: int = 2, timeout: int = 180) -> subprocess.CompletedProcess:
+    """`accelerate launch --multi_gpu --num_processes N train.py args` on the CPU (gloo), on a free port
+    so that concurrent runs on the machine do not collide."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), str(TRAIN), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_inprocess(args: list[str]) -> dict:
+    """train.main on parsed `args` in this process (cheap: no interpreter start, no imports)."""
+    import train
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a fresh Accelerator for each run
+    GradientState._reset_state()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train.main(train.parse_args(args))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock entries."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in rows]
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
+
+
+def initial_params(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
