@@ -19,6 +19,16 @@ Departures from the paper and the authors' code (each also stated where it lives
   * Sampling is our own KV-cache loop with a seeded generator per rollout (oar/sampler.py), so the
     rollouts of a step are identical for any number of processes and after a resume.
   * One policy update per batch of rollouts, so pi_old = pi_theta.detach() (ratio 1 in value).
+
+Degenerate numbers, each with a defined outcome (tests/test_failures.py):
+  * a group whose rewards are all equal has advantage 0 (oar/grpo.py): it adds nothing to the gradient;
+  * a rollout with no extractable answer, or an empty reasoning span, keeps weights 1 (plain GRPO);
+  * non-finite OAR scores give their rollout weights 1, counted in oar/frac_nonfinite_scores and warned;
+  * no valid completion token in the batch (all truncated under --mask_truncated): the normalizers are
+    clamped to 1, so the loss is 0 and the gradient 0; the optimizer still steps (Adam's momentum acts);
+  * a non-finite loss or gradient norm (NaN or inf logits): the update is skipped on every process,
+    counted (summary.json skipped_steps) and warned; --max_bad_steps in a row stop the run with a
+    message. The LR schedule advances on a skipped step, so the schedule stays a function of the step.
 """
 
 from __future__ import annotations
@@ -169,10 +179,11 @@ def rollout_seeds(seed: int, step: int, global_prompts: list[int], group_size: i
 
 
 def token_weights(cfg, model, mb, probe, clean, seeds, golds, tokenizer):
-    """Step 4's OAR part for one micro-batch: weights (b, L), all ones for GRPO, and the seconds the
-    scoring took. `clean`: the clean outcome from the update's forward (OAR-G, rollout source)."""
+    """Step 4's OAR part for one micro-batch: weights (b, L), all ones for GRPO, the seconds the
+    scoring took, and how many rollouts had a non-finite score (they get all-ones weights, as
+    gating.bilevel_weights defines). `clean`: the clean outcome from the update's forward (OAR-G)."""
     if cfg.method == "grpo":
-        return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0.0
+        return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0.0, 0
     start = time.perf_counter()
     ids, attn, reas, ans = mb.input_ids, mb.attention_mask, mb.reasoning_mask, mb.answer_mask
     if cfg.outcome_source == "reference":  # score against the gold answer appended after the reasoning
@@ -193,7 +204,8 @@ def token_weights(cfg, model, mb, probe, clean, seeds, golds, tokenizer):
     full[:, :width] = scores[:, :width]
     weights = bilevel_weights(full, mb.reasoning_mask, quantile=cfg.gate_quantile, boost=cfg.gate_boost,
                               floor=cfg.gate_floor, preserve_mass=cfg.preserve_mass)
-    return weights, time.perf_counter() - start
+    nonfinite = int((~torch.isfinite(full) & mb.reasoning_mask).any(1).sum())
+    return weights, time.perf_counter() - start, nonfinite
 
 
 def main(cfg: Config) -> dict:
@@ -247,7 +259,6 @@ def main(cfg: Config) -> dict:
         history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
         log.say(f"held-out accuracy before training: {history['eval_before']:.3f} on {len(eval_set)} problems")
 
-    bad_in_a_row = 0
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
         # 1. rollout: this process's slice of the step's prompts, G samples each
@@ -272,11 +283,12 @@ def main(cfg: Config) -> dict:
         # divides it by the accumulation steps and DDP averages over processes.
         lp = ro.prompt_width
         completion = ro.completion_mask & ~ro.truncated[:, None] if cfg.mask_truncated else ro.completion_mask
-        n_seq = accelerator.reduce(completion.any(1).sum().float(), "sum")
-        n_tok = accelerator.reduce(completion.sum().float(), "sum")
+        # Clamped to 1: with no valid token anywhere (all truncated under mask_truncated) the loss is 0, not 0/0.
+        n_seq = accelerator.reduce(completion.any(1).sum().float(), "sum").clamp(min=1)
+        n_tok = accelerator.reduce(completion.sum().float(), "sum").clamp(min=1)
         probe = "last" if step < cfg.probe_warmup else cfg.probe
         model.train()
-        stats, w_all, oar_seconds = [], [], 0.0
+        stats, w_all, oar_seconds, n_nonfinite, bad_loss = [], [], 0.0, 0, 0
         for m in range(n_micro):
             rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
             mb = ro.select(rows)
@@ -287,8 +299,8 @@ def main(cfg: Config) -> dict:
                 clean = None
                 if cfg.method == "oar-g" and cfg.outcome_source == "rollout":  # OAR-G's clean probe, for free
                     clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe)
-                weights, secs = token_weights(cfg, policy, mb, probe, clean, seeds[rows], golds[rows], tokenizer)
-                oar_seconds += secs
+                weights, secs, nonfinite = token_weights(cfg, policy, mb, probe, clean, seeds[rows], golds[rows], tokenizer)
+                oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
                 token_adv = advantages[rows, None] * weights[:, lp:]  # (b, T): A_it = A_i w_it
                 ref = None
                 if ref_model is not None:
@@ -298,6 +310,7 @@ def main(cfg: Config) -> dict:
                 loss, s = policy_loss(logprobs, logprobs.detach(), token_adv, completion[rows, lp:], clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, kl_beta=cfg.kl_beta, ref_logprobs=ref, aggregation=cfg.aggregation,
                                       num_sequences=n_seq, num_tokens=n_tok)
+                bad_loss += int(not torch.isfinite(loss))
                 accelerator.backward(loss * n_micro * n_proc)
                 valid = completion[rows, lp:]
                 s["entropy"] = float((token_entropy(logits[:, :-1].detach()) * valid).sum() / valid.sum().clamp(min=1))
@@ -305,26 +318,33 @@ def main(cfg: Config) -> dict:
                 stats.append(s)
                 w_all.append(weights)
 
-        # 5. step, unless the gradient is not finite (a NaN loss or logit anywhere): the norm is the
-        # same on every process after DDP's all-reduce, so all of them skip together.
+        # 5. step, unless the loss or the gradient is not finite (a NaN logit anywhere): the norm is
+        # the same on every process after DDP's all-reduce and the loss count is summed, so all of
+        # them skip together; the skipped gradient is discarded, the optimizer never sees it.
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        if torch.isfinite(grad_norm):
+        bad_loss = int(accelerator.reduce(torch.tensor(float(bad_loss), device=accelerator.device), "sum"))
+        if torch.isfinite(grad_norm) and bad_loss == 0:
             optimizer.step()
-            bad_in_a_row = 0
+            history["bad_in_a_row"] = 0
         else:
-            bad_in_a_row += 1
+            history["bad_in_a_row"] = history.get("bad_in_a_row", 0) + 1
             history["bad_steps"] += 1
-            log.say(f"warning: step {step + 1}: non-finite gradient norm, update skipped ({history['bad_steps']} so far)")
-            if bad_in_a_row >= cfg.max_bad_steps:
-                raise SystemExit(f"train.py: error: {bad_in_a_row} steps in a row had a non-finite loss or gradient; "
-                                 f"stopping. Lower --learning_rate, check the model's dtype, or resume from the last checkpoint.")
+            what = f"non-finite loss in {bad_loss} micro-batches" if bad_loss else "non-finite gradient norm"
+            log.say(f"warning: step {step + 1}: {what}, update skipped ({history['bad_steps']} skipped so far)")
+            if history["bad_in_a_row"] >= cfg.max_bad_steps:
+                raise SystemExit(f"train.py: error: {history['bad_in_a_row']} steps in a row had a non-finite loss or gradient "
+                                 f"(--max_bad_steps {cfg.max_bad_steps}); stopping. Lower --learning_rate, check the model's "
+                                 f"dtype, or resume from the last checkpoint.")
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         history["step_seconds"].append(time.perf_counter() - t0)
 
         # 6. log, evaluate, checkpoint
         metrics = step_metrics(ro, rewards, cfg.group_size, stats, torch.cat(w_all), grad_norm, schedule)
-        metrics |= {"time/step_s": history["step_seconds"][-1], "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro)}
+        metrics |= {"time/step_s": history["step_seconds"][-1], "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
+                    "oar/frac_nonfinite_scores": n_nonfinite / len(ro)}
+        if n_nonfinite:
+            log.say(f"warning: step {step + 1}: {n_nonfinite} rollouts had non-finite OAR scores; they got plain GRPO weights")
         values = accelerator.reduce(torch.tensor(list(metrics.values()), device=accelerator.device), "mean")
         metrics = dict(zip(metrics, values.tolist()))
         if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
