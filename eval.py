@@ -16,6 +16,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from oar.checkpoint import write_json_atomic
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
@@ -53,13 +55,19 @@ def main(cfg: EvalConfig) -> dict:
         if cfg.num_samples > 1 and cfg.temperature <= 0:
             raise ValueError(f"--num_samples {cfg.num_samples} with --temperature {cfg.temperature}: greedy samples are all "
                              f"the same; pass --temperature > 0 (e.g. 0.6).")
+        if cfg.max_new_tokens < 1 or cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+            raise ValueError(f"--max_new_tokens {cfg.max_new_tokens} must be >= 1, --temperature {cfg.temperature} >= 0 "
+                             f"and --top_p {cfg.top_p} in (0, 1].")
+        if not isinstance(getattr(torch, cfg.dtype, None), torch.dtype):
+            raise ValueError(f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
+        if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+            raise ValueError(f"--output_dir {cfg.output_dir} is a file; pass a directory (it is created if missing).")
         resolve_model(cfg.model)
         problems = load_problems(cfg.dataset, split=cfg.split, limit=cfg.limit or None)
+        instruction = resolve_instruction(cfg.instruction, cfg.dataset)
+        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"eval.py: error: {err}") from None
-    instruction = resolve_instruction(cfg.instruction, cfg.dataset)
-
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
     model = model.to(accelerator.device).eval()
     records, summary = evaluate(model, tokenizer, problems, accelerator=accelerator, instruction=instruction,
                                 batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, num_samples=cfg.num_samples,

@@ -37,6 +37,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -146,7 +147,16 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(cfg.steps >= 1 and cfg.max_new_tokens >= 1 and cfg.prompts_per_step >= 1, "--steps, --max_new_tokens and --prompts_per_step must be >= 1.")
     need(cfg.perturb_span >= 1, "--perturb_span must be >= 1.")
     need(cfg.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1.")
-    need(hasattr(torch, cfg.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
+    need(isinstance(getattr(torch, cfg.dtype, None), torch.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
+    need(cfg.learning_rate > 0 and cfg.max_grad_norm > 0, "--learning_rate and --max_grad_norm must be > 0.")
+    need(0 <= cfg.clip_low < 1 and cfg.clip_high >= 0, f"--clip_low {cfg.clip_low} must lie in [0, 1), --clip_high {cfg.clip_high} must be >= 0.")
+    need(cfg.kl_beta >= 0, f"--kl_beta {cfg.kl_beta}: must be >= 0 (0 turns the penalty off).")
+    need(min(cfg.warmup_steps, cfg.probe_warmup, cfg.eval_every, cfg.save_every) >= 0,
+         "--warmup_steps, --probe_warmup, --eval_every and --save_every must be >= 0.")
+    need(min(cfg.train_size, cfg.eval_size, cfg.eval_batch_size, cfg.perturb_chunk_tokens, cfg.max_bad_steps) >= 1,
+         "--train_size, --eval_size, --eval_batch_size, --perturb_chunk_tokens and --max_bad_steps must be >= 1.")
+    need(not Path(cfg.output_dir).exists() or Path(cfg.output_dir).is_dir(),
+         f"--output_dir {cfg.output_dir} is a file; pass a directory (it is created if missing).")
     if problems:
         raise ValueError("\n".join(problems))
 

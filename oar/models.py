@@ -63,12 +63,25 @@ def load_model(name: str, *, dtype: str = "float32"):
         from oar.tiny_arith import ensure_tiny_arith
 
         source = str(ensure_tiny_arith())
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer = _loaded(name, "tokenizer", lambda: AutoTokenizer.from_pretrained(source, **kwargs))
     if tokenizer.eos_token_id is None:
         raise ModelError(f"--model {name}: its tokenizer has no EOS token, so completions cannot end. "
                          f"Set tokenizer.eos_token and save the tokenizer again.")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # pads are masked out; sharing EOS is harmless
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
+    model = _loaded(name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs))
     return model, tokenizer
+
+
+def _loaded(name: str, what: str, load):
+    """`load()`, with the errors of a folder or hub id that holds no usable model (missing or corrupt
+    files, an unknown architecture, a hub id that is not there or not reachable) named as one ModelError."""
+    from safetensors import SafetensorError  # a truncated or corrupt weights file
+
+    try:
+        return load()
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ModelError(f"--model {name}: could not load its {what} ({type(err).__name__}: {first[:300]}). Pass a folder "
+                         f"written by save_pretrained, a .gguf file, a hub id that is cached or reachable, or tiny-arith.") from None
