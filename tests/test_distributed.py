@@ -63,13 +63,22 @@ def test_micro_batches_of_1_equal_one_batch_of_8(tiny_model, tmp_path, setting):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting, micro_batch_size", [("oar-g/seq_mean", 4), ("oar-p/token_mean/mask_truncated", 1)])
-def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size):
+@pytest.mark.parametrize("setting, micro_batch_size, switch", [("oar-g/seq_mean", 4, True),
+                                                               ("oar-p/token_mean/mask_truncated", 1, False)])
+def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size, switch):
+    """Two steps under 2 processes, or (switch) step 1 under 2 processes and step 2 resumed in one:
+    a checkpoint does not depend on the number of processes that wrote or reads it."""
+    from safetensors.torch import load_file
+
     one, two = tmp_path / "one", tmp_path / "two"
-    run_inprocess(_args(tiny_model, one, setting, 8))
-    proc = launch(_args(tiny_model, two, setting, micro_batch_size), num_processes=2)
+    run_inprocess(_args(tiny_model, one, setting, 8) + ["--save_every", "1"])
+    proc = launch(_args(tiny_model, two, setting, micro_batch_size) + ["--save_every", "1"] + (["--steps", "1"] if switch else []),
+                  num_processes=2)
     check_ok(proc)
-    summary = (two / "summary.json").read_text()
-    assert '"processes": 2' in summary  # really two processes in one group, not two lone runs
+    assert '"processes": 2' in (two / "summary.json").read_text()  # one process group, not two lone runs
+    if switch:
+        run_inprocess(_args(tiny_model, two, setting, 8) + ["--save_every", "1", "--resume"])
     _assert_learns(one, tiny_model)
+    step1 = [load_file(str(run / "checkpoint-1" / "model.safetensors")) for run in (one, two)]
+    assert max_abs_diff(*step1) <= 1e-5  # the 2-process step itself
     _assert_same_run(two, one, tiny_model)
