@@ -1,0 +1,274 @@
+"""The evidence study of issue 6: does OAR beat GRPO on arith? One script, resumable, in stages.
+
+    python scripts/study.py --stage main          # GRPO, OAR-G, OAR-P x seeds 0 1 2, same rollout budget
+    python scripts/study.py --stage ablations     # OAR-G gating and probe variants x seeds 0 1
+    python scripts/study.py --stage attribution   # OAR-P / OAR-G scores vs the known pivotal tokens
+    python scripts/study.py --stage report        # docs/results/: summary.json, CSVs, PNGs, README.md
+    nohup python scripts/study.py --stage all > study.log 2>&1 &     # all four, in the background
+    python scripts/study.py --stage all --scale tiny                 # the whole pipeline at toy size
+    python scripts/study.py --stage all --dry_run                    # the plan and commands, nothing run
+
+Scale is one flag. `--scale default` is train.py's Config defaults (steps, prompts_per_step,
+group_size, learning rate...), so retuning train.py retunes the study; `--scale tiny` shrinks the
+steps, the batch and the evaluation to check the pipeline in minutes, under runs/study-tiny (never
+mixed with real runs). `--set key=value` overrides a train.py setting for every run.
+
+Runs: each is runs/study/<name>-s<seed>/, train.py's output_dir, run as a child process (a crash
+ends that run only; the rest go on and the exit status is 1). A run with summary.json is done and
+skipped; one with a checkpoint is resumed with --resume; one with neither is deleted and restarted.
+Runs go seed by seed, so every method is timed early; after each run the remaining time is estimated.
+
+Held-out data: arith's test split (train.py's default eval set, disjoint from train by hash) is only
+evaluated. No setting is chosen on it: every run uses train.py's defaults or an ablation fixed below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from oar.checkpoint import latest_checkpoint, write_json_atomic  # noqa: E402
+from train import METHODS, RESUMABLE, Config  # noqa: E402
+
+SCALES = {
+    "default": {},  # train.py's defaults
+    "tiny": {"steps": 4, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8, "eval_size": 40, "save_every": 2},
+}
+# OAR-G variants, fixed before any run. name -> (what varies, its value, train.py settings). A variant
+# whose settings are train.py's defaults IS the main oar-g run and shares its folders.
+ABLATIONS = {
+    "q0.25": ("gate quantile q", "0.25", {"gate_quantile": 0.25}),
+    "q0.4": ("gate quantile q", "0.4", {"gate_quantile": 0.4}),
+    "q0.7": ("gate quantile q", "0.7", {"gate_quantile": 0.7}),
+    "boost1": ("boost beta", "1", {"gate_boost": 1.0}),
+    "boost2": ("boost beta", "2", {"gate_boost": 2.0}),
+    "boost4": ("boost beta", "4", {"gate_boost": 4.0}),
+    "both": ("gating branches", "suppress + boost", {"gate_boost": 2.0, "gate_floor": 0.1}),
+    "suppress-only": ("gating branches", "suppress only (beta=0)", {"gate_boost": 0.0}),
+    "boost-only": ("gating branches", "boost only (floor=1)", {"gate_floor": 1.0}),
+    "mass-on": ("mass preservation", "on", {"preserve_mass": True}),
+    "mass-off": ("mass preservation", "off", {"preserve_mass": False}),
+    "probe-last": ("probe", "last", {"probe": "last"}),
+    "probe-answer_mean": ("probe", "answer_mean", {"probe": "answer_mean"}),
+    "probe-answer_joint": ("probe", "answer_joint", {"probe": "answer_joint"}),
+    "authors": ("defaults", "authors' code (q=0.25, beta=1)", {"gate_quantile": 0.25, "gate_boost": 1.0}),
+    "paper": ("defaults", "paper (q=0.4, beta=2)", {"gate_quantile": 0.4, "gate_boost": 2.0}),
+}
+PRIOR_COST = {"grpo": 1.0, "oar-g": 1.4, "oar-p": 4.2}  # paper's overheads: used until a method is timed
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--stage", required=True, choices=["main", "ablations", "attribution", "report", "all"])
+    p.add_argument("--scale", default="default", choices=sorted(SCALES))
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="train.py settings for every run")
+    p.add_argument("--model", default="tiny-arith", help="policy every run starts from (train.py --model)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds of the main comparison")
+    p.add_argument("--ablation_seeds", nargs="+", type=int, default=[0, 1], help="seeds of each ablation")
+    p.add_argument("--eval_points", type=int, default=6, help="held-out evaluations during training (eval_every = steps // this)")
+    p.add_argument("--attr_problems", type=int, default=None, help="rollouts for the attribution stage (default 300; tiny 24)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per run (2 shared cores: 2)")
+    p.add_argument("--root", default=None, help="runs folder (default runs/study, tiny: runs/study-tiny)")
+    p.add_argument("--out", default=None, help="report folder (default docs/results, tiny: runs/study-tiny/results)")
+    p.add_argument("--dry_run", action="store_true", help="print the plan and the commands; run nothing")
+    args = p.parse_args(argv)
+    tiny = args.scale == "tiny"
+    args.root = Path(args.root or ("runs/study-tiny" if tiny else "runs/study"))
+    args.out = Path(args.out or ("runs/study-tiny/results" if tiny else "docs/results"))
+    args.attr_problems = args.attr_problems or (24 if tiny else 300)
+    args.base = base_settings(args)
+    return args
+
+
+def base_settings(args) -> dict:
+    """Settings shared by every run: the scale, --set, the model; eval_every from the final steps."""
+    types = {f.name: type(getattr(Config(), f.name)) for f in fields(Config)}
+    settings = {"model": args.model, **SCALES[args.scale]}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in types or not _:
+            raise SystemExit(f"study.py: error: --set {item}: expected KEY=VALUE with KEY a train.py setting (python train.py --help).")
+        settings[key] = value.lower() in ("1", "true", "yes") if types[key] is bool else types[key](value)
+    steps = settings.get("steps", Config.steps)
+    settings.setdefault("eval_every", max(1, steps // max(1, args.eval_points)))
+    return settings
+
+
+def plan(stage: str, args) -> list[dict]:
+    """The runs of a stage, seed by seed: {name, seed, group, label, settings}. Variants with the same
+    effective settings share one run (e.g. q=0.4 and the paper's defaults are the main oar-g run)."""
+    if stage == "main":
+        return [{"name": m, "seed": s, "group": "method", "label": m, "settings": args.base | {"method": m}}
+                for s in args.seeds for m in METHODS]
+    reference = effective(args.base | {"method": "oar-g"})
+    runs = []
+    for seed in args.ablation_seeds:
+        for key, (group, label, over) in ABLATIONS.items():
+            settings = args.base | {"method": "oar-g"} | over
+            name = "oar-g" if effective(settings) == reference else f"abl-{key}"
+            runs.append({"name": name, "seed": seed, "group": group, "label": label, "settings": settings})
+    return runs
+
+
+def effective(settings: dict) -> dict:
+    return asdict(Config()) | settings
+
+
+def run_dir(args, run) -> Path:
+    return args.root / f"{run['name']}-s{run['seed']}"
+
+
+def command(settings: dict, out: Path, seed: int, resume: bool) -> list[str]:
+    cmd = [sys.executable, str(ROOT / "train.py")]
+    for key, value in (settings | {"seed": seed, "output_dir": str(out)}).items():
+        cmd += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return cmd + (["--resume", "true"] if resume else [])
+
+
+def run_one(args, run) -> str:
+    """Bring one run to completion: 'done' (skipped), 'ok' or 'failed'."""
+    out = run_dir(args, run)
+    if (out / "summary.json").exists():
+        saved = json.loads((out / "config.json").read_text())
+        ignore = (RESUMABLE - {"steps"}) | {"resume"}  # settings that do not change what is trained
+        wrong = {k: (v, saved.get(k)) for k, v in effective(run["settings"] | {"seed": run["seed"]}).items()
+                 if k not in ignore and saved.get(k) != v}
+        built = json.loads((out / "study_time.json").read_text()).get("model") if (out / "study_time.json").exists() else None
+        if built not in (None, model_ident(run["settings"]["model"])):
+            wrong["model build"] = (model_ident(run["settings"]["model"]), built)
+        if wrong:
+            raise SystemExit(f"study.py: error: {out} is a finished run with other settings {wrong} (wanted, found); "
+                             f"use another --root, or delete the folder to rerun it.")
+        return "done"
+    resume = latest_checkpoint(out) is not None
+    if out.exists() and not resume:
+        shutil.rmtree(out)  # interrupted before its first checkpoint: nothing worth keeping
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = command(run["settings"], out, run["seed"], resume)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    print(f"[study] {'resume' if resume else 'start '} {out.name}: {' '.join(cmd[1:])}", flush=True)
+    start, cpu = time.time(), _child_cpu()
+    with open(out / "train.log", "a") as log:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    before = json.loads((out / "study_time.json").read_text()) if (out / "study_time.json").exists() else {}
+    timing = {"seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
+              "invocations": before.get("invocations", 0) + 1, "model": model_ident(run["settings"]["model"])}
+    write_json_atomic(out / "study_time.json", timing)
+    if code != 0:
+        tail = (out / "train.log").read_text().splitlines()[-15:]
+        print(f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail), flush=True)
+        return "failed"
+    print(f"[study] done   {out.name} in {(time.time() - start) / 60:.1f} min", flush=True)
+    return "ok"
+
+
+def _child_cpu() -> float:
+    """CPU seconds of finished children: on cores shared with other jobs, steadier than wall-clock."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def model_ident(model: str) -> str:
+    """tiny-arith is rebuilt when its recipe changes (a new BUILDER_VERSION): a finished run must match."""
+    if model != "tiny-arith":
+        return model
+    from oar.tiny_arith import BUILDER_VERSION
+
+    return BUILDER_VERSION
+
+
+def estimate(args, runs: list[dict]) -> str:
+    """Minutes left for `runs`, from the wall-clock of finished runs of the same method in args.root
+    (unmeasured methods: the paper's relative overheads applied to the measured ones)."""
+    seconds: dict[str, list[float]] = {}
+    for d in args.root.glob("*-s*"):
+        if (d / "summary.json").exists() and (d / "study_time.json").exists():
+            method = json.loads((d / "config.json").read_text())["method"]
+            seconds.setdefault(method, []).append(json.loads((d / "study_time.json").read_text())["seconds"])
+    if not seconds:
+        return "no run timed yet"
+    per = {m: sum(v) / len(v) for m, v in seconds.items()}
+    unit = sum(per[m] / PRIOR_COST[m] for m in per) / len(per)  # seconds of one GRPO run
+    left = [r for r in runs if not (run_dir(args, r) / "summary.json").exists()]
+    total = sum(per.get(r["settings"]["method"], unit * PRIOR_COST[r["settings"]["method"]]) for r in {run_dir(args, r): r for r in left}.values())
+    timed = ", ".join(f"{m} {per[m] / 60:.1f} min/run" for m in sorted(per))
+    when = f"{total / 3600:.1f} h" if total > 5400 else f"{total / 60:.0f} min"
+    return f"{len({run_dir(args, r) for r in left})} runs left, about {when} ({timed})"
+
+
+def stage_runs(stage: str, args) -> bool:
+    runs = plan(stage, args)
+    unique = list({run_dir(args, r): r for r in runs}.values())
+    if args.dry_run:
+        print(f"[study] {stage}: {len(unique)} runs")
+        for r in unique:
+            print("  " + " ".join(command(r["settings"], run_dir(args, r), r["seed"], False)[1:]))
+        return True
+    args.root.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.root / f"plan-{stage}.json", {"scale": args.scale, "base": args.base, "runs": runs})
+    print(f"[study] {stage}: {len(unique)} runs under {args.root}; {estimate(args, unique)}", flush=True)
+    ok = True
+    for r in unique:
+        status = run_one(args, r)
+        ok &= status != "failed"
+        if status != "done":
+            everything = plan("main", args) + plan("ablations", args)
+            print(f"[study] estimate: this stage {estimate(args, unique)}; main+ablations {estimate(args, everything)}", flush=True)
+    return ok
+
+
+def stage_attribution(args) -> bool:
+    out = args.root / "attribution.json"
+    if out.exists():
+        print(f"[study] attribution: {out} exists (delete it to recompute)")
+        return True
+    if args.dry_run:
+        print(f"[study] attribution: {args.attr_problems} sampled rollouts + gold solutions of {args.model}, 3 probes")
+        return True
+    import torch
+
+    from oar.models import load_model
+    from scripts import attribution
+
+    torch.set_num_threads(args.threads)
+    start = time.time()
+    model, tokenizer = load_model(args.model)
+    max_new = args.base.get("max_new_tokens", Config.max_new_tokens)
+    result = attribution.run(model, tokenizer, n=args.attr_problems, seed=0, max_new_tokens=max_new)
+    result |= {"model": args.model, "seconds": time.time() - start}
+    args.root.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, result)
+    print(f"[study] attribution: {out} in {result['seconds']:.0f} s", flush=True)
+    return True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stages = ["attribution", "main", "ablations", "report"] if args.stage == "all" else [args.stage]
+    ok = True
+    for stage in stages:
+        if stage == "report":
+            if not args.dry_run:
+                from scripts import report
+
+                report.write(args.root, args.out, scale=args.scale, command=' '.join(sys.argv[1:]))
+        elif stage == "attribution":
+            ok &= stage_attribution(args)
+        else:
+            ok &= stage_runs(stage, args)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
