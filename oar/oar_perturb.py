@@ -1,6 +1,7 @@
 """OAR-P: token importance by counterfactual perturbation (SPEC §3).
 
-Legend: B rollouts, L sequence positions, V vocabulary, c masked copies in one chunk.
+Legend: B rollouts, L sequence positions, H hidden width, V vocabulary, K answer-predicting
+positions of a row, c masked copies in one chunk, S cached positions, N recomputed positions.
 
 For each reasoning position j of rollout i, replace token j by the pad token (attention unchanged),
 recompute the outcome probe, and score
@@ -9,24 +10,36 @@ recompute the outcome probe, and score
 
 `perturbation_scores_naive` is that definition verbatim: one forward over the whole sequence per
 masked copy, as the authors' released code runs it. `perturbation_scores` gives the same numbers
-(to float tolerance; a test pins them) at a fraction of the cost, because masking token j cannot
+(to float tolerance; tests pin them) at a fraction of the cost, because masking token j cannot
 change anything before j:
-  * the keys/values of positions < j are the clean pass's: each chunk of masked copies starts from
-    the clean KV cache cropped at its first masked position, so the prompt is never recomputed;
-  * nothing after the last answer token matters: the sequence is cut there;
-  * only answer positions need logits (`logits_to_keep`), not L x V of them;
-  * copies run in chunks of at most `max_chunk_tokens` recomputed tokens, which bounds memory.
+  * one clean pass per block of rollouts keeps every layer's keys/values; a masked copy recomputes
+    only positions j .. end-1 and attends to the clean keys/values of positions < j;
+  * nothing after the last answer token matters: each row is cut there;
+  * only the K answer-predicting positions go through the output head, not L x V logits;
+  * copies from *all* rollouts of a block are sorted by how many positions they recompute and
+    packed into chunks of similar lengths, so almost no work is padding, and small models run a few
+    large batches instead of one small forward per rollout. In a chunk each copy's cached prefix is
+    left-padded to the longest (masked out), so its real keys stay exactly the clean pass's;
+  * a chunk holds at most `max_chunk_tokens` (cached + recomputed) positions, which bounds memory.
 `span > 1` is an approximate mode: mask `span` consecutive reasoning tokens at once and give each
 of them the span's score (span-fold fewer copies; its error is reported by scripts/bench.py).
-Rows with no answer token or no reasoning token score 0 everywhere.
+Rows with no answer token or no reasoning token score 0 everywhere. Scoring runs with every module
+in eval mode (dropout off; checkpointed layers would drop the caches), and restores each module's mode.
+
+Assumptions of the fast path: logits = output_embeddings(decoder(x)) (Llama, Qwen2, Mistral,
+SmolLM; a final logit soft-cap is applied when the config has one) and no sliding-window attention
+(left padding inside a cache would shift the window).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 
 from oar.models import forward_logits, position_ids
-from oar.probes import answer_positions, check_probe, divergence, outcome, outcome_from_logits
+from oar.probes import check_probe, divergence, outcome, outcome_from_logits
 
 
 @torch.no_grad()
@@ -45,8 +58,9 @@ def perturbation_scores(
     """OAR-P scores (B, L) float32, 0 outside `reasoning_mask`. Inputs are (B, L); exact for span=1."""
     check_probe(probe)
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
-    assert span >= 1
+    assert span >= 1 and max_chunk_tokens >= 1
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    rows = []
     for b in range(input_ids.shape[0]):
         answer = answer_mask[b].nonzero().flatten()
         reasoning = reasoning_mask[b].nonzero().flatten()
@@ -54,41 +68,129 @@ def perturbation_scores(
             continue
         a0, end = int(answer[0]), int(answer[-1])  # inputs 0 .. end-1 predict answer tokens a0 .. end
         reasoning = reasoning[reasoning < end]  # a token at or after `end` cannot move the answer
-        if reasoning.numel() == 0:
-            continue
-        keep = end - a0 + 1  # logits at a0-1 .. end-1
-        ids, mask = input_ids[b : b + 1, :end], attention_mask[b : b + 1, :end]
-        pos = position_ids(mask)
-        targets = input_ids[b : b + 1, a0 : end + 1]
-        valid = answer_mask[b : b + 1, a0 : end + 1]
-
-        clean_out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=keep)
-        clean = outcome(clean_out.logits, targets, valid, probe)
-        clean_kv = _kv_tensors(clean_out.past_key_values)
-
-        groups = reasoning.split(span)  # each group of positions is masked together
-        g = 0
-        while g < len(groups):
-            start = int(groups[g][0])
-            c = max(1, max_chunk_tokens // (end - start))
-            chunk = groups[g : g + c]
-            seg = ids[:, start:].repeat(len(chunk), 1)  # (c, end - start)
-            for m, group in enumerate(chunk):
-                seg[m, group - start] = pad_token_id
-            cache = _cropped_cache(clean_kv, start, len(chunk))
-            logits = model(
-                input_ids=seg,
-                attention_mask=mask.expand(len(chunk), -1),
-                position_ids=pos[:, start:].expand(len(chunk), -1),
-                past_key_values=cache,
-                use_cache=cache is not None,
-                logits_to_keep=keep,
-            ).logits
-            s = divergence(clean, outcome(logits, targets.expand(len(chunk), -1), valid.expand(len(chunk), -1), probe), probe)
-            for m, group in enumerate(chunk):
-                scores[b, group] = s[m].float()
-            g += len(chunk)
+        if reasoning.numel():
+            rows.append(_Row(b, max(a0, 1), end, reasoning.split(span)))
+    with _eval_mode(model):  # caches are needed, and checkpointed layers drop them in training mode
+        for block in _blocks(rows, max_chunk_tokens):
+            _score_block(model, block, input_ids, attention_mask, answer_mask, scores, probe, pad_token_id, max_chunk_tokens)
     return scores
+
+
+@contextmanager
+def _eval_mode(model):
+    """Run with every module in eval mode, then give each module its own mode back."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@dataclass
+class _Row:
+    b: int  # row of the batch
+    a0: int  # first answer token (>= 1: position a0 - 1 predicts it)
+    end: int  # last answer token; the row is cut after position end - 1
+    groups: tuple[torch.Tensor, ...]  # reasoning positions masked together (one copy each)
+
+
+def _blocks(rows: list[_Row], budget: int):
+    """Consecutive rows whose clean passes (rows x longest) fit in `budget` positions (>= 1 row)."""
+    block: list[_Row] = []
+    for row in rows:
+        if block and (len(block) + 1) * max(row.end, max(r.end for r in block)) > budget:
+            yield block
+            block = []
+        block.append(row)
+    if block:
+        yield block
+
+
+def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, probe, pad_token_id, budget):
+    """Clean pass over the block's rows, then every masked copy of those rows, packed in chunks."""
+    decoder, head = model.get_decoder(), _head(model)
+    idx = torch.tensor([r.b for r in block], device=input_ids.device)
+    width = max(r.end for r in block)
+    ids, mask = input_ids[idx, :width], attention_mask[idx, :width]  # (n, W)
+    pos = position_ids(mask)
+    k = max(r.end - r.a0 + 1 for r in block)
+    keep = torch.stack([_arange_padded(r.a0 - 1, r.end, k, input_ids.device) for r in block])  # (n, K) positions
+    targets = input_ids[idx[:, None], keep + 1]  # (n, K): the tokens those positions predict
+    count = torch.tensor([r.end - r.a0 + 1 for r in block], device=idx.device)[:, None]  # real entries of `keep`
+    valid = answer_mask[idx[:, None], keep + 1] & (torch.arange(k, device=idx.device)[None] < count)
+
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    rows_n = torch.arange(len(block), device=idx.device)[:, None]
+    clean = outcome(head(out.last_hidden_state[rows_n, keep]), targets, valid, probe)  # (n, V) or (n,)
+    kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]  # (n, heads, W, d) each
+
+    # One copy per masked group: recompute from s = min(first masked, a0 - 1) to end - 1.
+    copies = [(n, g, min(int(g[0]), r.a0 - 1)) for n, r in enumerate(block) for g in r.groups]
+    copies.sort(key=lambda c: block[c[0]].end - c[2], reverse=True)  # longest recomputation first
+    for chunk in _chunks(copies, block, budget):
+        n_of = torch.tensor([c[0] for c in chunk], device=idx.device)  # (c,) block row of each copy
+        start = torch.tensor([c[2] for c in chunk], device=idx.device)  # (c,)
+        length = torch.tensor([block[c[0]].end - c[2] for c in chunk], device=idx.device)
+        s, n = int(start.max()), int(length.max())
+        # Cached prefix of copy m: clean positions 0 .. start_m - 1, left-padded to s (pads masked out).
+        src = torch.arange(s, device=idx.device)[None] - (s - start[:, None])  # (c, S)
+        cache_mask = (src >= 0) & mask[n_of[:, None], src.clamp(min=0)].bool()
+        # Recomputed part: positions start_m .. end_m - 1, right-filled with pads (causal: they
+        # cannot reach a real position); the masked group is replaced by the pad token.
+        col = start[:, None] + torch.arange(n, device=idx.device)[None]  # (c, N)
+        real = col < torch.tensor([block[c[0]].end for c in chunk], device=idx.device)[:, None]
+        colc = col.clamp(max=width - 1)
+        q_ids = torch.where(real, ids[n_of[:, None], colc], pad_token_id)
+        for m, (_, group, _) in enumerate(chunk):
+            q_ids[m, group - int(start[m])] = pad_token_id
+        q_mask = torch.where(real, mask[n_of[:, None], colc], 1)
+        q_pos = pos[n_of[:, None], colc] + (col - colc)  # the fill continues the positions
+        cache = None
+        if s > 0:
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+            for layer, (key, value) in enumerate(kv):
+                cache.update(key[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2),
+                             value[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2), layer)
+        hidden = decoder(input_ids=q_ids, attention_mask=torch.cat([cache_mask.long(), q_mask.long()], 1), position_ids=q_pos,
+                         past_key_values=cache, use_cache=cache is not None).last_hidden_state  # (c, N, H)
+        at = (keep[n_of] - start[:, None]).clamp(min=0)  # (c, K) answer-predicting positions in the chunk
+        masked = outcome(head(hidden[torch.arange(len(chunk), device=idx.device)[:, None], at]), targets[n_of], valid[n_of], probe)
+        s_m = divergence(clean[n_of], masked, probe).float()
+        for m, (row_n, group, _) in enumerate(chunk):
+            scores[block[row_n].b, group] = s_m[m]
+
+
+def _chunks(copies, block, budget: int):
+    """Consecutive copies (sorted by recomputed length) with copies x (longest prefix + longest
+    recomputation) <= budget positions, at least one copy each."""
+    chunk, s, n = [], 0, 0
+    for c in copies:
+        s2, n2 = max(s, c[2]), max(n, block[c[0]].end - c[2])
+        if chunk and (len(chunk) + 1) * (s2 + n2) > budget:
+            yield chunk
+            chunk, s2, n2 = [], c[2], block[c[0]].end - c[2]
+        chunk.append(c)
+        s, n = s2, n2
+    if chunk:
+        yield chunk
+
+
+def _arange_padded(lo: int, hi: int, k: int, device) -> torch.Tensor:
+    """lo, lo+1, ..., hi-1, then repeats of hi-1 up to length k (padding the answer positions)."""
+    return torch.arange(lo, lo + k, device=device).clamp(max=hi - 1)
+
+
+def _head(model):
+    """The output head as a function of final hidden states (B, K, H) -> logits (B, K, V)."""
+    linear = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if not cap:
+        return linear
+    return lambda h: cap * torch.tanh(linear(h) / cap)
 
 
 @torch.no_grad()
@@ -120,22 +222,3 @@ def perturbation_scores_naive(
             masked = outcome_from_logits(logits, ids, answer_mask[row].expand(n, -1), probe)
             scores[b, js] = divergence(clean, masked, probe).float()
     return scores
-
-
-def _kv_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer, each (1, heads, positions, head_dim), from a transformers cache."""
-    if hasattr(cache, "layers"):  # transformers >= 4.56
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))
-
-
-def _cropped_cache(kv: list[tuple[torch.Tensor, torch.Tensor]], length: int, copies: int):
-    """A fresh DynamicCache holding the first `length` positions of `kv`, repeated `copies` times."""
-    if length == 0:
-        return None
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(kv):
-        cache.update(k[:, :, :length].expand(copies, -1, -1, -1), v[:, :, :length].expand(copies, -1, -1, -1), i)
-    return cache
