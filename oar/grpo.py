@@ -48,18 +48,41 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
     """log softmax(logits)[labels] for every position. logits (B, T, V), labels (B, T) -> (B, T) float32.
 
-    Works on `chunk_rows` rows at a time, as logit[label] - logsumexp(logits), so no (B, T, V)
-    log-softmax copy ever exists (the logits themselves are the caller's). The logsumexp runs in
-    float32 whatever the logits' dtype, so bfloat16 logits lose no more than their own rounding.
-    Differentiable: the backward of each chunk recomputes its softmax.
+    Computed as logit[label] - logsumexp(logits), `chunk_rows` rows at a time, in float32 whatever
+    the logits' dtype (bfloat16 logits lose no more than their own rounding). No (B, T, V) tensor
+    besides the caller's logits exists in the forward, and the backward saves only the logits
+    (already alive) and the (B, T) logsumexp: it recomputes each chunk's softmax and writes the
+    gradient, softmax(z) * -g plus g at the label, straight into one (B, T, V) gradient. (Plain
+    autograd would keep a float32 copy of bfloat16 logits for the backward: twice their size.)
     """
     assert logits.shape[:-1] == labels.shape, (logits.shape, labels.shape)
-    out = []
-    for rows, lab in zip(logits.split(chunk_rows), labels.split(chunk_rows)):
-        rows = rows.float()
-        picked = rows.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
-        out.append(picked - torch.logsumexp(rows, dim=-1))
-    return torch.cat(out)
+    return _TokenLogprobs.apply(logits, labels, chunk_rows)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_rows):
+        lse = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)  # (B, T)
+        picked = torch.empty_like(lse)
+        for i in range(0, logits.shape[0], chunk_rows):
+            rows = logits[i : i + chunk_rows].float()
+            lse[i : i + chunk_rows] = torch.logsumexp(rows, dim=-1)
+            picked[i : i + chunk_rows] = rows.gather(-1, labels[i : i + chunk_rows].unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk_rows = chunk_rows
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for i in range(0, logits.shape[0], ctx.chunk_rows):
+            sl = slice(i, i + ctx.chunk_rows)
+            g = grad_out[sl].float().unsqueeze(-1)  # (b, T, 1)
+            chunk = torch.exp(logits[sl].float() - lse[sl].unsqueeze(-1)).mul_(-g)  # d/dz of -lse
+            chunk.scatter_add_(-1, labels[sl].unsqueeze(-1), g)  # d/dz of z[label]
+            grad[sl] = chunk
+        return grad, None, None
 
 
 @torch.no_grad()
