@@ -1,0 +1,337 @@
+"""The built-in policy `tiny-arith`: a ~1M-parameter Llama warm-started on `arith` in minutes on a CPU.
+
+It exists so that every part of the project (sampling, GRPO, OAR-P, OAR-G, the tests, a real
+learning curve) runs offline and fast, through exactly the code paths a hub model takes: the
+saved folder loads with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(dir)`.
+
+- Tokenizer: one token per character (printable ASCII and newline) plus `<pad>`, `<eos>`,
+  `<unk>`, built with `tokenizers` and wrapped in `PreTrainedTokenizerFast`. No BOS, nothing added
+  around the text, no clean-up on decode, so `decode(encode(s)) == s` for every ASCII string, and
+  every digit of an answer is its own token (the answer span of SPEC §2 is one token per digit).
+  Its padding side is left, as generation needs.
+- Chat template: a user turn renders as `Q: <problem>\\n`, the generation prompt is `A:\\n`, an
+  assistant turn is its content then `<eos>`. The model is trained to complete
+  `Q: Compute (3 + 4) * 2.\\nA:\\n` with the worked solution of `arith_solution` and `<eos>`.
+- Warm start: supervised training (AdamW, loss on completion tokens only) on arith TRAIN problems
+  of 1-3 operations, shorter than the default RL/eval difficulty (DEFAULT_ARITH, 2-3
+  operations). Why: the one-operation problems teach the line format and each operation fast,
+  and a fixed, short budget then leaves the model only partly right on 2-3 operations (held-out
+  greedy accuracy in the 25-40% range), which gives RL signal in most groups and room to improve.
+- Deterministic from `seed` (torch.manual_seed for the weights, the arith seed for the data
+  order) for a given number of threads; the build is CPU-only on purpose for that reason.
+
+The cache folder is named by BUILDER_VERSION: bump it whenever the recipe, the tokenizer or the
+task changes, so a stale model is rebuilt rather than silently reused.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution
+from oar.data import Problem
+
+BUILDER_VERSION = "tiny-arith-v2"
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
+CHARACTERS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{{ 'Q: ' + message['content'] + '\\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ 'A:\\n' + message['content'] + eos_token }}"
+    "{%- else -%}{{ raise_exception('tiny-arith knows only user and assistant turns, got ' "
+    "+ message['role'] + '; put the instructions in the user turn.') }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'A:\\n' }}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class TinyArithRecipe:
+    """How tiny-arith is built. The defaults are the published model; tests shrink them."""
+
+    hidden_size: int = 128
+    """Width of the residual stream; the MLP is 4x wider."""
+    num_layers: int = 3
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads (no grouped-query sharing)."""
+    steps: int = 720
+    """Optimizer steps of supervised training: the knob that sets how competent the model is."""
+    batch_size: int = 64
+    """Problems per step; each is seen once (the train problems are distinct)."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate, reached after `warmup_steps`, then cosine decay to 0."""
+    warmup_steps: int = 50
+    """Linear warm-up steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    train_arith: ArithConfig = field(default_factory=lambda: ArithConfig(min_ops=1, max_ops=3))
+    """Difficulty of the supervised problems (easier than DEFAULT_ARITH, see the module doc)."""
+    eval_arith: ArithConfig = DEFAULT_ARITH
+    """Difficulty at which the held-out accuracy in build_info.json is measured."""
+    eval_problems: int = 500
+    """Held-out (test split) problems for the accuracy estimate (binomial sd ~2 points at 500)."""
+    num_threads: int = 2
+    """torch threads during the build; fixed because the float results depend on it."""
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer, with pad/eos/unk, the chat template and left padding."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # 1 char = 1 token
+    core.decoder = decoders.Fuse()  # join tokens with nothing between them (WordLevel adds spaces)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                  unk_token="<unk>", padding_side="left",
+                                  clean_up_tokenization_spaces=False)  # keep " ." and " *" as is
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_model(tok: PreTrainedTokenizerFast, recipe: TinyArithRecipe) -> LlamaForCausalLM:
+    """A freshly initialised small Llama with tied embeddings, sized by `recipe`."""
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=recipe.hidden_size,
+        intermediate_size=4 * recipe.hidden_size, num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_heads,
+        max_position_embeddings=512, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+def prompt_text(tok: PreTrainedTokenizerFast, problem: str) -> str:
+    """The prompt the model sees for `problem`: its chat template with the generation prompt."""
+    return tok.apply_chat_template([{"role": "user", "content": problem}],
+                                   add_generation_prompt=True, tokenize=False)
+
+
+def sft_batch(tok: PreTrainedTokenizerFast, problems: list[Problem]) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask, labels (B, T); labels are -100 off the completion.
+
+    The completion is the worked solution and `<eos>`: stopping is learned like any token.
+    """
+    prompts = tok([prompt_text(tok, p.problem) for p in problems]).input_ids
+    completions = tok([arith_solution(p) for p in problems]).input_ids
+    rows = [(p, c + [tok.eos_token_id]) for p, c in zip(prompts, completions)]
+    width = max(len(p) + len(c) for p, c in rows)
+    input_ids = torch.full((len(rows), width), tok.pad_token_id)  # (B, T)
+    labels = torch.full((len(rows), width), -100)  # (B, T)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
+    for i, (p, c) in enumerate(rows):
+        input_ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+        attention_mask[i, :len(p) + len(c)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def final_answer(completion: str) -> str | None:
+    """The text after the last '####' up to the end of its line, stripped; None without a marker."""
+    if "####" not in completion:
+        return None
+    return completion.rsplit("####", 1)[1].split("\n", 1)[0].strip()
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, problems: list[Problem], *, max_new_tokens: int,
+                    batch_size: int = 256) -> float:
+    """Fraction of `problems` whose greedy completion's final answer equals the gold exactly."""
+    model.eval()
+    correct = 0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start:start + batch_size]
+        enc = tok([prompt_text(tok, p.problem) for p in chunk], return_tensors="pt",
+                  padding=True, padding_side="left")
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        correct += sum(final_answer(t) == p.answer for t, p in zip(texts, chunk))
+    return correct / len(problems)
+
+
+def batches_by_length(problems: list[Problem], batch_size: int, seed: int) -> list[list[Problem]]:
+    """Batches of problems with the same number of operations, in a seeded random order.
+
+    Why: a batch is padded to its longest row, and a 3-operation row is ~25% longer than a
+    2-operation one, so batching by length saves that much padding compute, at no cost in quality.
+    """
+    ordered = sorted(problems, key=lambda p: sum(map(p.problem.count, "+-*")))  # stable sort
+    batches = [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def train(model, tok, problems: list[Problem], recipe: TinyArithRecipe, seed: int,
+          log: Callable[[str], None] | None = None) -> list[float]:
+    """Supervised training, one step per batch of `batches_by_length`; returns the step losses.
+
+    `log`, if given, receives a progress line every 100 steps (a build takes minutes).
+    """
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
+                                  weight_decay=recipe.weight_decay)
+
+    def lr_factor(step: int) -> float:  # linear warm-up, then cosine from 1 to 0
+        if step < recipe.warmup_steps:
+            return (step + 1) / recipe.warmup_steps
+        progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    losses, started = [], time.perf_counter()
+    for step, chunk in enumerate(batches_by_length(problems, recipe.batch_size, seed)):
+        batch = sft_batch(tok, chunk)
+        loss = model(**batch).loss  # mean over the batch's completion tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if log and (step + 1) % 100 == 0:
+            log(f"tiny-arith: step {step + 1}/{recipe.steps}, loss {loss.item():.3f}, "
+                f"{time.perf_counter() - started:.0f} s")
+    return losses
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """Run with `n` torch threads, then restore the caller's setting (it is process-global)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_tiny_arith(out_dir: str | Path, *, seed: int = 0, recipe: TinyArithRecipe = TinyArithRecipe(),
+                     overwrite: bool = False, log: Callable[[str], None] | None = None) -> dict:
+    """Train tiny-arith and save it to `out_dir` atomically; returns what build_info.json holds.
+
+    `log` receives progress lines (e.g. `print`); the default is silent.
+
+    The model is written to a fresh temporary folder beside `out_dir` and renamed into place, so a
+    killed build never leaves a folder that looks complete. If `out_dir` appears while we train
+    (another process built it), that build is kept and ours discarded.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists; remove it or pass overwrite=True "
+                              f"(--overwrite on the command line) to rebuild it.")
+    started = time.perf_counter()
+    with _torch_threads(recipe.num_threads):
+        torch.manual_seed(seed)
+        tok = make_tokenizer()
+        model = make_model(tok, recipe)
+        problems = arith_problems(recipe.steps * recipe.batch_size, split="train", seed=seed,
+                                  config=recipe.train_arith)
+        losses = train(model, tok, problems, recipe, seed, log)
+        train_s = time.perf_counter() - started
+        held_out = arith_problems(recipe.eval_problems, split="test", seed=seed,
+                                  config=recipe.eval_arith)
+        # A bound on the solution length: a line per op ("999 * 9 = 8991\n" is 15) and "#### N".
+        accuracy = greedy_accuracy(model, tok, held_out,
+                                   max_new_tokens=20 * recipe.eval_arith.max_ops + 16)
+    info = {
+        "builder": BUILDER_VERSION, "seed": seed, "recipe": asdict(recipe),
+        "heldout_accuracy": accuracy, "heldout_problems": len(held_out),
+        "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "train_seconds": round(train_s, 1),
+        "build_seconds": round(time.perf_counter() - started, 1),
+        "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tok),
+        "torch_threads": recipe.num_threads,
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the published folder should read like any other
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        _publish(tmp, out_dir, overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a no-op once renamed
+    return info
+
+
+def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Rename the finished `tmp` to `out_dir`; keep an existing build unless `overwrite`."""
+    if overwrite and out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old / out_dir.name)  # move aside first: a dir cannot replace a full dir
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        if not is_complete(out_dir):
+            raise  # not the benign race: something else is in the way
+        # Another process published first; its build is as good as ours (same seed and recipe).
+
+
+def is_complete(model_dir: Path) -> bool:
+    """Whether `model_dir` holds a finished build (build_info.json is written last, then renamed)."""
+    return (Path(model_dir) / "build_info.json").is_file()
+
+
+def default_model_dir() -> Path:
+    """Where the built model is cached: `$OAR_CACHE` or `~/.cache/oar`, then BUILDER_VERSION."""
+    root = os.environ.get("OAR_CACHE") or Path.home() / ".cache" / "oar"
+    return Path(root).expanduser() / BUILDER_VERSION
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive advisory lock so concurrent processes build once, not once each."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename alone still prevents a corrupt folder
+        yield
+        return
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_tiny_arith(model_dir: str | Path | None = None) -> Path:
+    """The folder of the built tiny-arith model (default `default_model_dir()`), built if absent.
+
+    Safe to call from several processes at once (e.g. `accelerate launch`): one builds, the others
+    wait on a lock file and then find the finished folder.
+    """
+    path = Path(model_dir) if model_dir is not None else default_model_dir()
+    if is_complete(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(path.parent / f".{path.name}.lock"):
+        if is_complete(path):  # built by another process while we waited for the lock
+            return path
+        if path.exists():
+            raise FileExistsError(f"{path} exists but holds no finished tiny-arith build (no "
+                                  f"build_info.json); remove the folder and it will be rebuilt.")
+        print(f"oar: building tiny-arith into {path} (first use; a few minutes on a CPU)...",
+              file=sys.stderr, flush=True)
+        info = build_tiny_arith(path, log=lambda line: print(line, file=sys.stderr, flush=True))
+        print(f"oar: built tiny-arith in {info['build_seconds']:.0f} s, held-out accuracy "
+              f"{info['heldout_accuracy']:.1%}", file=sys.stderr, flush=True)
+    return path
