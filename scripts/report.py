@@ -137,6 +137,9 @@ def write(root, out, *, scale: str = "default", command: str = "--stage report")
     if attr_rows:
         images["attribution"] = plots.attribution_bars(attr_rows, out / "attribution.png")
     (out / "README.md").write_text(markdown(summary, abl_rows, attr_rows, images, out))
+    # The same section with links from the repository root, to paste into the main README.
+    section = markdown(summary, abl_rows, attr_rows, images, out, at=f"{out.as_posix()}/")
+    (out / "main_readme_section.md").write_text("\n".join("#" + ln if ln.startswith("#") else ln for ln in section.splitlines()) + "\n")
     print(f"[study] report: {out}/ (summary.json, README.md, {len(images)} plots); missing runs: {len(missing)}", flush=True)
     return summary
 
@@ -165,7 +168,8 @@ def verdict(name: str, v: dict) -> str:
     return gap + ": not distinguishable from GRPO at this number of seeds."
 
 
-def markdown(summary: dict, abl_rows, attr_rows, images: dict, out: Path) -> str:
+def markdown(summary: dict, abl_rows, attr_rows, images: dict, out: Path, at: str = "") -> str:
+    """The results page; `at` prefixes every link (empty: links relative to `out` itself)."""
     s, methods = summary["setup"], summary["methods"]
     lines = ["# Evidence study: does OAR beat GRPO on arith?", "",
              f"Generated {summary['generated']} by `{summary['command']}` (scale `{summary['scale']}`) from the runs in "
@@ -191,7 +195,7 @@ def markdown(summary: dict, abl_rows, attr_rows, images: dict, out: Path) -> str
                          f"{np.mean(v['train_seconds']) / 60:.1f} min | {v.get('overhead_vs_grpo', math.nan):.2f}× | {np.mean(v['cpu_seconds']) / 60:.1f} min |")
         lines += ["", "Accuracies in %. Training time: the logged step times (evaluation excluded); CPU time: the whole run, "
                   "evaluations included (steadier than wall-clock on shared cores). " + " ".join(verdict(m, v) for m, v in methods.items() if m != "grpo"), ""]
-        lines += [f"![held-out accuracy]({images['accuracy'].name})", "", f"![entropy, ESS, reward]({images['training'].name})", ""]
+        lines += [f"![held-out accuracy]({at}{images['accuracy'].name})", "", f"![entropy, ESS, reward]({at}{images['training'].name})", ""]
     if abl_rows:
         seeds = sorted({r["seed"] for r in abl_rows})
         lines += [f"## Ablations (OAR-G, seeds {', '.join(map(str, seeds))})", "", "| varies | setting | run | accuracy after (per seed) | mean |", "|---|---|---|---|---|"]
@@ -202,7 +206,7 @@ def markdown(summary: dict, abl_rows, attr_rows, images: dict, out: Path) -> str
             lines.append(f"| {g} | {label} | `{run}` | {', '.join(_pct(a) for a in acc)} | {_pct(float(np.mean(acc)))} |")
         lines += ["", "Rows whose run is `oar-g` are the main OAR-G runs (same settings). "
                   "Suppress-only with mass preservation still raises the unsuppressed tokens (the rescale).", "",
-                  f"![ablations]({images['ablations'].name})", ""]
+                  f"![ablations]({at}{images['ablations'].name})", ""]
     if attr_rows:
         lines += ["## Attribution quality (starting model, known pivotal tokens)", "",
                   "Pivotal = the digits of each computed result (after ` = `), labelled on each rollout's own text; metrics over "
@@ -215,10 +219,10 @@ def markdown(summary: dict, abl_rows, attr_rows, images: dict, out: Path) -> str
             share = f"{r['pivotal_frac']:.2f}" if "pivotal_frac" in r else ""
             lines.append(f"| {r['source']} | {r['probe']} | {r['scorer']} | {r['rollouts']} | {share} | "
                          f"{f(r, 'precision_at_k')} | {f(r, 'roc_auc')} | {f(r, 'spearman')} | {f(r, 'top20_overlap')} |")
-        lines += ["", f"![attribution]({images['attribution'].name})", ""]
+        lines += ["", f"![attribution]({at}{images['attribution'].name})", ""]
     if (out / "heatmap.png").exists():
         lines += ["## What OAR boosts and suppresses", "", "`python scripts/heatmap.py --run runs/study/oar-g-s0` "
-                  "(hover the tokens in [heatmap.html](heatmap.html) for their weights).", "", "![token heatmap](heatmap.png)", ""]
+                  f"(hover the tokens in [heatmap.html]({at}heatmap.html) for their weights).", "", f"![token heatmap]({at}heatmap.png)", ""]
     if summary["missing_runs"]:
         lines += [f"Not finished yet (left out above): {', '.join(summary['missing_runs'])}.", ""]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The evidence study of issue 6: does OAR beat GRPO on arith? One script, resumable, in stages.
 
     python scripts/study.py --stage main          # GRPO, OAR-G, OAR-P x seeds 0 1 2, same rollout budget
-    python scripts/study.py --stage ablations     # OAR-G gating and probe variants x seeds 0 1
+    python scripts/study.py --stage ablations     # OAR-G gating and probe variants, seed 0 (--ablation_seeds 0 1: two)
     python scripts/study.py --stage attribution   # OAR-P / OAR-G scores vs the known pivotal tokens
     python scripts/study.py --stage report        # docs/results/: summary.json, CSVs, PNGs, README.md
     nohup python scripts/study.py --stage all > study.log 2>&1 &     # all four, in the background
@@ -17,6 +17,8 @@ Runs: each is runs/study/<name>-s<seed>/, train.py's output_dir, run as a child 
 ends that run only; the rest go on and the exit status is 1). A run with summary.json is done and
 skipped; one with a checkpoint is resumed with --resume; one with neither is deleted and restarted.
 Runs go seed by seed, so every method is timed early; after each run the remaining time is estimated.
+Ablation variants are OAR-G runs that differ from the main oar-g run in one setting (a variant equal
+to it IS that run); they are compared on final accuracy only, so they skip evaluations in between.
 
 Held-out data: arith's test split (train.py's default eval set, disjoint from train by hash) is only
 evaluated. No setting is chosen on it: every run uses train.py's defaults or an ablation fixed below.
@@ -29,6 +31,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -75,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="train.py settings for every run")
     p.add_argument("--model", default="tiny-arith", help="policy every run starts from (train.py --model)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds of the main comparison")
-    p.add_argument("--ablation_seeds", nargs="+", type=int, default=[0, 1], help="seeds of each ablation")
+    p.add_argument("--ablation_seeds", nargs="+", type=int, default=[0], help="seeds of each ablation (1 fits the time budget; 0 1 for 2)")
     p.add_argument("--eval_points", type=int, default=6, help="held-out evaluations during training (eval_every = steps // this)")
     p.add_argument("--attr_problems", type=int, default=None, help="rollouts for the attribution stage (default 300; tiny 24)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per run (2 shared cores: 2)")
@@ -100,6 +103,8 @@ def base_settings(args) -> dict:
         if key not in types or not _:
             raise SystemExit(f"study.py: error: --set {item}: expected KEY=VALUE with KEY a train.py setting (python train.py --help).")
         settings[key] = value.lower() in ("1", "true", "yes") if types[key] is bool else types[key](value)
+    if args.scale == "default" and settings.get("eval_size", Config.eval_size) < 500:
+        print("[study] warning: fewer than 500 held-out problems per evaluation; the study asks for >= 500.", flush=True)
     steps = settings.get("steps", Config.steps)
     settings.setdefault("eval_every", max(1, steps // max(1, args.eval_points)))
     return settings
@@ -111,14 +116,20 @@ def plan(stage: str, args) -> list[dict]:
     if stage == "main":
         return [{"name": m, "seed": s, "group": "method", "label": m, "settings": args.base | {"method": m}}
                 for s in args.seeds for m in METHODS]
-    reference = effective(args.base | {"method": "oar-g"})
+    reference = args.base | {"method": "oar-g"}
+    names = {_trained(reference): ("oar-g", reference)}  # what is trained -> (run name, settings)
     runs = []
     for seed in args.ablation_seeds:
         for key, (group, label, over) in ABLATIONS.items():
-            settings = args.base | {"method": "oar-g"} | over
-            name = "oar-g" if effective(settings) == reference else f"abl-{key}"
+            # Only the final accuracy of a variant is compared: no evaluation during training.
+            name, settings = names.setdefault(_trained(reference | over), (f"abl-{key}", reference | over | {"eval_every": 0}))
             runs.append({"name": name, "seed": seed, "group": group, "label": label, "settings": settings})
     return runs
+
+
+def _trained(settings: dict) -> str:
+    """The settings that change what is trained (not evaluation, logging or batching), as a key."""
+    return json.dumps({k: v for k, v in effective(settings).items() if k not in RESUMABLE - {"steps"}}, sort_keys=True)
 
 
 def effective(settings: dict) -> dict:
@@ -145,7 +156,7 @@ def run_one(args, run) -> str:
         wrong = {k: (v, saved.get(k)) for k, v in effective(run["settings"] | {"seed": run["seed"]}).items()
                  if k not in ignore and saved.get(k) != v}
         built = json.loads((out / "study_time.json").read_text()).get("model") if (out / "study_time.json").exists() else None
-        if built not in (None, model_ident(run["settings"]["model"])):
+        if None not in (built, model_ident(run["settings"]["model"])) and built != model_ident(run["settings"]["model"]):
             wrong["model build"] = (model_ident(run["settings"]["model"]), built)
         if wrong:
             raise SystemExit(f"study.py: error: {out} is a finished run with other settings {wrong} (wanted, found); "
@@ -159,12 +170,14 @@ def run_one(args, run) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     print(f"[study] {'resume' if resume else 'start '} {out.name}: {' '.join(cmd[1:])}", flush=True)
     start, cpu = time.time(), _child_cpu()
-    with open(out / "train.log", "a") as log:
-        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    before = json.loads((out / "study_time.json").read_text()) if (out / "study_time.json").exists() else {}
-    timing = {"seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
-              "invocations": before.get("invocations", 0) + 1, "model": model_ident(run["settings"]["model"])}
-    write_json_atomic(out / "study_time.json", timing)
+    try:
+        with open(out / "train.log", "a") as log:
+            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    finally:  # also when the study is stopped: a resumed run's time adds up over its invocations
+        before = json.loads((out / "study_time.json").read_text()) if (out / "study_time.json").exists() else {}
+        write_json_atomic(out / "study_time.json", {
+            "seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
+            "invocations": before.get("invocations", 0) + 1, "model": model_ident(run["settings"]["model"])})
     if code != 0:
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail), flush=True)
@@ -179,13 +192,22 @@ def _child_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def model_ident(model: str) -> str:
-    """tiny-arith is rebuilt when its recipe changes (a new BUILDER_VERSION): a finished run must match."""
+def model_ident(model: str) -> str | None:
+    """What a run started from: the name, or for tiny-arith its builder version and a hash of the
+    recipe it was built with (a recipe change without a version bump must not pass as the same
+    model); None while tiny-arith is not built (nothing to compare)."""
     if model != "tiny-arith":
         return model
-    from oar.tiny_arith import BUILDER_VERSION
+    import hashlib
 
-    return BUILDER_VERSION
+    from oar.tiny_arith import BUILDER_VERSION, default_model_dir
+
+    info = default_model_dir() / "build_info.json"
+    if not info.exists():
+        return None
+    built = json.loads(info.read_text())
+    digest = hashlib.sha1(json.dumps([built["recipe"], built["seed"]], sort_keys=True).encode()).hexdigest()[:10]
+    return f"{BUILDER_VERSION}:{digest}"
 
 
 def estimate(args, runs: list[dict]) -> str:
@@ -216,6 +238,10 @@ def stage_runs(stage: str, args) -> bool:
             print("  " + " ".join(command(r["settings"], run_dir(args, r), r["seed"], False)[1:]))
         return True
     args.root.mkdir(parents=True, exist_ok=True)
+    if args.model == "tiny-arith":  # build it here once (minutes), so no run's wall-clock includes the build
+        from oar.tiny_arith import ensure_tiny_arith
+
+        ensure_tiny_arith()
     write_json_atomic(args.root / f"plan-{stage}.json", {"scale": args.scale, "base": args.base, "runs": runs})
     print(f"[study] {stage}: {len(unique)} runs under {args.root}; {estimate(args, unique)}", flush=True)
     ok = True
@@ -255,13 +281,18 @@ def stage_attribution(args) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # `kill <pid>` of a background study: exit through Python, so subprocess.run kills the running
+    # train.py too (no orphan writing into a run folder); the run then resumes from its checkpoint.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     stages = ["attribution", "main", "ablations", "report"] if args.stage == "all" else [args.stage]
     ok = True
     for stage in stages:
         if stage == "report":
             if not args.dry_run:
-                from scripts import report
+                from scripts import heatmap, report
 
+                if (args.root / "oar-g-s0" / "final").is_dir():  # the picture of what OAR reweights, from a trained run
+                    heatmap.main(["--run", str(args.root / "oar-g-s0"), "--out", str(args.out / "heatmap")])
                 report.write(args.root, args.out, scale=args.scale, command=' '.join(sys.argv[1:]))
         elif stage == "attribution":
             ok &= stage_attribution(args)
