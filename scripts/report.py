@@ -38,7 +38,8 @@ def read_run(path: Path) -> dict | None:
     return {"dir": path, "config": json.loads((path / "config.json").read_text()),
             "summary": json.loads((path / "summary.json").read_text()), "rows": rows,
             "wall_seconds": json.loads(timing.read_text())["seconds"] if timing.exists() else math.nan,
-            "cpu_seconds": json.loads(timing.read_text()).get("cpu_seconds", math.nan) if timing.exists() else math.nan}
+            "cpu_seconds": json.loads(timing.read_text()).get("cpu_seconds", math.nan) if timing.exists() else math.nan,
+            "code": json.loads(timing.read_text()).get("code", []) if timing.exists() else []}
 
 
 def accuracy_curve(run: dict) -> list[tuple[int, float]]:
@@ -117,7 +118,8 @@ def write(root, out, *, scale: str = "default", command: str = "--stage report")
     summary = {"generated": time.strftime("%Y-%m-%d %H:%M"), "scale": scale, "root": str(root), "command": f"python scripts/study.py {command}", "setup": setup,
                "held_out": {"data": "arith test split (disjoint from train by expression hash)", "problems": setup.get("eval_size"),
                             "decoding": "greedy", "use": "evaluation only; no setting was chosen on it"},
-               "methods": table, "ablations": abl_rows, "attribution": attribution, "missing_runs": missing}
+               "methods": table, "ablations": abl_rows, "attribution": attribution, "missing_runs": missing,
+               "code_versions": sorted({c for r in runs.values() if r for c in r["code"]})}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _csv(out / "main_runs.csv", [{"method": m, "seed": s, "accuracy_before": b, "accuracy_after": a, "train_seconds": round(t, 1),
                                   "wall_seconds": round(w, 1), "cpu_seconds": round(c, 1)} for m, v in table.items()
@@ -223,6 +225,10 @@ def markdown(summary: dict, abl_rows, attr_rows, images: dict, out: Path, at: st
     if (out / "heatmap.png").exists():
         lines += ["## What OAR boosts and suppresses", "", "`python scripts/heatmap.py --run runs/study/oar-g-s0` "
                   f"(hover the tokens in [heatmap.html]({at}heatmap.html) for their weights).", "", f"![token heatmap]({at}heatmap.png)", ""]
+    if len(summary["code_versions"]) > 1:
+        lines += [f"**Warning:** these runs were made by {len(summary['code_versions'])} different versions of train.py / "
+                  f"oar/*.py ({', '.join(summary['code_versions'])}; see each run's study_time.json): rerun the odd ones "
+                  "(delete their folders) before trusting a comparison.", ""]
     if summary["missing_runs"]:
         lines += [f"Not finished yet (left out above): {', '.join(summary['missing_runs'])}.", ""]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ evaluated. No setting is chosen on it: every run uses train.py's defaults or an 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -177,13 +178,23 @@ def run_one(args, run) -> str:
         before = json.loads((out / "study_time.json").read_text()) if (out / "study_time.json").exists() else {}
         write_json_atomic(out / "study_time.json", {
             "seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
-            "invocations": before.get("invocations", 0) + 1, "model": model_ident(run["settings"]["model"])})
+            "invocations": before.get("invocations", 0) + 1, "model": model_ident(run["settings"]["model"]),
+            "code": sorted(set(before.get("code", [])) | {code_version()})})
     if code != 0:
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail), flush=True)
         return "failed"
     print(f"[study] done   {out.name} in {(time.time() - start) / 60:.1f} min", flush=True)
     return "ok"
+
+
+def code_version() -> str:
+    """A hash of the code a run executes (train.py, oar/*.py), committed or not: the report warns
+    when the runs it compares were made by different code (the tree may change during a study)."""
+    digest = hashlib.sha1()
+    for path in [ROOT / "train.py", *sorted((ROOT / "oar").glob("*.py"))]:
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def _child_cpu() -> float:
@@ -198,8 +209,6 @@ def model_ident(model: str) -> str | None:
     model); None while tiny-arith is not built (nothing to compare)."""
     if model != "tiny-arith":
         return model
-    import hashlib
-
     from oar.tiny_arith import BUILDER_VERSION, default_model_dir
 
     info = default_model_dir() / "build_info.json"
@@ -272,7 +281,7 @@ def stage_attribution(args) -> bool:
     model, tokenizer = load_model(args.model)
     max_new = args.base.get("max_new_tokens", Config.max_new_tokens)
     result = attribution.run(model, tokenizer, n=args.attr_problems, seed=0, max_new_tokens=max_new)
-    result |= {"model": args.model, "seconds": time.time() - start}
+    result |= {"model": args.model, "model_build": model_ident(args.model), "code": code_version(), "seconds": time.time() - start}
     args.root.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, result)
     print(f"[study] attribution: {out} in {result['seconds']:.0f} s", flush=True)
