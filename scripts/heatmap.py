@@ -98,8 +98,8 @@ def render_html(data: dict, title: str) -> str:
         panels.append(f'<div class="panel"><h3>{label}</h3><p class="stats">boosted {st["frac_boosted"]:.0%}, suppressed '
                       f'{st["frac_suppressed"]:.0%}, max w {st["weight_max"]:.2f}, ESS {st["ess_ratio"]:.2f}</p>'
                       f'<div class="text">{"".join(spans)}</div></div>')
-    ticks = np.linspace(0, norm.vmax, 11)
-    gradient = ", ".join(f"{_color(w, norm)} {100 * w / norm.vmax:.0f}%" for w in ticks)
+    # The bar is laid out like the norm: 0 .. 1 on the left half, 1 .. vmax on the right half.
+    gradient = ", ".join(f"{to_hex(CMAP(p))} {100 * p:.0f}%" for p in np.linspace(0, 1, 11))
     g = data["gating"]
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>OAR token heatmap</title><style>
