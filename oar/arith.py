@@ -1,13 +1,13 @@
 """The built-in offline task `arith`: multi-step integer arithmetic with worked solutions.
 
-A problem is a left-nested chain of operations, e.g. `Compute ((37 + 48) - 15) * 2.`, whose gold
-answer is the integer result as a string ("140"). Its worked solution states every intermediate
+A problem is a left-nested chain of operations, e.g. `Compute ((37 + 8) - 5) * 2.`, whose gold
+answer is the integer result as a string ("80"). Its worked solution states every intermediate
 result on its own line and ends with the final-answer marker the rewards use:
 
-    37 + 48 = 85
-    85 - 15 = 70
-    70 * 2 = 140
-    #### 140
+    37 + 8 = 45
+    45 - 5 = 40
+    40 * 2 = 80
+    #### 80
 
 Why this task: it needs no download, a model of ~1M parameters learns it partly in minutes on a
 CPU, every answer is checkable exactly, and the reasoning span (the lines before `####`) really

@@ -11,6 +11,7 @@ skipped.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,10 +146,8 @@ def load_problems(name: str, *, split: str = "train", limit: int | None = None, 
         path = path / f"{split}.jsonl"
     if path.suffix == ".jsonl" or path.exists():
         return load_jsonl(path)[:limit]
-    try:
-        import datasets  # noqa: F401  (only probing whether hub datasets are an option)
-    except ImportError:
+    if importlib.util.find_spec("datasets") is None:
         raise DataError(f"{name!r}: not 'arith', not an existing .jsonl file or folder, and the "
                         f"`datasets` package is not installed for hub names; pass 'arith' or a "
-                        f"path to a .jsonl file (e.g. ../shared/data/gsm8k/test.jsonl).") from None
+                        f"path to a .jsonl file (e.g. ../shared/data/gsm8k/test.jsonl).")
     return _load_hf(name, split)[:limit]
