@@ -13,22 +13,16 @@ Legend: B rollouts, L sequence positions, H embedding width, V vocabulary.
 Why the noise: at delta = 0 the KL sits at its minimum (0) and its gradient is exactly 0; the noise
 makes the first-order signal non-zero. answer_joint needs none (noise_std = 0 is allowed).
 
-Cost (all exact, pinned by tests against a plain full-sequence backward): columns before the first
-noised or answer-predicting position cannot depend on the noise, so they run once without a graph
-and the graph starts there, attending to their cached keys/values (not possible with gradient
-checkpointing in training mode, which drops caches: then the whole row is in the graph); columns
-after the last answer-predicting position are cut; only the K answer-predicting positions of each
-row go through the output head, not every position x V.
-
-Deviations: the noise is drawn in float32 and added in the model's dtype. Rows without an answer
-token score 0.
+Deviations: the noise is drawn in float32 and added in the model's dtype; only positions from the
+earliest answer-predicting position on get logits (`logits_to_keep`), which changes nothing.
+Rows without an answer token score 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-from oar.models import position_ids
+from oar.models import forward_logits
 from oar.probes import answer_positions, check_probe, divergence, outcome
 
 
@@ -54,78 +48,33 @@ def gradient_scores(
     check_probe(probe)
     assert noise_std >= 0.0, f"noise_std must be >= 0, got {noise_std}"
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
-    scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     has_answer = answer_mask.any(dim=1)
     if not has_answer.any():
-        return scores
+        return torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
 
-    pos, valid = answer_positions(answer_mask)  # (B, K) positions of the logits that predict answers
+    pos, valid = answer_positions(answer_mask)  # (B, K)
     targets = input_ids.gather(1, (pos + 1).clamp(max=input_ids.shape[1] - 1))
-    end = int(pos[valid].max()) + 1  # inputs 0 .. end-1 are all the probe reads
-    noisy = reasoning_mask & has_answer.unsqueeze(1)
-    noisy[:, end:] = False  # a token at or after `end` cannot move the probe: its score is 0
-    first = min(int(pos[valid].min()), int(noisy.any(0).int().argmax()) if noisy.any() else end)
-    if first > 0 and model.training and _checkpointing(model):
-        first = 0  # checkpointed layers drop caches in training mode: keep every column in the graph
-    decoder, head = model.get_decoder(), _output_head(model)
-    pos_ids = position_ids(attention_mask[:, :end])
+    first = int(pos[has_answer, 0].min())
+    keep = input_ids.shape[1] - first  # logits from the earliest answer-predicting position on
     rows = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1)
-    at = (pos - first).clamp(min=0)  # (B, K) in the graph's columns
+
+    def probe_of(embeds: torch.Tensor) -> torch.Tensor:
+        logits = forward_logits(model, attention_mask=attention_mask, inputs_embeds=embeds, logits_to_keep=keep)
+        return outcome(logits[rows, (pos - first).clamp(min=0)], targets, valid, probe)
 
     with torch.no_grad():
-        e = model.get_input_embeddings()(input_ids[:, :end])  # (B, end, H)
-        prefix = None
-        if first > 0:  # the noise-free columns: once, without a graph
-            out = decoder(inputs_embeds=e[:, :first], attention_mask=attention_mask[:, :first],
-                          position_ids=pos_ids[:, :first], use_cache=True)
-            prefix = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-
-    def probe_of(embeds: torch.Tensor) -> torch.Tensor:  # embeds (B, end - first, H) -> outcome
-        hidden = decoder(inputs_embeds=embeds, attention_mask=attention_mask[:, :end], position_ids=pos_ids[:, first:],
-                         past_key_values=_cache(prefix), use_cache=prefix is not None).last_hidden_state
-        return outcome(head(hidden[rows, at]), targets, valid, probe)
-
-    if clean is None:
-        with torch.no_grad():
-            clean = probe_of(e[:, first:])
+        e = model.get_input_embeddings()(input_ids)  # (B, L, H)
+        if clean is None:
+            clean = probe_of(e)
     if noise is None:
-        noise = torch.randn((*input_ids.shape, e.shape[-1]), generator=generator,
-                            device=e.device if generator is None else generator.device)
-    assert noise.shape == (*input_ids.shape, e.shape[-1]), (noise.shape, e.shape)
-    e = e[:, first:]
-    delta = noise_std * noise[:, first:end].to(e.device, torch.float32) * noisy[:, first:end].unsqueeze(-1)
+        noise = torch.randn(e.shape, generator=generator, device=e.device if generator is None else generator.device)
+    assert noise.shape == e.shape, (noise.shape, e.shape)
+    delta = noise_std * noise.to(e.device, torch.float32) * reasoning_mask.unsqueeze(-1)
     noised = (e.float() + delta).to(e.dtype).requires_grad_(True)
 
     with torch.enable_grad():
         objective = divergence(clean.detach(), probe_of(noised), probe)  # (B,)
         (grad,) = torch.autograd.grad(objective[has_answer].sum(), noised)
 
-    scores[:, first:end] = (grad.float() * e.float()).sum(dim=-1).abs()
-    return scores * noisy
-
-
-def _cache(kv):
-    """A fresh transformers cache holding `kv` (each layer's (keys, values)), or None."""
-    if kv is None:
-        return None
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for layer, (k, v) in enumerate(kv):
-        cache.update(k, v, layer)
-    return cache
-
-
-def _checkpointing(model) -> bool:
-    """Whether activation (gradient) checkpointing is on; transformers 5 renamed the property."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
-    return False
-
-
-def _output_head(model):
-    """Final hidden states (B, K, H) -> logits (B, K, V), with the config's logit soft-cap if any."""
-    linear = model.get_output_embeddings()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return linear if not cap else (lambda h: cap * torch.tanh(linear(h) / cap))
+    scores = (grad.float() * e.float()).sum(dim=-1).abs()
+    return scores * (reasoning_mask & has_answer.unsqueeze(1))
