@@ -71,6 +71,12 @@ def load_model(name: str, *, dtype: str = "float32"):
         tokenizer.pad_token = tokenizer.eos_token  # pads are masked out; sharing EOS is harmless
     tokenizer.padding_side = "left"
     model = _loaded(name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs))
+    if "gguf_file" in kwargs:
+        # transformers dequantizes GGUF weights on load: what remains is a plain float model, which
+        # save_pretrained refuses while the GGUF quantizer is still attached.
+        model.hf_quantizer = None
+        if getattr(model.config, "quantization_config", None) is not None:
+            del model.config.quantization_config
     return model, tokenizer
 
 
