@@ -101,22 +101,25 @@ def sample(
     temperature 0 decoding is greedy and the seeds are unused."""
     assert len(seeds) == len(prompts) * group_size, (len(seeds), len(prompts), group_size)
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # (P, Lp)
+    stop = stop_token_ids(model, tokenizer)
+    completion = generate(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                          eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds, group_size=group_size)
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Lp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    stop = stop_token_ids(model, tokenizer)
-    completion = generate(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds)
     return build_rollout(tokenizer, prompt_ids, prompt_mask, completion, stop)
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds):
-    """Autoregressive sampling with a KV cache. (B, Lp) prompts -> (B, T) completion ids, padded with
-    `pad_token_id` after each row's EOS; T <= max_new_tokens."""
+def generate(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
+             group_size: int = 1):
+    """Autoregressive sampling with a KV cache. (P, Lp) prompts -> (B, T) completion ids, B = P x
+    group_size (a prompt's rollouts contiguous), padded with `pad_token_id` after each row's EOS;
+    T <= max_new_tokens. Each prompt is prefilled once and its keys/values copied to its G rollouts."""
     from transformers import DynamicCache
 
-    b = prompt_ids.shape[0]
+    b = prompt_ids.shape[0] * group_size
+    assert len(seeds) == b, (len(seeds), b)
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
     eos = torch.tensor(sorted(eos_token_ids), device=prompt_ids.device)
     mask = prompt_mask
@@ -124,6 +127,9 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top
     cache = DynamicCache()
     logits = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]
+    if group_size > 1:  # the G rollouts of a prompt share its prefill
+        cache.batch_repeat_interleave(group_size)
+        logits, mask, pos = (x.repeat_interleave(group_size, dim=0) for x in (logits, mask, pos))
     next_pos = pos[:, -1:] + 1
     done = torch.zeros(b, dtype=torch.bool, device=prompt_ids.device)
     tokens = []
