@@ -45,15 +45,30 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return adv.masked_fill(tied, 0.0).view(-1)
 
 
+CHUNK_ELEMENTS = 2**24  # logits handled at once by the chunked helpers: 64 MB of float32
+
+
+def _chunks(shape: torch.Size, chunk_rows: int):
+    """Index pairs (row slice, position slice) covering (B, T, V) logits, each at most `chunk_rows`
+    rows and CHUNK_ELEMENTS values: the temporaries stay small whatever B, T and V are."""
+    b, t, v = shape
+    rows = max(1, min(chunk_rows, CHUNK_ELEMENTS // max(1, t * v)))
+    cols = t if rows > 1 else max(1, min(t, CHUNK_ELEMENTS // max(1, v)))
+    for i in range(0, b, rows):
+        for j in range(0, t, cols):
+            yield slice(i, i + rows), slice(j, j + cols)
+
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
     """log softmax(logits)[labels] for every position. logits (B, T, V), labels (B, T) -> (B, T) float32.
 
-    Computed as logit[label] - logsumexp(logits), `chunk_rows` rows at a time, in float32 whatever
-    the logits' dtype (bfloat16 logits lose no more than their own rounding). No (B, T, V) tensor
-    besides the caller's logits exists in the forward, and the backward saves only the logits
-    (already alive) and the (B, T) logsumexp: it recomputes each chunk's softmax and writes the
-    gradient, softmax(z) * -g plus g at the label, straight into one (B, T, V) gradient. (Plain
-    autograd would keep a float32 copy of bfloat16 logits for the backward: twice their size.)
+    Computed as logit[label] - logsumexp(logits), in chunks of at most `chunk_rows` rows and
+    CHUNK_ELEMENTS logits, in float32 whatever the logits' dtype (bfloat16 logits lose no more than
+    their own rounding). No (B, T, V) tensor besides the caller's logits exists in the forward, and
+    the backward saves only the logits (already alive) and the (B, T) logsumexp: it recomputes each
+    chunk's softmax and writes the gradient, softmax(z) * -g plus g at the label, straight into the
+    one (B, T, V) gradient. (Plain autograd would keep a float32 copy of bfloat16 logits for the
+    backward: twice their size.)
     """
     assert logits.shape[:-1] == labels.shape, (logits.shape, labels.shape)
     return _TokenLogprobs.apply(logits, labels, chunk_rows)
@@ -64,10 +79,10 @@ class _TokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, chunk_rows):
         lse = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)  # (B, T)
         picked = torch.empty_like(lse)
-        for i in range(0, logits.shape[0], chunk_rows):
-            rows = logits[i : i + chunk_rows].float()
-            lse[i : i + chunk_rows] = torch.logsumexp(rows, dim=-1)
-            picked[i : i + chunk_rows] = rows.gather(-1, labels[i : i + chunk_rows].unsqueeze(-1)).squeeze(-1)
+        for r, c in _chunks(logits.shape, chunk_rows):
+            z = logits[r, c].float()
+            lse[r, c] = torch.logsumexp(z, dim=-1)
+            picked[r, c] = z.gather(-1, labels[r, c].unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(logits, labels, lse)
         ctx.chunk_rows = chunk_rows
         return picked - lse
@@ -76,23 +91,23 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_out):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for i in range(0, logits.shape[0], ctx.chunk_rows):
-            sl = slice(i, i + ctx.chunk_rows)
-            g = grad_out[sl].float().unsqueeze(-1)  # (b, T, 1)
-            chunk = torch.exp(logits[sl].float() - lse[sl].unsqueeze(-1)).mul_(-g)  # d/dz of -lse
-            chunk.scatter_add_(-1, labels[sl].unsqueeze(-1), g)  # d/dz of z[label]
-            grad[sl] = chunk
+        for r, c in _chunks(logits.shape, ctx.chunk_rows):
+            g = grad_out[r, c].float().unsqueeze(-1)  # (b, t, 1)
+            chunk = torch.exp(logits[r, c].float() - lse[r, c].unsqueeze(-1)).mul_(-g)  # d/dz of -lse
+            chunk.scatter_add_(-1, labels[r, c].unsqueeze(-1), g)  # d/dz of z[label]
+            grad[r, c] = chunk
         return grad, None, None
 
 
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
-    """Entropy of each position's next-token distribution: logits (B, T, V) -> (B, T) float32."""
-    out = []
-    for rows in logits.split(chunk_rows):
-        logp = torch.log_softmax(rows.float(), dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(out)
+    """Entropy of each position's next-token distribution: logits (B, T, V) -> (B, T) float32,
+    in the chunks token_logprobs uses."""
+    out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    for r, c in _chunks(logits.shape, chunk_rows):
+        logp = torch.log_softmax(logits[r, c].float(), dim=-1)
+        out[r, c] = -(logp.exp() * logp).sum(-1)
+    return out
 
 
 def policy_loss(
