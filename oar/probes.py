@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from oar.models import position_ids
+
 PROBES = ("last", "answer_mean", "answer_joint")
 
 
@@ -50,6 +52,49 @@ def outcome(answer_logits: torch.Tensor, answer_tokens: torch.Tensor, valid: tor
         return torch.log_softmax(mean_z, dim=-1)
     token_logp = z.gather(-1, answer_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return (token_logp * v).sum(dim=1) / count
+
+
+def clean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int = 0,
+                  keep_cache: bool = False):
+    """One forward (the update's, with its graph) that can also hand OAR its clean pass. (B, L) inputs
+    -> (logits (B, L', V), kv): kv is each layer's (keys, values), detached, (B, heads, L, head_dim),
+    when `keep_cache` and the model kept a cache (checkpointed layers drop it in training mode), else
+    None. OAR-G reads its noise-free prefix from kv and OAR-P its clean keys/values, instead of
+    running the clean sequence again; the logits give the clean probe (`outcome_from_logits`)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                use_cache=keep_cache, logits_to_keep=logits_to_keep)
+    cache = getattr(out, "past_key_values", None) if keep_cache else None
+    kv = [(layer.keys.detach(), layer.values.detach()) for layer in cache.layers] if cache is not None else None
+    return out.logits, kv
+
+
+MIN_ROWS = 32  # BLAS kernels round differently for a handful of rows than for many
+
+
+def min_rows(n: int, positions: int) -> int:
+    """How many rows (n or more, the extra ones duplicates) to run through a forward over
+    `positions` positions each, so that its matmuls see at least MIN_ROWS rows: then a rollout's
+    numbers are the same whatever batch it is scored in (micro-batching stays exact)."""
+    return max(n, -(-MIN_ROWS // max(positions, 1)))
+
+
+def output_head(model):
+    """The model's output head as a function: final hidden states (..., H) -> logits (..., V) float
+    as the model computes them (a final logit soft-cap, when the config has one, included). The rows
+    go through the matmul padded to at least MIN_ROWS: BLAS libraries use other kernels, with other
+    rounding, for a few rows, and a rollout's scores must not depend on how many share its batch."""
+    linear = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        n = flat.shape[0]
+        if n < MIN_ROWS:
+            flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - n, flat.shape[1])])
+        logits = linear(flat)[:n].view(*hidden.shape[:-1], -1)
+        return cap * torch.tanh(logits / cap) if cap else logits
+
+    return head
 
 
 def outcome_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, answer_mask: torch.Tensor, probe: str) -> torch.Tensor:
