@@ -13,17 +13,28 @@ Legend: B rollouts, L sequence positions, H embedding width, V vocabulary.
 Why the noise: at delta = 0 the KL sits at its minimum (0) and its gradient is exactly 0; the noise
 makes the first-order signal non-zero. answer_joint needs none (noise_std = 0 is allowed).
 
-Deviations: the noise is drawn in float32 and added in the model's dtype; only positions from the
-earliest answer-predicting position on get logits (`logits_to_keep`), which changes nothing.
-Rows without an answer token score 0.
+Cost (all exact, pinned by tests against a plain full-sequence backward):
+  * columns before the first noised or answer-predicting position cannot depend on the noise: the
+    graph starts there, attending to their keys/values, taken from `clean_kv` (train.py hands over
+    the update forward's) or from one forward without a graph (not possible with gradient
+    checkpointing in training mode, which drops caches: then the whole row is in the graph);
+  * columns after the last answer token are cut, and only the K answer-predicting positions of a
+    row go through the output head, not every position x V;
+  * rows are scored in groups of the same columns (first .. last answer token rounded up to a
+    multiple of GRAIN), so short rows do not pay for the longest one's; a row's shapes never
+    depend on the other rows, and groups too small for the BLAS kernels of large matrices are
+    filled up with duplicate rows (probes.min_rows): micro-batching stays exact to float rounding.
+
+Deviations: the noise is drawn in float32 and added in the model's dtype. Rows without an answer
+token score 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-from oar.models import forward_logits
-from oar.probes import answer_positions, check_probe, divergence, outcome
+from oar.models import position_ids
+from oar.probes import answer_positions, check_probe, divergence, min_rows, outcome, output_head
 
 
 def gradient_scores(
@@ -38,43 +49,107 @@ def gradient_scores(
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
     clean: torch.Tensor | None = None,
+    clean_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """OAR-G scores (B, L) float32, 0 outside `reasoning_mask`. Inputs (B, L).
 
     noise: optional standard-normal draws (B, L, H) used instead of the generator's (so a caller
     can make each rollout's noise independent of how rollouts are batched); scaled by noise_std.
     clean: optional precomputed clean outcome, as `probes.outcome` returns it for these rows.
+    clean_kv: optional keys/values of a clean forward over these rows (per layer, each
+    (B, heads, >= L', head_dim), as `probes.clean_forward` returns them): the noise-free columns are
+    read from it instead of being computed again.
     """
     check_probe(probe)
     assert noise_std >= 0.0, f"noise_std must be >= 0, got {noise_std}"
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
-    has_answer = answer_mask.any(dim=1)
-    if not has_answer.any():
-        return torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    hidden = model.get_input_embeddings().embedding_dim
+    if noise is None:
+        noise = torch.randn((*input_ids.shape, hidden), generator=generator,
+                            device=input_ids.device if generator is None else generator.device)
+    assert noise.shape == (*input_ids.shape, hidden), (noise.shape, input_ids.shape, hidden)
+    # Each row's columns: from the first that the noise or the probe touches through its last answer
+    # token, rounded up to a multiple of GRAIN; rows with the same columns are scored together. A row's
+    # shapes, hence its numbers, never depend on the other rows (micro-batching is exact).
+    cols = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = torch.where(answer_mask, cols, -1).amax(1)  # (B,) last answer token, -1 without one
+    noisy = reasoning_mask & (cols[None] < last[:, None])  # a token at or after it cannot move the probe
+    a0 = torch.where(answer_mask, cols, input_ids.shape[1]).amin(1)  # (B,) first answer token
+    first = torch.minimum(torch.where(noisy, cols, input_ids.shape[1]).amin(1), (a0 - 1).clamp(min=0))
+    if model.training and _checkpointing(model):
+        first = torch.zeros_like(first)  # checkpointed layers drop caches in training mode: all columns in the graph
+    end = torch.minimum(first + (last + GRAIN - first) // GRAIN * GRAIN, torch.tensor(input_ids.shape[1]))  # > last
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b in noisy.any(1).nonzero().flatten().tolist():  # rows without an answer or noise score 0
+        groups.setdefault((int(first[b]), int(end[b])), []).append(b)
+    for (lo, hi), rows in groups.items():
+        run = torch.tensor(rows + rows[:1] * (min_rows(len(rows), hi - lo) - len(rows)), device=input_ids.device)
+        scores[run[: len(rows)], lo:hi] = _scores(model, input_ids[run, :hi], attention_mask[run, :hi], noisy[run, :hi], answer_mask[run, :hi],
+                                      noise[run, :hi], None if clean is None else clean[run], probe, noise_std, lo,
+                                      None if clean_kv is None else [(k[run, :, :lo], v[run, :, :lo]) for k, v in clean_kv])[: len(rows)]
+    return scores
 
-    pos, valid = answer_positions(answer_mask)  # (B, K)
-    targets = input_ids.gather(1, (pos + 1).clamp(max=input_ids.shape[1] - 1))
-    first = int(pos[has_answer, 0].min())
-    keep = input_ids.shape[1] - first  # logits from the earliest answer-predicting position on
+
+GRAIN = 8  # a row's graph columns are rounded up to a multiple of this, so rows of similar length share a forward
+
+
+def _scores(model, input_ids, attention_mask, noisy, answer_mask, noise, clean, probe, noise_std, first, clean_kv):
+    """Scores of columns first .. L'-1 of rows cut a little after their last answer token, (B', L')
+    -> (B', L' - first); `noisy` marks the reasoning tokens that get noise and scores. Columns before
+    `first` hold no noise and predict no answer: they come from `clean_kv` or one forward without a graph."""
+    end = input_ids.shape[1]
+    pos, valid = answer_positions(answer_mask)  # (B, K) positions of the logits that predict answers
+    targets = input_ids.gather(1, (pos + 1).clamp(max=end - 1))
+    decoder, head = model.get_decoder(), output_head(model)
+    pos_ids = position_ids(attention_mask)
     rows = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1)
-
-    def probe_of(embeds: torch.Tensor) -> torch.Tensor:
-        logits = forward_logits(model, attention_mask=attention_mask, inputs_embeds=embeds, logits_to_keep=keep)
-        return outcome(logits[rows, (pos - first).clamp(min=0)], targets, valid, probe)
+    at = (pos - first).clamp(min=0)  # (B, K) in the graph's columns
 
     with torch.no_grad():
-        e = model.get_input_embeddings()(input_ids)  # (B, L, H)
-        if clean is None:
-            clean = probe_of(e)
-    if noise is None:
-        noise = torch.randn(e.shape, generator=generator, device=e.device if generator is None else generator.device)
-    assert noise.shape == e.shape, (noise.shape, e.shape)
-    delta = noise_std * noise.to(e.device, torch.float32) * reasoning_mask.unsqueeze(-1)
+        e = model.get_input_embeddings()(input_ids)  # (B, L', H)
+        prefix = None
+        if first > 0 and clean_kv is not None:  # the noise-free columns, as the caller's clean forward left them
+            prefix = [(k[:, :, :first].detach(), v[:, :, :first].detach()) for k, v in clean_kv]
+        elif first > 0:  # the noise-free columns: once, without a graph
+            out = decoder(inputs_embeds=e[:, :first], attention_mask=attention_mask[:, :first],
+                          position_ids=pos_ids[:, :first], use_cache=True)
+            prefix = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+
+    def probe_of(embeds: torch.Tensor) -> torch.Tensor:  # embeds (B, L' - first, H) -> outcome
+        hidden = decoder(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=pos_ids[:, first:],
+                         past_key_values=_cache(prefix), use_cache=prefix is not None).last_hidden_state
+        return outcome(head(hidden[rows, at]), targets, valid, probe)
+
+    if clean is None:
+        with torch.no_grad():
+            clean = probe_of(e[:, first:])
+    e = e[:, first:]
+    delta = noise_std * noise[:, first:].to(e.device, torch.float32) * noisy[:, first:].unsqueeze(-1)
     noised = (e.float() + delta).to(e.dtype).requires_grad_(True)
 
     with torch.enable_grad():
         objective = divergence(clean.detach(), probe_of(noised), probe)  # (B,)
-        (grad,) = torch.autograd.grad(objective[has_answer].sum(), noised)
+        (grad,) = torch.autograd.grad(objective.sum(), noised)
 
-    scores = (grad.float() * e.float()).sum(dim=-1).abs()
-    return scores * (reasoning_mask & has_answer.unsqueeze(1))
+    return (grad.float() * e.float()).sum(dim=-1).abs() * noisy[:, first:]  # (B', L' - first)
+
+
+def _cache(kv):
+    """A fresh transformers cache holding `kv` (each layer's (keys, values)), or None."""
+    if kv is None:
+        return None
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k, v, layer)
+    return cache
+
+
+def _checkpointing(model) -> bool:
+    """Whether activation (gradient) checkpointing is on; transformers 5 renamed the property."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
