@@ -12,15 +12,19 @@ recompute the outcome probe, and score
 masked copy, as the authors' released code runs it. `perturbation_scores` gives the same numbers
 (to float tolerance; tests pin them) at a fraction of the cost, because masking token j cannot
 change anything before j:
-  * one clean pass per block of rollouts keeps every layer's keys/values; a masked copy recomputes
-    only positions j .. end-1 and attends to the clean keys/values of positions < j;
-  * nothing after the last answer token matters: each row is cut there;
+  * one clean pass per block of rollouts keeps every layer's keys/values (or none at all: train.py
+    hands over the update forward's, `clean` / `clean_kv`); a masked copy recomputes only positions
+    j .. end-1 (end: the last answer token) and attends to the clean keys/values of positions < j;
   * only the K answer-predicting positions go through the output head, not L x V logits;
-  * copies from *all* rollouts of a block are sorted by how many positions they recompute and
-    packed into chunks of similar lengths, so almost no work is padding, and small models run a few
-    large batches instead of one small forward per rollout. In a chunk each copy's cached prefix is
-    left-padded to the longest (masked out), so its real keys stay exactly the clean pass's;
-  * a chunk holds at most `max_chunk_tokens` (cached + recomputed) positions, which bounds memory.
+  * copies from *all* rollouts of a block share forwards: copies whose recomputed length rounds up
+    to the same multiple of GRAIN (4) form a chunk, so little work is padding and small models run
+    a few large batches instead of one small forward per rollout;
+  * a copy's cached prefix is left-padded (masked out) so that every copy attends to L + GRAIN - 1
+    positions, and a chunk too small for the BLAS kernels of large matrices is filled up with
+    duplicate copies (probes.min_rows): a copy's numbers do not depend on which rollouts share its
+    batch, so micro-batching stays exact to float rounding (tests/test_speed_paths.py);
+  * a chunk holds at most `max_chunk_tokens` (cached + recomputed) positions, which bounds memory,
+    and so does a block of rollouts whose clean keys/values are held at once (rows x L).
 `span > 1` is an approximate mode: mask `span` consecutive reasoning tokens at once and give each
 of them the span's score (span-fold fewer copies; its error is reported by scripts/bench.py).
 Rows with no answer token or no reasoning token score 0 everywhere. Scoring runs with every module
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from oar.models import forward_logits, position_ids
-from oar.probes import check_probe, divergence, outcome, outcome_from_logits
+from oar.probes import check_probe, divergence, min_rows, outcome, outcome_from_logits, output_head
 
 
 @torch.no_grad()
@@ -54,8 +58,17 @@ def perturbation_scores(
     pad_token_id: int,
     max_chunk_tokens: int = 8192,
     span: int = 1,
+    clean: torch.Tensor | None = None,
+    clean_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """OAR-P scores (B, L) float32, 0 outside `reasoning_mask`. Inputs are (B, L); exact for span=1."""
+    """OAR-P scores (B, L) float32, 0 outside `reasoning_mask`. Inputs are (B, L); exact for span=1.
+
+    clean, clean_kv: optionally the clean outcome (as `probes.outcome` returns it) and the keys/values
+    (per layer, each (B, heads, >= L', head_dim)) of a clean forward over these rows, as
+    `probes.clean_forward` gives them from the update's own forward: then no clean pass runs here
+    (without clean_kv, `clean` is not used: the clean pass gives both).
+    """
+    assert clean_kv is None or clean is not None, "clean_kv needs the clean outcome too"
     check_probe(probe)
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
     assert span >= 1 and max_chunk_tokens >= 1
@@ -71,8 +84,9 @@ def perturbation_scores(
         if reasoning.numel():
             rows.append(_Row(b, max(a0, 1), end, reasoning.split(span)))
     with _eval_mode(model):  # caches are needed, and checkpointed layers drop them in training mode
-        for block in _blocks(rows, max_chunk_tokens):
-            _score_block(model, block, input_ids, attention_mask, answer_mask, scores, probe, pad_token_id, max_chunk_tokens)
+        for block in _blocks(rows, max_chunk_tokens // input_ids.shape[1]):
+            _score_block(model, block, input_ids, attention_mask, answer_mask, scores, probe, pad_token_id, max_chunk_tokens,
+                         clean, clean_kv)
     return scores
 
 
@@ -96,24 +110,27 @@ class _Row:
     groups: tuple[torch.Tensor, ...]  # reasoning positions masked together (one copy each)
 
 
-def _blocks(rows: list[_Row], budget: int):
-    """Consecutive rows whose clean passes (rows x longest) fit in `budget` positions (>= 1 row)."""
-    block: list[_Row] = []
-    for row in rows:
-        if block and (len(block) + 1) * max(row.end, max(r.end for r in block)) > budget:
-            yield block
-            block = []
-        block.append(row)
-    if block:
-        yield block
+def _blocks(rows: list[_Row], most: int):
+    """Consecutive rows, at most `most` (>= 1) per block: a block's clean keys/values are held at once."""
+    for i in range(0, len(rows), max(1, most)):
+        yield rows[i : i + max(1, most)]
 
 
-def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, probe, pad_token_id, budget):
-    """Clean pass over the block's rows, then every masked copy of those rows, packed in chunks."""
-    decoder, head = model.get_decoder(), _head(model)
+GRAIN = 4  # recomputed lengths are rounded up to a multiple of this (copies of one chunk share a shape)
+
+
+def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, probe, pad_token_id, budget, clean, clean_kv):
+    """Clean pass over the block's rows, then every masked copy of those rows, packed in chunks.
+
+    Every copy's computation has a shape fixed by the copy alone (and the batch width L): it
+    recomputes round_up(end - start, GRAIN) positions after a cache left-padded to
+    L + GRAIN - 1 - that many. So a copy's score does not depend on which rollouts share its
+    chunk, and micro-batching cannot change it (tests/test_distributed.py checks whole updates).
+    """
+    decoder, head = model.get_decoder(), output_head(model)
     idx = torch.tensor([r.b for r in block], device=input_ids.device)
-    width = max(r.end for r in block)
-    ids, mask = input_ids[idx, :width], attention_mask[idx, :width]  # (n, W)
+    width = input_ids.shape[1]  # the full width, whatever rows the block holds
+    ids, mask = input_ids[idx], attention_mask[idx]  # (n, L)
     pos = position_ids(mask)
     k = max(r.end - r.a0 + 1 for r in block)
     keep = torch.stack([_arange_padded(r.a0 - 1, r.end, k, input_ids.device) for r in block])  # (n, K) positions
@@ -121,19 +138,29 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
     count = torch.tensor([r.end - r.a0 + 1 for r in block], device=idx.device)[:, None]  # real entries of `keep`
     valid = answer_mask[idx[:, None], keep + 1] & (torch.arange(k, device=idx.device)[None] < count)
 
-    out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    rows_n = torch.arange(len(block), device=idx.device)[:, None]
-    clean = outcome(head(out.last_hidden_state[rows_n, keep]), targets, valid, probe)  # (n, V) or (n,)
-    kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]  # (n, heads, W, d) each
+    if clean_kv is not None:  # the caller's clean forward (e.g. the update's): nothing to recompute
+        clean, kv = clean[idx], [(k[idx].detach(), v[idx].detach()) for k, v in clean_kv]
+    else:
+        run = torch.cat([torch.arange(len(block)), torch.zeros(min_rows(len(block), width) - len(block), dtype=torch.long)])
+        out = decoder(input_ids=ids[run], attention_mask=mask[run], position_ids=pos[run], use_cache=True)
+        rows_n = torch.arange(len(block), device=idx.device)[:, None]
+        clean = outcome(head(out.last_hidden_state[rows_n, keep]), targets, valid, probe)  # (n, V) or (n,)
+        kv = [(layer.keys[: len(block)], layer.values[: len(block)]) for layer in out.past_key_values.layers]  # (n, heads, L, d)
 
-    # One copy per masked group: recompute from s = min(first masked, a0 - 1) to end - 1.
-    copies = [(n, g, min(int(g[0]), r.a0 - 1)) for n, r in enumerate(block) for g in r.groups]
-    copies.sort(key=lambda c: block[c[0]].end - c[2], reverse=True)  # longest recomputation first
-    for chunk in _chunks(copies, block, budget):
+    # One copy per masked group: recompute from start = min(first masked, a0 - 1) to end - 1.
+    copies = []
+    for n, r in enumerate(block):
+        for g in r.groups:
+            start = min(int(g[0]), r.a0 - 1)
+            copies.append((n, g, start, -(-(r.end - start) // GRAIN) * GRAIN))
+    copies.sort(key=lambda c: c[3], reverse=True)
+    keys = width + GRAIN - 1  # cached + recomputed positions of every copy
+    for chunk in _chunks(copies, max(1, budget // keys)):
+        n_real, n = len(chunk), chunk[0][3]
+        chunk = chunk + [chunk[0]] * (min_rows(n_real, n) - n_real)  # duplicates keep the matmuls' kernels fixed
         n_of = torch.tensor([c[0] for c in chunk], device=idx.device)  # (c,) block row of each copy
         start = torch.tensor([c[2] for c in chunk], device=idx.device)  # (c,)
-        length = torch.tensor([block[c[0]].end - c[2] for c in chunk], device=idx.device)
-        s, n = int(start.max()), int(length.max())
+        s = keys - n
         # Cached prefix of copy m: clean positions 0 .. start_m - 1, left-padded to s (pads masked out).
         src = torch.arange(s, device=idx.device)[None] - (s - start[:, None])  # (c, S)
         cache_mask = (src >= 0) & mask[n_of[:, None], src.clamp(min=0)].bool()
@@ -143,7 +170,7 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
         real = col < torch.tensor([block[c[0]].end for c in chunk], device=idx.device)[:, None]
         colc = col.clamp(max=width - 1)
         q_ids = torch.where(real, ids[n_of[:, None], colc], pad_token_id)
-        for m, (_, group, _) in enumerate(chunk):
+        for m, (_, group, _, _) in enumerate(chunk):
             q_ids[m, group - int(start[m])] = pad_token_id
         q_mask = torch.where(real, mask[n_of[:, None], colc], 1)
         q_pos = pos[n_of[:, None], colc] + (col - colc)  # the fill continues the positions
@@ -160,21 +187,18 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
         at = (keep[n_of] - start[:, None]).clamp(min=0)  # (c, K) answer-predicting positions in the chunk
         masked = outcome(head(hidden[torch.arange(len(chunk), device=idx.device)[:, None], at]), targets[n_of], valid[n_of], probe)
         s_m = divergence(clean[n_of], masked, probe).float()
-        for m, (row_n, group, _) in enumerate(chunk):
+        for m, (row_n, group, _, _) in enumerate(chunk[:n_real]):
             scores[block[row_n].b, group] = s_m[m]
 
 
-def _chunks(copies, block, budget: int):
-    """Consecutive copies (sorted by recomputed length) with copies x (longest prefix + longest
-    recomputation) <= budget positions, at least one copy each."""
-    chunk, s, n = [], 0, 0
+def _chunks(copies, most: int):
+    """Consecutive copies with the same padded length, at most `most` per chunk."""
+    chunk = []
     for c in copies:
-        s2, n2 = max(s, c[2]), max(n, block[c[0]].end - c[2])
-        if chunk and (len(chunk) + 1) * (s2 + n2) > budget:
+        if chunk and (len(chunk) == most or c[3] != chunk[0][3]):
             yield chunk
-            chunk, s2, n2 = [], c[2], block[c[0]].end - c[2]
+            chunk = []
         chunk.append(c)
-        s, n = s2, n2
     if chunk:
         yield chunk
 
@@ -182,15 +206,6 @@ def _chunks(copies, block, budget: int):
 def _arange_padded(lo: int, hi: int, k: int, device) -> torch.Tensor:
     """lo, lo+1, ..., hi-1, then repeats of hi-1 up to length k (padding the answer positions)."""
     return torch.arange(lo, lo + k, device=device).clamp(max=hi - 1)
-
-
-def _head(model):
-    """The output head as a function of final hidden states (B, K, H) -> logits (B, K, V)."""
-    linear = model.get_output_embeddings()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if not cap:
-        return linear
-    return lambda h: cap * torch.tanh(linear(h) / cap)
 
 
 @torch.no_grad()
