@@ -14,8 +14,9 @@ One step, in the order of the paper:
   6. log / eval / checkpoint
 
 Departures from the paper and the authors' code (each also stated where it lives):
-  * OAR-G takes its clean probe from the update's own forward pass (no extra forward), and its noise
-    for rollout i comes from rollout i's own seed, so scores do not depend on micro-batching.
+  * OAR-G and OAR-P take their clean probe and clean keys/values from the update's own forward pass
+    (no extra clean forward); OAR-G's noise for rollout i comes from rollout i's own seed, so scores
+    do not depend on micro-batching.
   * Sampling is our own KV-cache loop with a seeded generator per rollout (oar/sampler.py), so the
     rollouts of a step are identical for any number of processes and after a resume.
   * One policy update per batch of rollouts, so pi_old = pi_theta.detach() (ratio 1 in value).
@@ -51,7 +52,7 @@ from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprob
 from oar.models import ModelError, forward_logits, load_model, resolve_model
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
-from oar.probes import PROBES, outcome_from_logits
+from oar.probes import PROBES, clean_forward, outcome_from_logits
 from oar.rewards import reward
 from oar.runlog import RunLog
 from oar.sampler import format_prompt, resolve_instruction, sample, with_reference_answer
@@ -188,27 +189,28 @@ def rollout_seeds(seed: int, step: int, global_prompts: list[int], group_size: i
     return [(seed * 1_000_003 + step) * 10_007 * group_size + p * group_size + g for p in global_prompts for g in range(group_size)]
 
 
-def token_weights(cfg, model, mb, probe, clean, seeds, golds, tokenizer):
+def token_weights(cfg, model, mb, probe, clean, seeds, golds, tokenizer, clean_kv=None):
     """Step 4's OAR part for one micro-batch: weights (b, L), all ones for GRPO, the seconds the
     scoring took, and how many rollouts had a non-finite score (they get all-ones weights, as
-    gating.bilevel_weights defines). `clean`: the clean outcome from the update's forward (OAR-G)."""
+    gating.bilevel_weights defines). `clean`, `clean_kv`: the clean outcome and keys/values from the
+    update's forward (probes.clean_forward), or None."""
     if cfg.method == "grpo":
         return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0.0, 0
     start = time.perf_counter()
     ids, attn, reas, ans = mb.input_ids, mb.attention_mask, mb.reasoning_mask, mb.answer_mask
     if cfg.outcome_source == "reference":  # score against the gold answer appended after the reasoning
         ids, attn, reas, ans = with_reference_answer(mb, tokenizer, golds, cfg.reference_template)
-        clean = None
+        clean = clean_kv = None
     if cfg.method == "oar-g":
         h = model.config.hidden_size
         noise = torch.zeros(*ids.shape, h)
         for i, seed in enumerate(seeds):  # rollout i's noise comes from its own seed: batching-independent
             noise[i, reas[i].cpu()] = torch.randn(int(reas[i].sum()), h, generator=torch.Generator().manual_seed(seed + 7919))
         scores = gradient_scores(model, ids, attn, reas, ans, probe=probe, noise_std=cfg.noise_std,
-                                 noise=noise.to(ids.device), clean=clean)
+                                 noise=noise.to(ids.device), clean=clean, clean_kv=clean_kv)
     else:
         scores = perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=tokenizer.pad_token_id,
-                                     max_chunk_tokens=cfg.perturb_chunk_tokens, span=cfg.perturb_span)
+                                     max_chunk_tokens=cfg.perturb_chunk_tokens, span=cfg.perturb_span, clean=clean, clean_kv=clean_kv)
     width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
     full = torch.zeros(mb.input_ids.shape, device=scores.device)
     full[:, :width] = scores[:, :width]
@@ -303,13 +305,15 @@ def main(cfg: Config) -> dict:
             rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
             mb = ro.select(rows)
             with accelerator.accumulate(model):
-                logits = forward_logits(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1)
+                reuse = cfg.method != "grpo" and cfg.outcome_source == "rollout"  # OAR's clean pass, for free
+                logits, clean_kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1,
+                                                 keep_cache=reuse and not cfg.gradient_checkpointing)
                 labels = mb.input_ids[:, lp:]  # (b, T)
                 logprobs = token_logprobs(logits[:, :-1], labels)  # (b, T)
                 clean = None
-                if cfg.method == "oar-g" and cfg.outcome_source == "rollout":  # OAR-G's clean probe, for free
+                if reuse:
                     clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe)
-                weights, secs, nonfinite = token_weights(cfg, policy, mb, probe, clean, seeds[rows], golds[rows], tokenizer)
+                weights, secs, nonfinite = token_weights(cfg, policy, mb, probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
                 oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
                 token_adv = advantages[rows, None] * weights[:, lp:]  # (b, T): A_it = A_i w_it
                 ref = None
