@@ -17,7 +17,7 @@ from oar.grpo import token_logprobs
 from oar.models import forward_logits
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
-from oar.probes import PROBES, divergence, outcome_from_logits
+from oar.probes import PROBES, clean_forward, divergence, outcome_from_logits
 
 from conftest import tiny_llama
 
@@ -113,3 +113,25 @@ def test_token_logprobs_backward_equals_autograd_on_views(dtype):
     (g2,) = torch.autograd.grad((ref * upstream).sum(), full)
     assert g1.dtype == dtype
     torch.testing.assert_close(g1, g2)
+
+
+@pytest.mark.parametrize("probe", PROBES)
+def test_scores_do_not_depend_on_the_batch_or_on_reusing_the_update_forward(probe):
+    # A rollout's scores are the same scored in a batch, alone (micro-batches of 1), or from the
+    # clean outcome and keys/values of the update's own forward (what train.py passes).
+    model = tiny_llama(seed=3)
+    ids, attn, reas, ans = ragged_batch()
+    noise = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    logits, kv = clean_forward(model, ids, attn, keep_cache=True)
+    clean = outcome_from_logits(logits, ids, ans, probe)
+    oar_g = lambda r, **kw: gradient_scores(model, ids[r], attn[r], reas[r], ans[r], probe=probe, noise=noise[r], **kw)
+    oar_p = lambda r, **kw: perturbation_scores(model, ids[r], attn[r], reas[r], ans[r], probe=probe, pad_token_id=0, **kw)
+    for scorer in (oar_g, oar_p):
+        whole = scorer(slice(None))
+        alone = torch.cat([scorer(slice(i, i + 1)) for i in range(len(ids))])
+        reused = scorer(slice(None), clean=clean, clean_kv=kv)
+        top = whole.abs().max().item()
+        torch.testing.assert_close(alone, whole, rtol=0, atol=1e-6 * top)
+        # The update's logits come from a matmul over every position, the scorers' from one over the
+        # answer positions: last-bit differences, which OAR-G's KL-at-its-minimum gradient magnifies.
+        torch.testing.assert_close(reused, whole, rtol=0, atol=1e-5 * top)
