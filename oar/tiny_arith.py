@@ -13,10 +13,10 @@ saved folder loads with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(
   assistant turn is its content then `<eos>`. The model is trained to complete
   `Q: Compute (3 + 4) * 2.\\nA:\\n` with the worked solution of `arith_solution` and `<eos>`.
 - Warm start: supervised training (AdamW, loss on completion tokens only) on arith TRAIN problems
-  of 1-3 operations, shorter than the default RL/eval difficulty (DEFAULT_ARITH, 2-3
-  operations). Why: the one-operation problems teach the line format and each operation fast,
-  and a fixed, short budget then leaves the model only partly right on 2-3 operations (held-out
-  greedy accuracy in the 25-40% range), which gives RL signal in most groups and room to improve.
+  of 1-3 operations (in practice ~5% have one: there are only ~2k distinct one-operation
+  expressions), until greedy accuracy on held-apart validation problems of the default RL/eval
+  difficulty (DEFAULT_ARITH, 2-3 operations) reaches 30%, or at most `steps`. Partly competent on
+  purpose: most groups of rollouts then have mixed rewards, and RL has room to improve.
 - Deterministic from `seed` (torch.manual_seed for the weights, the arith seed for the data
   order) for a given number of threads; the build is CPU-only on purpose for that reason.
 
@@ -44,7 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution
 from oar.data import Problem
 
-BUILDER_VERSION = "tiny-arith-v2"
+BUILDER_VERSION = "tiny-arith-v3"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
 CHARACTERS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
 CHAT_TEMPLATE = (
@@ -68,8 +68,17 @@ class TinyArithRecipe:
     """Transformer blocks."""
     num_heads: int = 4
     """Attention heads (no grouped-query sharing)."""
-    steps: int = 800
-    """Optimizer steps of supervised training: the knob that sets how competent the model is."""
+    steps: int = 900
+    """Most optimizer steps of supervised training (the cosine schedule ends here); sized so the
+    worst case fits the build budget. Training usually stops earlier, at `target_accuracy`."""
+    target_accuracy: float = 0.3
+    """Stop at the first check whose greedy validation accuracy reaches this: partly competent."""
+    first_check: int = 400
+    """No check before this step: each costs ~2 s, and our runs were under 10% before step 500."""
+    check_every: int = 50
+    """Steps between accuracy checks."""
+    validation_problems: int = 200
+    """Problems per check (train split, eval difficulty, none trained on)."""
     batch_size: int = 64
     """Problems per step; each is seen once (the train problems are distinct)."""
     lr: float = 3e-3
@@ -79,13 +88,14 @@ class TinyArithRecipe:
     weight_decay: float = 0.01
     """AdamW weight decay."""
     train_arith: ArithConfig = field(default_factory=lambda: ArithConfig(min_ops=1, max_ops=3))
-    """Difficulty of the supervised problems (easier than DEFAULT_ARITH, see the module doc)."""
+    """Difficulty of the supervised problems: DEFAULT_ARITH plus some 1-operation ones."""
     eval_arith: ArithConfig = DEFAULT_ARITH
     """Difficulty at which the held-out accuracy in build_info.json is measured."""
     eval_problems: int = 500
     """Held-out (test split) problems for the accuracy estimate (binomial sd ~2 points at 500)."""
-    num_threads: int = 2
-    """torch threads during the build; fixed because the float results depend on it."""
+    num_threads: int = 1
+    """torch threads during the build; fixed because the float results depend on it. One, because
+    on shared cores two threads ran up to 10x slower per step (they wait on each other)."""
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -165,29 +175,36 @@ def greedy_accuracy(model, tok, problems: list[Problem], *, max_new_tokens: int,
     return correct / len(problems)
 
 
-def train(model, tok, problems: list[Problem], recipe: TinyArithRecipe,
-          log: Callable[[str], None] | None = None) -> list[float]:
-    """Supervised training, one step per `batch_size` problems in order; returns the step losses.
+def max_new_tokens_for(config: ArithConfig) -> int:
+    """A bound on a solution's length: a line per op ("99 - 9 = 90\n" is 12) and "#### N<eos>"."""
+    return 20 * config.max_ops + 16
 
-    The problems are distinct and in generation order, so every step sees new ones (no epochs),
-    and a batch mixes operation counts (one try at batching by count, to save padding, trained
-    far worse).
-    `log`, if given, receives a progress line every 100 steps (a build takes minutes).
+
+def train(model, tok, problems: list[Problem], validation: list[Problem], recipe: TinyArithRecipe,
+          log: Callable[[str], None] | None = None) -> tuple[list[float], dict[int, float]]:
+    """Supervised training until `validation` accuracy reaches the target or `steps` run out.
+
+    One step per `batch_size` problems in order: they are distinct, so every step sees new ones.
+    Every `check_every` steps from `first_check` on, greedy accuracy on `validation` is measured
+    and training stops at the first check that reaches `target_accuracy`. Why a target and not a
+    fixed step count: this model's accuracy rises steeply and at a step that varies a lot with the
+    seed and even the thread count (19% to 71% at 800-900 steps in our runs); stopping on a target
+    makes "partly competent" hold for every seed. Returns the step losses and {step: accuracy}.
     """
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
                                   weight_decay=recipe.weight_decay)
 
-    def lr_factor(step: int) -> float:  # linear warm-up, then cosine from 1 to 0.1
+    def lr_factor(step: int) -> float:  # linear warm-up, then cosine from 1 to 0.1 at `steps`
         if step < recipe.warmup_steps:
             return (step + 1) / recipe.warmup_steps
         progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    model.train()
-    losses, started = [], time.perf_counter()
-    for step in range(recipe.steps):
-        batch = sft_batch(tok, problems[step * recipe.batch_size:(step + 1) * recipe.batch_size])
+    losses, checks, started = [], {}, time.perf_counter()
+    for step in range(1, recipe.steps + 1):
+        model.train()
+        batch = sft_batch(tok, problems[(step - 1) * recipe.batch_size:step * recipe.batch_size])
         loss = model(**batch).loss  # mean over the batch's completion tokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -195,10 +212,16 @@ def train(model, tok, problems: list[Problem], recipe: TinyArithRecipe,
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if log and (step + 1) % 100 == 0:
-            log(f"tiny-arith: step {step + 1}/{recipe.steps}, loss {loss.item():.3f}, "
+        if step >= recipe.first_check and step % recipe.check_every == 0:
+            checks[step] = greedy_accuracy(model, tok, validation,
+                                           max_new_tokens=max_new_tokens_for(recipe.eval_arith))
+        if log and (step % 100 == 0 or step in checks):
+            accuracy = f", validation accuracy {checks[step]:.1%}" if step in checks else ""
+            log(f"tiny-arith: step {step}/{recipe.steps}, loss {loss.item():.3f}{accuracy}, "
                 f"{time.perf_counter() - started:.0f} s")
-    return losses
+        if step in checks and checks[step] >= recipe.target_accuracy:
+            break
+    return losses, checks
 
 
 @contextlib.contextmanager
@@ -212,20 +235,51 @@ def _torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+def validation_problems(train_problems: list[Problem], recipe: TinyArithRecipe,
+                        seed: int) -> list[Problem]:
+    """Problems of the stopping check: eval difficulty, TRAIN split, none that training sees.
+
+    From the train split so the test split stays untouched by model selection; drawn with another
+    seed and filtered, because the supervised problems cover much of the 2-operation space.
+    """
+    seen = {p.problem for p in train_problems}
+    pool = arith_problems(3 * recipe.validation_problems, split="train", seed=seed + 10_000,
+                          config=recipe.eval_arith)
+    return [p for p in pool if p.problem not in seen][:recipe.validation_problems]
+
+
 def build_tiny_arith(out_dir: str | Path, *, seed: int = 0, recipe: TinyArithRecipe = TinyArithRecipe(),
                      overwrite: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Train tiny-arith and save it to `out_dir` atomically; returns what build_info.json holds.
 
-    `log` receives progress lines (e.g. `print`); the default is silent.
-
-    The model is written to a fresh temporary folder beside `out_dir` and renamed into place, so a
-    killed build never leaves a folder that looks complete. If `out_dir` appears while we train
-    (another process built it), that build is kept and ours discarded.
+    `log` receives progress lines (e.g. `print`); the default is silent. One build per folder at a
+    time: a second caller (another process of `accelerate launch`, or this script while a run
+    builds the cache) waits on a lock file, then finds the folder built (FileExistsError unless
+    `overwrite`). The model is written to a temporary folder beside `out_dir` and renamed into
+    place, so a killed build never leaves a folder that looks complete.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists; remove it or pass overwrite=True "
-                              f"(--overwrite on the command line) to rebuild it.")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out_dir.parent / f".{out_dir.name}.lock"):
+        if out_dir.exists() and not overwrite:
+            raise FileExistsError(f"{out_dir} already exists; remove it or pass overwrite=True "
+                                  f"(--overwrite on the command line) to rebuild it.")
+        model, tok, info = _train_tiny_arith(seed, recipe, log)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; the published folder reads like any other
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            _name_tokenizer_class(tmp / "tokenizer_config.json")
+            (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")  # last: marks done
+            _publish(tmp, out_dir, overwrite)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # a no-op once renamed
+    return info
+
+
+def _train_tiny_arith(seed: int, recipe: TinyArithRecipe, log: Callable[[str], None] | None):
+    """The model, its tokenizer and the build facts (accuracy, steps, times) of one training run."""
     started, cpu_started = time.perf_counter(), time.process_time()
     with _torch_threads(recipe.num_threads):
         torch.manual_seed(seed)
@@ -233,16 +287,20 @@ def build_tiny_arith(out_dir: str | Path, *, seed: int = 0, recipe: TinyArithRec
         model = make_model(tok, recipe)
         problems = arith_problems(recipe.steps * recipe.batch_size, split="train", seed=seed,
                                   config=recipe.train_arith)
-        losses = train(model, tok, problems, recipe, log)
+        validation = validation_problems(problems, recipe, seed)
+        losses, checks = train(model, tok, problems, validation, recipe, log)
         train_s = time.perf_counter() - started
         held_out = arith_problems(recipe.eval_problems, split="test", seed=seed,
                                   config=recipe.eval_arith)
-        # A bound on the solution length: a line per op ("999 * 9 = 8991\n" is 15) and "#### N".
         accuracy = greedy_accuracy(model, tok, held_out,
-                                   max_new_tokens=20 * recipe.eval_arith.max_ops + 16)
+                                   max_new_tokens=max_new_tokens_for(recipe.eval_arith))
+    if log and max(checks.values(), default=0.0) < recipe.target_accuracy:
+        log(f"tiny-arith: warning: validation accuracy never reached {recipe.target_accuracy:.0%} "
+            f"in {recipe.steps} steps; the model is weaker than intended.")
     info = {
         "builder": BUILDER_VERSION, "seed": seed, "recipe": asdict(recipe),
         "heldout_accuracy": accuracy, "heldout_problems": len(held_out),
+        "steps_run": len(losses), "validation_accuracy": checks,
         "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
         "train_seconds": round(train_s, 1),
         "build_seconds": round(time.perf_counter() - started, 1),
@@ -251,17 +309,15 @@ def build_tiny_arith(out_dir: str | Path, *, seed: int = 0, recipe: TinyArithRec
         "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tok),
         "torch_threads": recipe.num_threads,
     }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the published folder should read like any other
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-        _publish(tmp, out_dir, overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # a no-op once renamed
-    return info
+    return model, tok, info
+
+
+def _name_tokenizer_class(config_path: Path) -> None:
+    """Record the class as PreTrainedTokenizerFast: transformers 5 saves 'TokenizersBackend', which
+    transformers 4 cannot load, while both load 'PreTrainedTokenizerFast'."""
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
@@ -309,21 +365,20 @@ def ensure_tiny_arith(model_dir: str | Path | None = None) -> Path:
     """The folder of the built tiny-arith model (default `default_model_dir()`), built if absent.
 
     Safe to call from several processes at once (e.g. `accelerate launch`): one builds, the others
-    wait on a lock file and then find the finished folder.
+    wait on its lock (see build_tiny_arith) and then use the finished folder.
     """
     path = Path(model_dir) if model_dir is not None else default_model_dir()
     if is_complete(path):
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(path.parent / f".{path.name}.lock"):
-        if is_complete(path):  # built by another process while we waited for the lock
-            return path
-        if path.exists():
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"oar: tiny-arith is not built at {path}; building it (a few minutes on a CPU, once)...")
+    try:
+        info = build_tiny_arith(path, log=say)
+    except FileExistsError:
+        if not is_complete(path):
             raise FileExistsError(f"{path} exists but holds no finished tiny-arith build (no "
-                                  f"build_info.json); remove the folder and it will be rebuilt.")
-        print(f"oar: building tiny-arith into {path} (first use; a few minutes on a CPU)...",
-              file=sys.stderr, flush=True)
-        info = build_tiny_arith(path, log=lambda line: print(line, file=sys.stderr, flush=True))
-        print(f"oar: built tiny-arith in {info['build_seconds']:.0f} s, held-out accuracy "
-              f"{info['heldout_accuracy']:.1%}", file=sys.stderr, flush=True)
+                                  f"build_info.json); remove the folder and it will be rebuilt.") from None
+        return path  # another process built it while we waited for the lock
+    say(f"oar: built tiny-arith in {info['build_seconds']:.0f} s, held-out accuracy "
+        f"{info['heldout_accuracy']:.1%}")
     return path

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution, split_of
 from oar.data import DataError, Problem, load_jsonl, load_problems, problems_from_records
@@ -191,7 +192,8 @@ def test_tiny_arith_builds_saves_and_loads_like_a_hub_model(tmp_path):
     info = build_tiny_arith(out, seed=0, recipe=recipe)
     assert 0.0 <= info["heldout_accuracy"] <= 1.0
     assert json.loads((out / "build_info.json").read_text())["heldout_problems"] == 4
-    assert not [p for p in tmp_path.iterdir() if p.name != "tiny"]  # no temp folder left behind
+    left = [p.name for p in tmp_path.iterdir() if p.name not in ("tiny", ".tiny.lock")]
+    assert not left  # no temp folder left behind
     with pytest.raises(FileExistsError, match="overwrite"):
         build_tiny_arith(out, recipe=recipe)
     assert ensure_tiny_arith(out) == out  # complete: returned as is, not rebuilt
@@ -227,7 +229,63 @@ def test_tiny_arith_overwrite_replaces_atomically(tmp_path):
     info = build_tiny_arith(out, seed=1, recipe=replace(recipe, eval_problems=3), overwrite=True)
     saved = json.loads((out / "build_info.json").read_text())
     assert (saved["seed"], saved["heldout_problems"]) == (info["seed"], 3) == (1, 3)
-    assert [p.name for p in tmp_path.iterdir()] == ["tiny"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tiny.lock", "tiny"]
+
+
+def test_tiny_arith_stops_at_the_target_accuracy(tmp_path):
+    from oar.tiny_arith import TinyArithRecipe, build_tiny_arith
+
+    # Any accuracy reaches a target of 0, so the first check (after step 2) ends training.
+    recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=6, batch_size=2,
+                             warmup_steps=1, eval_problems=2, target_accuracy=0.0, first_check=2,
+                             check_every=2, validation_problems=3)
+    info = build_tiny_arith(tmp_path / "tiny", recipe=recipe)
+    assert info["steps_run"] == 2 and list(info["validation_accuracy"]) == [2]
+
+
+def test_tiny_arith_is_deterministic_for_a_seed(tmp_path):
+    from safetensors.torch import load_file
+
+    from oar.tiny_arith import TinyArithRecipe, build_tiny_arith
+
+    recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=3, batch_size=4,
+                             warmup_steps=1, eval_problems=2)
+    for name, seed in [("a", 0), ("b", 0), ("c", 1)]:
+        build_tiny_arith(tmp_path / name, seed=seed, recipe=recipe)
+    a, b, c = (load_file(tmp_path / name / "model.safetensors") for name in "abc")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_publish_keeps_a_build_that_won_the_race(tmp_path):
+    from oar.tiny_arith import _publish
+
+    out, ours = tmp_path / "model", tmp_path / "ours"
+    for folder, text in [(out, "theirs"), (ours, "ours")]:
+        folder.mkdir()
+        (folder / "build_info.json").write_text(text)
+    _publish(ours, out, overwrite=False)  # another process finished first: no error, theirs kept
+    assert (out / "build_info.json").read_text() == "theirs"
+
+
+def test_concurrent_builds_of_one_folder_build_it_once(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from oar.tiny_arith import TinyArithRecipe, build_tiny_arith, is_complete
+
+    recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=2, batch_size=2,
+                             warmup_steps=1, eval_problems=2)
+
+    def build(_):  # the lock is per open file, so threads contend for it like processes do
+        try:
+            return build_tiny_arith(tmp_path / "tiny", recipe=recipe)
+        except FileExistsError:
+            return None
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(build, range(2)))
+    assert sum(r is not None for r in results) == 1  # one built, the other waited and found it
+    assert is_complete(tmp_path / "tiny")
 
 
 def test_default_model_dir_follows_oar_cache(monkeypatch, tmp_path):
