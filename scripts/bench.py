@@ -31,10 +31,10 @@ import bench_parts as bp  # noqa: E402
 # 64 tokens); this wording gets about a quarter. Rollouts without an answer cost OAR nothing (weights 1),
 # so the table prints their fraction next to the SmolLM2 ratios.
 SMOLLM2_INSTRUCTION = "Solve it. Your reply must end with the sentence: The answer is <number>."
-FULL = dict(batch=2, prompt=128, reasoning=128, answer=4, k=16, repeats=3, sweep=(32, 64, 128, 256, 512), sweep_k=16,
+FULL = dict(batch=2, prompt=128, reasoning=128, answer=4, k=16, repeats=3, sweep=(32, 64, 128, 256, 512), sweep_k=16, sweep_fast_all=256,
             ta=dict(), ta_steps=4, ta_repeats=3, sm=dict(prompts_per_step=2, group_size=4, max_new_tokens=64, micro_batch_size=8),
             sm_steps=2, sm_repeats=2, mem_fwd=(64, 256, 49152), mem_bwd=(16, 256, 49152))
-QUICK = dict(batch=2, prompt=32, reasoning=32, answer=4, k=8, repeats=2, sweep=(16, 32, 64), sweep_k=4,
+QUICK = dict(batch=2, prompt=32, reasoning=32, answer=4, k=8, repeats=2, sweep=(16, 32, 64), sweep_k=4, sweep_fast_all=64,
              ta=dict(prompts_per_step=8, max_new_tokens=48), ta_steps=2, ta_repeats=2,
              sm=dict(prompts_per_step=1, group_size=4, max_new_tokens=32, micro_batch_size=4),
              sm_steps=2, sm_repeats=1, mem_fwd=None, mem_bwd=(8, 256, 49152))
@@ -77,12 +77,14 @@ def main() -> None:
         say(f"   fast exact (default)            {h['fast_s']:8.1f} s   {h['speedup']:5.1f}x faster   max err {h['max_err_rel']:.1e} of the largest score   (target >= 4x, <= 1e-4)")
         say(f"   span 4 (approximate, not default) {h['span4_s']:6.1f} s   {h['span4_speedup_vs_naive']:5.1f}x faster   err {h['span4_max_err_rel']:.2f} of the largest exact score")
     if "sweep" not in skip:
-        rows = bp.oar_p_sweep(model, pad, prompt=size["prompt"], lengths=size["sweep"], answer=size["answer"], k=size["sweep_k"])
+        rows = bp.oar_p_sweep(model, pad, prompt=size["prompt"], lengths=size["sweep"], answer=size["answer"], k=size["sweep_k"],
+                              fast_all_up_to=size["sweep_fast_all"])
         res["oar_p_sweep"] = rows
-        say(f"   growth with the reasoning length (1 rollout, prompt {size['prompt']}; both timed on the same {size['sweep_k']} "
-            f"evenly spaced positions, x n_R/k):\n   n_R    naive s    fast s   speedup")
+        say(f"   growth with the reasoning length (1 rollout, prompt {size['prompt']} + answer {size['answer']}, timed once; naive on "
+            f"{size['sweep_k']} evenly spaced positions x n_R/k, fast on all positions up to n_R={size['sweep_fast_all']}, beyond on "
+            f"{size['sweep_k']} in blocks of 4 x n_R/k plus one clean pass):\n   n_R    naive s    fast s   speedup   fast positions timed")
         for r in rows:
-            say(f"   {r['reasoning']:4d} {r['naive_s']:10.1f} {r['fast_s']:9.1f} {r['speedup']:8.1f}x")
+            say(f"   {r['reasoning']:4d} {r['naive_s']:10.1f} {r['fast_s']:9.1f} {r['speedup']:8.1f}x   {r['fast_positions_timed']}")
     del model
 
     # 2. (+4.) training steps
@@ -119,7 +121,7 @@ def main() -> None:
                     if key in m and (name == "forward_backward" or "backward" not in key):
                         x = m[key]
                         say(f"   B={m['B']} T={m['T']} V={m['V']} {dtype:8s} {key.split('_', 1)[1]:24s} ours {x['ours_mb']:7.0f} MB"
-                            f"   full {x['full_mb']:7.0f} MB   ratio {x['ratio']:.3f} (target <= 0.5; logits {m[f'{dtype}_logits_mb']:.0f} MB)")
+                            f"   full {x['full_mb']:7.0f} MB   ratio {x['ratio'] or float('nan'):.3f} (target <= 0.5; logits {m[f'{dtype}_logits_mb']:.0f} MB)")
         say(f"   equal values/gradients (max |diff|): {json.dumps(mem['equality'])}")
 
     say("\n5. GPU: none on this machine (gpu fields null)")
@@ -142,7 +144,7 @@ def _print_steps(say, title, st):
 def _headline(res) -> dict:
     get = lambda *path: _dig(res, path)
     mem = res.get("logprob_memory", {})
-    ratios = [x["ratio"] for part in ("forward", "forward_backward") for k, x in mem.get(part, {}).items() if isinstance(x, dict) and "ratio" in x]
+    ratios = [x["ratio"] for part in ("forward", "forward_backward") for k, x in mem.get(part, {}).items() if isinstance(x, dict) and x.get("ratio")]
     st = res.get("steps_tiny_arith", {})
     return {"oar_p_speedup_vs_naive": get("oar_p", "speedup"), "oar_p_max_err_vs_naive": get("oar_p", "max_err_rel"),
             "step_ratio_oar_g": get("steps_tiny_arith", "ratio_vs_grpo", "oar-g"), "step_ratio_oar_p": get("steps_tiny_arith", "ratio_vs_grpo", "oar-p"),

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -140,20 +139,44 @@ def oar_p_headline(model, pad: int, *, batch, prompt, reasoning, answer, k, repe
             "raw_s": t}
 
 
-def oar_p_sweep(model, pad: int, *, prompt, lengths, answer, k) -> list[dict]:
-    """Cost growth with the reasoning length: fast and naive both timed (once, interleaved) on the same
-    k evenly spaced masked positions of one rollout and scaled by n_R / k. For the fast path this
-    overstates the cost (its clean pass is paid once, not n_R / k times); the naive cost is exact."""
+def oar_p_sweep(model, pad: int, *, prompt, lengths, answer, k, fast_all_up_to) -> list[dict]:
+    """Cost growth with the reasoning length, one rollout each, timed once (fast, naive interleaved).
+    Naive: k evenly spaced masked positions, x n_R / k (exact: every copy is one full forward).
+    Fast: every position up to `fast_all_up_to`; beyond, the clean pass once plus the copies of k
+    positions in blocks of 4 consecutive ones spread evenly, x n_R / k (a copy costs its recomputed
+    length, so evenly spread blocks average it; blocks keep the chunks as full as in a real run)."""
+    from oar.probes import clean_forward, outcome_from_logits
+
     kw = dict(probe="answer_mean", pad_token_id=pad)
     rows = []
     for n_r in lengths:
         ids, attn, reas, ans = synthetic(1, prompt, n_r, answer, seed=n_r)
         sub = every_kth(reas, k)
-        t = interleaved({"fast": lambda: perturbation_scores(model, ids, attn, sub, ans, **kw),
-                         "naive": lambda: perturbation_scores_naive(model, ids, attn, sub, ans, **kw)}, 1, warmup={})
-        scale = n_r / sub.sum().item()
-        rows.append({"reasoning": n_r, "positions_timed": int(sub.sum()), "fast_s": t["fast"][0] * scale,
-                     "naive_s": t["naive"][0] * scale, "speedup": t["naive"][0] / t["fast"][0]})
+        sampled = n_r > fast_all_up_to
+        if sampled:
+            starts = torch.linspace(prompt, prompt + n_r - 4, k // 4).round().long()
+            blocks = torch.zeros_like(reas)
+            for s0 in starts.tolist():
+                blocks[0, s0 : s0 + 4] = True
+        times = {}
+
+        def fast():
+            if not sampled:
+                return perturbation_scores(model, ids, attn, reas, ans, **kw)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                logits, kv = clean_forward(model, ids, attn, keep_cache=True)
+            clean = outcome_from_logits(logits, ids, ans, "answer_mean")
+            times["clean"] = time.perf_counter() - t0
+            perturbation_scores(model, ids, attn, blocks, ans, clean=clean, clean_kv=kv, **kw)
+
+        t = interleaved({"fast": fast, "naive": lambda: perturbation_scores_naive(model, ids, attn, sub, ans, **kw)}, 1, warmup={})
+        fast_s = t["fast"][0]
+        if sampled:
+            fast_s = times["clean"] + (fast_s - times["clean"]) * n_r / int(blocks.sum())
+        naive_s = t["naive"][0] * n_r / int(sub.sum())
+        rows.append({"reasoning": n_r, "fast_positions_timed": int(blocks.sum()) if sampled else n_r,
+                     "naive_positions_timed": int(sub.sum()), "fast_s": fast_s, "naive_s": naive_s, "speedup": naive_s / fast_s})
     return rows
 
 
@@ -169,7 +192,9 @@ def logprob_mem_child(variant: str, dtype: str, b: int, t: int, v: int, backward
 
     logits = _fill((b, t, v), getattr(torch, dtype)).requires_grad_(backward)
     labels = torch.randint(0, v, (b, t))
-    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    # VmHWM, the peak RSS of this process image. (Not getrusage's ru_maxrss: Linux carries it over
+    # from the parent through fork and exec, so a child of a big process reports the parent's peak.)
+    peak = lambda: next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
     base = peak()
     with torch.set_grad_enabled(backward):
         if variant == "ours":
@@ -194,7 +219,7 @@ def logprob_memory(b: int, t: int, v: int, backward: bool) -> dict:
         for key in ("forward_extra_bytes", "forward_backward_extra_bytes"):
             if key in got["ours"]:
                 res[f"{dtype}_{key.replace('_bytes', '')}"] = {"ours_mb": got["ours"][key] / 2**20, "full_mb": got["full"][key] / 2**20,
-                                                              "ratio": got["ours"][key] / got["full"][key]}
+                                                              "ratio": got["ours"][key] / got["full"][key] if got["full"][key] > 0 else None}
         res[f"{dtype}_logits_mb"] = got["ours"]["logits_bytes"] / 2**20
     return res
 
