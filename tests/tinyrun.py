@@ -82,12 +82,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], num_processes: int = 2, timeout: int = 180) -> subprocess.CompletedProcess:
-    """`accelerate launch --multi_gpu --num_processes N train.py args` on the CPU (gloo), on a free port
-    so that concurrent runs on the machine do not collide."""
+def launch(args: list[str], num_processes: int = 2, timeout: int = 180, script: Path = TRAIN) -> subprocess.CompletedProcess:
+    """`accelerate launch --multi_gpu --num_processes N script args` (train.py by default) on the CPU
+    (gloo), on a free port so that concurrent runs on the machine do not collide."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), str(TRAIN), *args]
+           "--main_process_port", str(free_port()), str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 
 

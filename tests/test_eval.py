@@ -1,0 +1,72 @@
+"""eval.py end to end: ordered per-problem records, a summary that follows from them, and the same
+records from `accelerate launch --multi_gpu --num_processes 2` as from one process."""
+
+import json
+
+import pytest
+
+from oar.rewards import extract_answer, reward
+from tinyrun import EVAL, build_model, check_ok, launch, run_script
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-trained")
+
+
+def _args(model, out, *extra):
+    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out),
+            "--instruction", "", "--max_new_tokens", "20", *extra]
+
+
+def _read(out):
+    records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    return records, json.loads((out / "eval_summary.json").read_text())
+
+
+def test_greedy_records_are_in_order_and_the_summary_follows_from_them(tiny_model, tmp_path):
+    problems = [json.loads(line) for line in (tiny_model / "data.jsonl").read_text().splitlines()]
+    out = tmp_path / "eval"
+    proc = run_script(EVAL, _args(tiny_model, out, "--limit", "0", "--batch_size", "7"))  # 5 batches, the last short
+    check_ok(proc)
+    records, summary = _read(out)
+    assert [r["index"] for r in records] == list(range(len(problems)))
+    for r, p in zip(records, problems):
+        assert (r["problem"], r["gold"]) == (p["problem"], p["answer"])
+        assert r["correct"] == (reward(r["completion"], r["gold"]) == 1.0)
+        assert r["extracted"] == extract_answer(r["completion"])
+    correct = sum(r["correct"] for r in records)
+    assert 0 < correct < len(records)  # the model is partly right: the checks above compare something
+    assert summary["problems"] == len(problems) and summary["accuracy"] == pytest.approx(correct / len(problems))
+    assert summary["pass@1"] == pytest.approx(summary["accuracy"])
+    assert f"{summary['accuracy']:.3f}" in proc.stdout  # the one-line summary
+
+
+def test_samples_give_avg_and_unbiased_pass_at_k(tiny_model, tmp_path):
+    out = tmp_path / "eval"
+    check_ok(run_script(EVAL, _args(tiny_model, out, "--limit", "12", "--num_samples", "4", "--temperature", "1.0")))
+    records, summary = _read(out)
+    assert all(len(r["completion"]) == 4 and len(r["correct"]) == 4 for r in records)
+    c = [sum(r["correct"]) for r in records]
+    assert summary["accuracy"] == pytest.approx(sum(c) / (4 * len(c)))  # avg@4
+    assert summary["pass@1"] == pytest.approx(summary["accuracy"])
+    # unbiased pass@2 with n = 4: 1 - C(4 - c, 2) / C(4, 2); pass@4: any of the 4 correct
+    comb2 = {0: 6, 1: 3, 2: 1, 3: 0, 4: 0}
+    assert summary["pass@2"] == pytest.approx(sum(1 - comb2[k] / 6 for k in c) / len(c))
+    assert summary["pass@4"] == pytest.approx(sum(k > 0 for k in c) / len(c))
+    assert summary["pass@1"] <= summary["pass@2"] <= summary["pass@4"]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_records_of_one(tiny_model, tmp_path):
+    """An odd number of problems (one process gets one more) and sampled completions: each
+    problem's samples are seeded by its index, so sharding must not change a single character."""
+    extra = ["--limit", "29", "--num_samples", "2", "--temperature", "1.0", "--batch_size", "6"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    check_ok(run_script(EVAL, _args(tiny_model, one, *extra)))
+    check_ok(launch(_args(tiny_model, two, *extra), num_processes=2, script=EVAL))
+    (records_one, summary_one), (records_two, summary_two) = _read(one), _read(two)
+    assert len(records_two) == 29
+    assert records_two == records_one
+    summary_one["config"].pop("output_dir"), summary_two["config"].pop("output_dir")
+    assert summary_two == summary_one
