@@ -86,7 +86,7 @@ class Config:
     prompts_per_step: int = field(default=32, metadata={"help": "P: prompts per step, over all processes."})
     group_size: int = field(default=8, metadata={"help": "G: rollouts per prompt (>= 2)."})
     max_new_tokens: int = field(default=64, metadata={"help": "Completion budget; longer completions are truncated."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of rollouts."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of rollouts; the loss scores logits / temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass of rollouts."})
     # -- GRPO loss
     learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (1e-6 suits 1.5B models)."})
@@ -309,7 +309,7 @@ def main(cfg: Config) -> dict:
                 logits, clean_kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1,
                                                  keep_cache=reuse and not cfg.gradient_checkpointing)
                 labels = mb.input_ids[:, lp:]  # (b, T)
-                logprobs = token_logprobs(logits[:, :-1], labels)  # (b, T)
+                logprobs = token_logprobs(logits[:, :-1], labels, temperature=cfg.temperature)  # (b, T): the sampled distribution
                 clean = None
                 if reuse:
                     clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe)
@@ -320,7 +320,7 @@ def main(cfg: Config) -> dict:
                 if ref_model is not None:
                     with torch.no_grad():
                         ref_logits = forward_logits(ref_model, mb.input_ids, mb.attention_mask, logits_to_keep=labels.shape[1] + 1)
-                        ref = token_logprobs(ref_logits[:, :-1], labels)
+                        ref = token_logprobs(ref_logits[:, :-1], labels, temperature=cfg.temperature)
                 loss, s = policy_loss(logprobs, logprobs.detach(), token_adv, completion[rows, lp:], clip_low=cfg.clip_low,
                                       clip_high=cfg.clip_high, kl_beta=cfg.kl_beta, ref_logprobs=ref, aggregation=cfg.aggregation,
                                       num_sequences=n_seq, num_tokens=n_tok)

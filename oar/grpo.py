@@ -59,8 +59,11 @@ def _chunks(shape: torch.Size, chunk_rows: int):
             yield slice(i, i + rows), slice(j, j + cols)
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
-    """log softmax(logits)[labels] for every position. logits (B, T, V), labels (B, T) -> (B, T) float32.
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 4, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[labels] for every position. logits (B, T, V), labels (B, T) -> (B, T) float32.
+
+    `temperature` is the sampler's: the loss then scores the distribution the rollouts came from
+    (as TRL and verl do), without a divided copy of the logits.
 
     Computed as logit[label] - logsumexp(logits), in chunks of at most `chunk_rows` rows and
     CHUNK_ELEMENTS logits, in float32 whatever the logits' dtype (bfloat16 logits lose no more than
@@ -71,32 +74,34 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int =
     backward: twice their size.)
     """
     assert logits.shape[:-1] == labels.shape, (logits.shape, labels.shape)
-    return _TokenLogprobs.apply(logits, labels, chunk_rows)
+    assert temperature > 0, temperature
+    return _TokenLogprobs.apply(logits, labels, chunk_rows, float(temperature))
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, chunk_rows):
+    def forward(ctx, logits, labels, chunk_rows, temperature):
         lse = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)  # (B, T)
         picked = torch.empty_like(lse)
         for r, c in _chunks(logits.shape, chunk_rows):
-            z = logits[r, c].float()
+            z = logits[r, c].float() / temperature
             lse[r, c] = torch.logsumexp(z, dim=-1)
             picked[r, c] = z.gather(-1, labels[r, c].unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(logits, labels, lse)
-        ctx.chunk_rows = chunk_rows
+        ctx.chunk_rows, ctx.temperature = chunk_rows, temperature
         return picked - lse
 
     @staticmethod
     def backward(ctx, grad_out):
         logits, labels, lse = ctx.saved_tensors
+        t = ctx.temperature
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for r, c in _chunks(logits.shape, ctx.chunk_rows):
-            g = grad_out[r, c].float().unsqueeze(-1)  # (b, t, 1)
-            chunk = torch.exp(logits[r, c].float() - lse[r, c].unsqueeze(-1)).mul_(-g)  # d/dz of -lse
+            g = grad_out[r, c].float().unsqueeze(-1) / t  # (b, t, 1); the chain rule's 1/T for z = logits / T
+            chunk = torch.exp(logits[r, c].float() / t - lse[r, c].unsqueeze(-1)).mul_(-g)  # d/dz of -lse
             chunk.scatter_add_(-1, labels[r, c].unsqueeze(-1), g)  # d/dz of z[label]
             grad[r, c] = chunk
-        return grad, None, None
+        return grad, None, None, None
 
 
 @torch.no_grad()

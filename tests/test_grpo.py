@@ -167,16 +167,18 @@ def test_global_normalizer_makes_micro_batches_sum_to_the_full_loss(seed, aggreg
 
 
 # ---------------------------------------------------------------- log-probs
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_equal_log_softmax(dtype):
+def test_token_logprobs_equal_log_softmax(dtype, temperature):
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(5, 7, 50, generator=g)).to(dtype).requires_grad_(True)
     labels = torch.randint(0, 50, (5, 7), generator=g)
-    ours = token_logprobs(logits, labels, chunk_rows=2)
-    ref = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    weights = torch.randn(5, 7, generator=g)  # an upstream gradient that is not all ones
+    ours = token_logprobs(logits, labels, chunk_rows=2, temperature=temperature)
+    ref = torch.log_softmax(logits.float() / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
     torch.testing.assert_close(ours, ref)
-    (g1,) = torch.autograd.grad(ours.sum(), logits)
-    (g2,) = torch.autograd.grad(ref.sum(), logits)
+    (g1,) = torch.autograd.grad((ours * weights).sum(), logits)
+    (g2,) = torch.autograd.grad((ref * weights).sum(), logits)
     torch.testing.assert_close(g1, g2)
 
 
