@@ -176,7 +176,7 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids)
     texts = []
     for i in range(b):
         content = completion[i, : int(first_eos[i])].tolist()  # tokens before EOS
-        text, offsets = _char_offsets(tokenizer, content)
+        text, offsets = char_offsets(tokenizer, content)
         texts.append(text)
         span = find_answer(text)
         if span is None:
@@ -198,18 +198,38 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids)
     )
 
 
-def _char_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
-    """Decoded text and each token's (start, end) character span in it. Decoding token by token is
-    exact for most tokenizers; where it is not (SentencePiece spaces, a character split across
-    byte-level tokens) the spans come from decoding growing prefixes instead."""
+def char_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Decoded text and each token's (start, end) character span in it, in linear time.
+
+    Fast tokenizers stream-decode (`tokenizers.decoders.DecodeStream`): a token that only starts a
+    character split over byte-level tokens gets an empty span and the token completing it gets the
+    character. Otherwise tokens are decoded one by one; where neither reproduces the full decode
+    (rare decoders), the spans come from decoding growing prefixes, which is quadratic."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
-    if "".join(pieces) == text:
-        ends = torch.tensor([len(p) for p in pieces], dtype=torch.long).cumsum(0).tolist()
+    for pieces in (_streamed_pieces(tokenizer, ids), lambda: [tokenizer.decode([t], skip_special_tokens=True) for t in ids]):
+        pieces = pieces() if callable(pieces) else pieces
+        if pieces is not None and "".join(pieces) == text:
+            ends = torch.tensor([len(p) for p in pieces], dtype=torch.long).cumsum(0).tolist() if pieces else []
+            break
     else:
         ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
     starts = [0] + ends[:-1]
     return text, list(zip(starts, ends))
+
+
+def _streamed_pieces(tokenizer, ids: list[int]) -> list[str] | None:
+    """The text each token adds when decoding left to right ('' while a character is incomplete),
+    or None for tokenizers without a `tokenizers` backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=True)
+    try:
+        return [stream.step(backend, t) or "" for t in ids]
+    except Exception:  # a decoder the stream does not support: fall back
+        return None
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:

@@ -44,7 +44,7 @@ from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
 from oar.probes import PROBES
 from oar.rewards import find_answer, reward
-from oar.sampler import _char_offsets, build_rollout, encode_prompts, format_prompt, sample, stop_token_ids
+from oar.sampler import char_offsets, build_rollout, encode_prompts, format_prompt, sample, stop_token_ids
 
 SCORERS = ("oar-p", "oar-g", "random")
 _RESULT = re.compile(r"= (-?\d+)")  # the number a line computes: right after " = "
@@ -70,7 +70,7 @@ def pivotal_mask(tokenizer, input_ids: torch.Tensor, completion_mask: torch.Tens
     out = torch.zeros(completion_mask.shape, dtype=torch.bool)
     for i in range(input_ids.shape[0]):
         cols = completion_mask[i].nonzero().flatten().tolist()  # completion positions, EOS included
-        text, offsets = _char_offsets(tokenizer, input_ids[i, cols].tolist())
+        text, offsets = char_offsets(tokenizer, input_ids[i, cols].tolist())
         for col, pivotal in zip(cols, token_labels(offsets, pivotal_char_spans(text))):
             out[i, col] = pivotal
     assert not out[:, :prompt_width].any()

@@ -33,7 +33,7 @@ from matplotlib.colors import TwoSlopeNorm, to_hex  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from oar.gating import bilevel_weights, weight_stats  # noqa: E402
-from oar.sampler import _char_offsets  # noqa: E402
+from oar.sampler import char_offsets  # noqa: E402
 from scripts.attribution import make_rollouts, pivotal_mask, scores_of, spearman  # noqa: E402
 
 CMAP = plt.get_cmap("RdBu_r")
@@ -56,7 +56,7 @@ def heatmap_data(model, tokenizer, ro, *, probe: str, gating: dict, seed: int = 
     """Tokens of rollout 0's completion with each method's score and weight (plain lists, JSON-able)."""
     cols = ro.completion_mask[0].nonzero().flatten().tolist()
     ids = ro.input_ids[0, cols].tolist()
-    text, offsets = _char_offsets(tokenizer, ids)
+    text, offsets = char_offsets(tokenizer, ids)
     pivotal = pivotal_mask(tokenizer, ro.input_ids.cpu(), ro.completion_mask.cpu(), ro.prompt_width)[0]
     reasoning = ro.reasoning_mask[0].cpu()
     tokens = [{"text": text[s:e] or tokenizer.convert_ids_to_tokens(i), "reasoning": bool(reasoning[c]), "pivotal": bool(pivotal[c])}
