@@ -89,7 +89,7 @@ class Config:
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of rollouts; the loss scores logits / temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass of rollouts."})
     # -- GRPO loss
-    learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (1e-6 suits 1.5B models)."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "AdamW learning rate (tiny-arith: 5e-5; 1e-6 suits 1.5B models)."})
     warmup_steps: int = field(default=5, metadata={"help": "Linear LR warm-up steps."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient-norm clip."})
