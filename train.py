@@ -34,16 +34,15 @@ Degenerate numbers, each with a defined outcome (tests/test_failures.py):
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from oar import checkpoint as ckpt
+from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, parse_args  # noqa: F401 (re-exported for scripts)
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
 from oar.launch import make_accelerator
@@ -52,124 +51,10 @@ from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprob
 from oar.models import ModelError, forward_logits, load_model, resolve_model
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
-from oar.probes import PROBES, clean_forward, outcome_from_logits
+from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
 from oar.runlog import RunLog
 from oar.sampler import format_prompt, resolve_instruction, sample, with_reference_answer
-
-METHODS = ("grpo", "oar-g", "oar-p")
-# Settings a resumed run may change: they change neither the data, the rollouts nor the updates
-# (micro-batching and processes give the same update, tests/test_distributed.py). Any other setting
-# must match the checkpoint's, or a resume would splice two different runs into one.
-RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
-             "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
-             "gradient_checkpointing", "perturb_chunk_tokens"}
-
-
-@dataclass
-class Config:
-    """Every setting of a run; saved as config.json in the output directory."""
-
-    # -- what to train
-    model: str = field(default="tiny-arith", metadata={"help": "Hub id, local folder, .gguf file, or 'tiny-arith' (built on first use)."})
-    dataset: str = field(default="arith", metadata={"help": "'arith', a .jsonl file (problem, answer), or a `datasets` name."})
-    eval_dataset: str = field(default="", metadata={"help": "Held-out problems; default: arith's test split for arith, none otherwise."})
-    method: str = field(default="oar-g", metadata={"help": "grpo | oar-g | oar-p."})
-    output_dir: str = field(default="runs/default", metadata={"help": "Checkpoints, metrics.jsonl, summary.json, final model."})
-    resume: bool = field(default=False, metadata={"help": "Resume from the newest complete checkpoint in output_dir."})
-    seed: int = field(default=0, metadata={"help": "Seeds data order, sampling and OAR-G noise."})
-    instruction: str = field(default="auto", metadata={"help": "Appended to each problem; 'auto': none for arith, a \\boxed{} request otherwise."})
-    train_size: int = field(default=10_000, metadata={"help": "Problems drawn from an arith/HF set (files: all rows)."})
-    dtype: str = field(default="float32", metadata={"help": "Weights dtype when loading (mixed precision comes from the accelerate config)."})
-    # -- rollouts
-    steps: int = field(default=120, metadata={"help": "Optimizer steps (one batch of rollouts each)."})
-    prompts_per_step: int = field(default=32, metadata={"help": "P: prompts per step, over all processes."})
-    group_size: int = field(default=8, metadata={"help": "G: rollouts per prompt (>= 2)."})
-    max_new_tokens: int = field(default=64, metadata={"help": "Completion budget; longer completions are truncated."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of rollouts; the loss scores logits / temperature."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass of rollouts."})
-    # -- GRPO loss
-    learning_rate: float = field(default=5e-5, metadata={"help": "AdamW learning rate (tiny-arith: 5e-5; 1e-6 suits 1.5B models)."})
-    warmup_steps: int = field(default=5, metadata={"help": "Linear LR warm-up steps."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient-norm clip."})
-    micro_batch_size: int = field(default=64, metadata={"help": "Rollouts per forward/backward; accumulation covers the rest."})
-    clip_low: float = field(default=0.2, metadata={"help": "PPO clip epsilon below 1."})
-    clip_high: float = field(default=0.2, metadata={"help": "PPO clip epsilon above 1 (0.28 for DAPO's clip-higher)."})
-    kl_beta: float = field(default=0.0, metadata={"help": "k3 KL penalty to the initial model; > 0 loads a reference copy."})
-    aggregation: str = field(default="seq_mean", metadata={"help": "seq_mean (mean of per-sequence means) | token_mean (global token mean)."})
-    advantage_scale: str = field(default="group", metadata={"help": "Advantage divisor: group | batch | none."})
-    mask_truncated: bool = field(default=False, metadata={"help": "Give truncated completions no loss."})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
-    # -- OAR
-    probe: str = field(default="answer_mean", metadata={"help": "Outcome probe: last | answer_mean | answer_joint."})
-    probe_warmup: int = field(default=0, metadata={"help": "Use the 'last' probe for the first N steps, then --probe (paper)."})
-    outcome_source: str = field(default="rollout", metadata={"help": "rollout: the rollout's own answer; reference: the gold answer appended after the reasoning."})
-    reference_template: str = field(default="#### {answer}", metadata={"help": "Conclusion appended for outcome_source=reference."})
-    gate_quantile: float = field(default=0.4, metadata={"help": "q: scores below the q-quantile are suppressed (authors' code: 0.25)."})
-    gate_boost: float = field(default=2.0, metadata={"help": "beta: boost of scores above the quantile (authors' code: 1.0)."})
-    gate_floor: float = field(default=0.1, metadata={"help": "Smallest weight of a suppressed token (1.0 = boost only)."})
-    preserve_mass: bool = field(default=True, metadata={"help": "Rescale weights so each rollout's advantage mass equals GRPO's."})
-    noise_std: float = field(default=1e-3, metadata={"help": "OAR-G: std of the embedding noise."})
-    perturb_span: int = field(default=1, metadata={"help": "OAR-P: tokens masked together (1 = exact; >1 approximate)."})
-    perturb_chunk_tokens: int = field(default=8192, metadata={"help": "OAR-P: recomputed tokens per batch of masked copies (memory bound)."})
-    # -- logging, evaluation, checkpoints
-    eval_every: int = field(default=40, metadata={"help": "Held-out evaluation every N steps (0: only before and after)."})
-    eval_size: int = field(default=500, metadata={"help": "Held-out problems per evaluation."})
-    eval_batch_size: int = field(default=256, metadata={"help": "Sequences per generation batch during evaluation."})
-    save_every: int = field(default=40, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
-    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept."})
-    log_with: str = field(default="", metadata={"help": "Also log to accelerate trackers: tensorboard, wandb, ... (comma-separated)."})
-    max_bad_steps: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row (each is skipped)."})
-
-
-def check_config(cfg: Config, num_processes: int) -> None:
-    """Every impossible setting, named with its fix, before anything expensive happens."""
-    problems = []
-    need = lambda ok, msg: ok or problems.append(msg)
-    need(cfg.method in METHODS, f"--method {cfg.method}: choose one of {', '.join(METHODS)}.")
-    need(cfg.probe in PROBES, f"--probe {cfg.probe}: choose one of {', '.join(PROBES)}.")
-    need(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO needs >= 2 rollouts per prompt for a baseline.")
-    need(cfg.prompts_per_step % num_processes == 0,
-         f"--prompts_per_step {cfg.prompts_per_step} does not divide over {num_processes} processes; use a multiple of {num_processes}.")
-    local = cfg.prompts_per_step // num_processes * cfg.group_size
-    need(cfg.micro_batch_size >= 1 and local % cfg.micro_batch_size == 0,
-         f"--micro_batch_size {cfg.micro_batch_size} must divide the {local} rollouts each process holds "
-         f"(prompts_per_step / processes x group_size).")
-    need(0.0 < cfg.gate_quantile < 1.0, f"--gate_quantile {cfg.gate_quantile}: must lie strictly between 0 and 1.")
-    need(cfg.gate_boost >= 0 and cfg.gate_floor >= 0, "--gate_boost and --gate_floor must be >= 0.")
-    need(cfg.noise_std >= 0, f"--noise_std {cfg.noise_std}: must be >= 0.")
-    need(cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts need sampling (> 0).")
-    need(0 < cfg.top_p <= 1, f"--top_p {cfg.top_p}: must lie in (0, 1].")
-    need(cfg.aggregation in ("seq_mean", "token_mean"), f"--aggregation {cfg.aggregation}: seq_mean or token_mean.")
-    need(cfg.advantage_scale in ("group", "batch", "none"), f"--advantage_scale {cfg.advantage_scale}: group, batch or none.")
-    need(cfg.outcome_source in ("rollout", "reference"), f"--outcome_source {cfg.outcome_source}: rollout or reference.")
-    need("{answer}" in cfg.reference_template, "--reference_template must contain {answer}.")
-    need(cfg.steps >= 1 and cfg.max_new_tokens >= 1 and cfg.prompts_per_step >= 1, "--steps, --max_new_tokens and --prompts_per_step must be >= 1.")
-    need(cfg.perturb_span >= 1, "--perturb_span must be >= 1.")
-    need(cfg.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1.")
-    need(isinstance(getattr(torch, cfg.dtype, None), torch.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
-    need(cfg.learning_rate > 0 and cfg.max_grad_norm > 0, "--learning_rate and --max_grad_norm must be > 0.")
-    need(0 <= cfg.clip_low < 1 and cfg.clip_high >= 0, f"--clip_low {cfg.clip_low} must lie in [0, 1), --clip_high {cfg.clip_high} must be >= 0.")
-    need(cfg.kl_beta >= 0, f"--kl_beta {cfg.kl_beta}: must be >= 0 (0 turns the penalty off).")
-    need(min(cfg.warmup_steps, cfg.probe_warmup, cfg.eval_every, cfg.save_every) >= 0,
-         "--warmup_steps, --probe_warmup, --eval_every and --save_every must be >= 0.")
-    need(min(cfg.train_size, cfg.eval_size, cfg.eval_batch_size, cfg.perturb_chunk_tokens, cfg.max_bad_steps) >= 1,
-         "--train_size, --eval_size, --eval_batch_size, --perturb_chunk_tokens and --max_bad_steps must be >= 1.")
-    need(not Path(cfg.output_dir).exists() or Path(cfg.output_dir).is_dir(),
-         f"--output_dir {cfg.output_dir} is a file; pass a directory (it is created if missing).")
-    if problems:
-        raise ValueError("\n".join(problems))
-
-
-def check_resume(cfg: Config, state: dict, where) -> None:
-    """A resume continues the checkpoint's run: every setting outside RESUMABLE must be the same."""
-    saved = state.get("config", {})
-    changed = [f"--{k} {v} (the checkpoint has {saved[k]})" for k, v in asdict(cfg).items()
-               if k not in RESUMABLE and k in saved and saved[k] != v]
-    if changed:
-        raise ValueError(f"--resume: {where} belongs to a run with other settings: {'; '.join(changed)}. Pass the "
-                         f"checkpoint's values to continue it, or choose another --output_dir to start a new run.")
 
 
 def prompt_order(step: int, local: int, rank: int, n_problems: int, prompts_per_step: int, seed: int) -> list[int]:
@@ -397,13 +282,6 @@ def step_metrics(ro, rewards, group_size, stats, weights, grad_norm, schedule) -
         m["loss/kl_ref"] = mean("kl_ref")
     m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask).items()}
     return m
-
-
-def parse_args(argv=None) -> Config:
-    from transformers import HfArgumentParser
-
-    (cfg,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
-    return cfg
 
 
 if __name__ == "__main__":
