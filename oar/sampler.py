@@ -206,11 +206,11 @@ def char_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]
     character. Otherwise tokens are decoded one by one; where neither reproduces the full decode
     (rare decoders), the spans come from decoding growing prefixes, which is quadratic."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    for pieces in (_streamed_pieces(tokenizer, ids), lambda: [tokenizer.decode([t], skip_special_tokens=True) for t in ids]):
-        pieces = pieces() if callable(pieces) else pieces
-        if pieces is not None and "".join(pieces) == text:
-            ends = torch.tensor([len(p) for p in pieces], dtype=torch.long).cumsum(0).tolist() if pieces else []
-            break
+    pieces = _streamed_pieces(tokenizer, ids)
+    if pieces is None or "".join(pieces) != text:
+        pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+    if "".join(pieces) == text:
+        ends = torch.tensor([len(p) for p in pieces], dtype=torch.long).cumsum(0).tolist() if pieces else []
     else:
         ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
     starts = [0] + ends[:-1]
