@@ -41,7 +41,7 @@ class EvalConfig:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     max_new_tokens: int = field(default=64, metadata={"help": "Completion budget."})
     batch_size: int = field(default=256, metadata={"help": "Sequences per generation batch (prompts x samples)."})
-    instruction: str = field(default="auto", metadata={"help": "Appended to each problem; 'auto': none for arith, a \\boxed{} request otherwise."})
+    instruction: str = field(default="auto", metadata={"help": "Appended to each problem; 'auto': none for arith or tiny-arith, a \\boxed{} request otherwise."})
     dtype: str = field(default="float32", metadata={"help": "Weights dtype."})
     seed: int = field(default=0, metadata={"help": "Sampling seed (k > 1)."})
 
@@ -64,7 +64,7 @@ def main(cfg: EvalConfig) -> dict:
             raise ValueError(f"--output_dir {cfg.output_dir} is a file; pass a directory (it is created if missing).")
         resolve_model(cfg.model)
         problems = load_problems(cfg.dataset, split=cfg.split, limit=cfg.limit or None)
-        instruction = resolve_instruction(cfg.instruction, cfg.dataset)
+        instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
         model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"eval.py: error: {err}") from None

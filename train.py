@@ -125,7 +125,7 @@ def main(cfg: Config) -> dict:
                              f"continue it, or choose another --output_dir.")
         if cfg.resume:
             check_resume(cfg, ckpt.read_state(resume_from), resume_from)
-        instruction = resolve_instruction(cfg.instruction, cfg.dataset)
+        instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
         set_seed(cfg.seed)
         model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:

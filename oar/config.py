@@ -35,7 +35,7 @@ class Config:
     output_dir: str = field(default="runs/default", metadata={"help": "Checkpoints, metrics.jsonl, summary.json, final model."})
     resume: bool = field(default=False, metadata={"help": "Resume from the newest complete checkpoint in output_dir."})
     seed: int = field(default=0, metadata={"help": "Seeds data order, sampling and OAR-G noise."})
-    instruction: str = field(default="auto", metadata={"help": "Appended to each problem; 'auto': none for arith, a \\boxed{} request otherwise."})
+    instruction: str = field(default="auto", metadata={"help": "Appended to each problem; 'auto': none for arith or tiny-arith, a \\boxed{} request otherwise."})
     train_size: int = field(default=10_000, metadata={"help": "Problems drawn from an arith/HF set (files: all rows)."})
     dtype: str = field(default="float32", metadata={"help": "Weights dtype when loading (mixed precision comes from the accelerate config)."})
     # -- rollouts

@@ -55,12 +55,13 @@ class Rollout:
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-def resolve_instruction(instruction: str, dataset: str) -> str:
+def resolve_instruction(instruction: str, dataset: str, model: str = "") -> str:
     """The text appended to each problem: `instruction` as given, or for 'auto' nothing on the built-in
-    arith task (tiny-arith knows its format) and the usual \\boxed{} request elsewhere."""
+    arith task or for the tiny-arith model (it knows only its own `#### N` format, whatever the data
+    file), and the usual \\boxed{} request elsewhere."""
     if instruction != "auto":
         return instruction
-    return "" if dataset == "arith" else BOXED_INSTRUCTION
+    return "" if dataset == "arith" or model == "tiny-arith" else BOXED_INSTRUCTION
 
 
 def format_prompt(tokenizer, problem: str, instruction: str = "") -> str:

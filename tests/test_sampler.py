@@ -95,3 +95,12 @@ def test_a_rollout_does_not_depend_on_its_batch(tok):
     again = sample(model, tok, [a, b], group_size=2, seeds=[10, 11, 12, 13], max_new_tokens=10)
     assert again.texts == both.texts
     assert len(set(both.texts[:2] + both.texts[2:])) > 1  # the seeds do make rollouts differ
+
+
+def test_auto_instruction_asks_for_boxed_answers_except_from_arith_or_tiny_arith():
+    from oar.sampler import BOXED_INSTRUCTION, resolve_instruction
+
+    assert resolve_instruction("auto", "arith") == ""
+    assert resolve_instruction("auto", "data/test.jsonl", "tiny-arith") == ""  # it knows only '#### N'
+    assert resolve_instruction("auto", "data/test.jsonl", "Qwen/Qwen2.5-Math-1.5B") == BOXED_INSTRUCTION
+    assert resolve_instruction("Answer briefly.", "arith", "tiny-arith") == "Answer briefly."
