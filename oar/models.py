@@ -60,7 +60,7 @@ def load_model(name: str, *, dtype: str = "float32"):
 
     source, kwargs = resolve_model(name)
     if source == "tiny-arith":
-        from oar.tiny_arith import ensure_tiny_arith
+        from oar.tiny_arith_cache import ensure_tiny_arith
 
         source = str(ensure_tiny_arith())
     tokenizer = _loaded(name, "tokenizer", lambda: AutoTokenizer.from_pretrained(source, **kwargs))

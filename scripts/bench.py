@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_parts as bp  # noqa: E402
+from oar.tiny_arith_cache import ensure_tiny_arith  # noqa: E402
 
 # SmolLM2-135M rarely writes an extractable answer to arith problems (0 of 8 with the \boxed{} request in
 # 64 tokens); this wording gets about a quarter. Rollouts without an answer cost OAR nothing (weights 1),
@@ -91,7 +92,7 @@ def main() -> None:
     methods = ("grpo", "oar-g", "oar-p")
     if "steps" not in skip:
         trl = args.trl_python if not args.quick else None
-        trl_model = str(__import__("oar.tiny_arith", fromlist=["x"]).ensure_tiny_arith()) if trl else None
+        trl_model = str(ensure_tiny_arith()) if trl else None
         st = bp.train_steps(size["ta"], methods, steps=size["ta_steps"], repeats=size["ta_repeats"], trl_python=trl, trl_model=trl_model)
         res["steps_tiny_arith"] = st
         _print_steps(say, "tiny-arith (train.py defaults" + (f", {size['ta']})" if size["ta"] else ")"), st)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without install
 
-from oar.tiny_arith import BUILDER_VERSION, build_tiny_arith, default_model_dir  # noqa: E402
+from oar.tiny_arith import BUILDER_VERSION  # noqa: E402
+from oar.tiny_arith_cache import build_tiny_arith, default_model_dir  # noqa: E402
 
 
 def main() -> None:

@@ -209,7 +209,8 @@ def model_ident(model: str) -> str | None:
     model); None while tiny-arith is not built (nothing to compare)."""
     if model != "tiny-arith":
         return model
-    from oar.tiny_arith import BUILDER_VERSION, default_model_dir
+    from oar.tiny_arith import BUILDER_VERSION
+    from oar.tiny_arith_cache import default_model_dir
 
     info = default_model_dir() / "build_info.json"
     if not info.exists():
@@ -248,7 +249,7 @@ def stage_runs(stage: str, args) -> bool:
         return True
     args.root.mkdir(parents=True, exist_ok=True)
     if args.model == "tiny-arith":  # build it here once (minutes), so no run's wall-clock includes the build
-        from oar.tiny_arith import ensure_tiny_arith
+        from oar.tiny_arith_cache import ensure_tiny_arith
 
         ensure_tiny_arith()
     write_json_atomic(args.root / f"plan-{stage}.json", {"scale": args.scale, "base": args.base, "runs": runs})

@@ -184,7 +184,8 @@ def test_arith_config_and_exhausted_space_errors():
 def test_tiny_arith_builds_saves_and_loads_like_a_hub_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oar.tiny_arith import TinyArithRecipe, build_tiny_arith, ensure_tiny_arith
+    from oar.tiny_arith import TinyArithRecipe
+    from oar.tiny_arith_cache import build_tiny_arith, ensure_tiny_arith
 
     recipe = TinyArithRecipe(hidden_size=32, num_layers=1, num_heads=2, steps=3, batch_size=4,
                              warmup_steps=1, eval_problems=4)
@@ -220,7 +221,8 @@ def test_tiny_arith_builds_saves_and_loads_like_a_hub_model(tmp_path):
 
 
 def test_tiny_arith_overwrite_replaces_atomically(tmp_path):
-    from oar.tiny_arith import TinyArithRecipe, build_tiny_arith
+    from oar.tiny_arith import TinyArithRecipe
+    from oar.tiny_arith_cache import build_tiny_arith
 
     recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=1, batch_size=2,
                              warmup_steps=1, eval_problems=2)
@@ -233,7 +235,8 @@ def test_tiny_arith_overwrite_replaces_atomically(tmp_path):
 
 
 def test_tiny_arith_stops_at_the_target_accuracy(tmp_path):
-    from oar.tiny_arith import TinyArithRecipe, build_tiny_arith
+    from oar.tiny_arith import TinyArithRecipe
+    from oar.tiny_arith_cache import build_tiny_arith
 
     # Any accuracy reaches a target of 0, so the first check (after step 2) ends training.
     recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=6, batch_size=2,
@@ -246,7 +249,8 @@ def test_tiny_arith_stops_at_the_target_accuracy(tmp_path):
 def test_tiny_arith_is_deterministic_for_a_seed(tmp_path):
     from safetensors.torch import load_file
 
-    from oar.tiny_arith import TinyArithRecipe, build_tiny_arith
+    from oar.tiny_arith import TinyArithRecipe
+    from oar.tiny_arith_cache import build_tiny_arith
 
     recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=3, batch_size=4,
                              warmup_steps=1, eval_problems=2)
@@ -258,7 +262,7 @@ def test_tiny_arith_is_deterministic_for_a_seed(tmp_path):
 
 
 def test_publish_keeps_a_build_that_won_the_race(tmp_path):
-    from oar.tiny_arith import _publish
+    from oar.tiny_arith_cache import _publish
 
     out, ours = tmp_path / "model", tmp_path / "ours"
     for folder, text in [(out, "theirs"), (ours, "ours")]:
@@ -271,7 +275,8 @@ def test_publish_keeps_a_build_that_won_the_race(tmp_path):
 def test_concurrent_builds_of_one_folder_build_it_once(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from oar.tiny_arith import TinyArithRecipe, build_tiny_arith, is_complete
+    from oar.tiny_arith import TinyArithRecipe
+    from oar.tiny_arith_cache import build_tiny_arith, is_complete
 
     recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=2, batch_size=2,
                              warmup_steps=1, eval_problems=2)
@@ -289,7 +294,8 @@ def test_concurrent_builds_of_one_folder_build_it_once(tmp_path):
 
 
 def test_default_model_dir_follows_oar_cache(monkeypatch, tmp_path):
-    from oar.tiny_arith import BUILDER_VERSION, default_model_dir
+    from oar.tiny_arith import BUILDER_VERSION
+    from oar.tiny_arith_cache import default_model_dir
 
     monkeypatch.setenv("OAR_CACHE", str(tmp_path))
     assert default_model_dir() == tmp_path / BUILDER_VERSION
