@@ -1,0 +1,92 @@
+"""Hostile completion text is harmless and fast: characters split across byte-level tokens,
+huge completions, a megabyte of unicode noise. What the sampler's span mapping and the reward do
+with them; the spans must stay contiguous and the costs linear."""
+
+import time
+
+import torch
+
+def _byte_level_tokenizer():
+    """A small byte-level BPE tokenizer (the kind Qwen and Llama 3 use): a character of several
+    UTF-8 bytes can be split over tokens, and a lone token then decodes to U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(["3 + 4 = 7 so the answer is 7 #### 7 ≥ π 日本語 😀 é"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+def _check_offsets(text, offsets, n):
+    assert len(offsets) == n and offsets[-1][1] == len(text)
+    assert all(0 <= s <= e <= len(text) for s, e in offsets)
+    assert all(a[1] == b[0] for a, b in zip(offsets, offsets[1:]))  # contiguous, in order
+
+
+def test_char_offsets_on_broken_utf8_are_contiguous_and_fast():
+    from oar.sampler import char_offsets
+
+    tok = _byte_level_tokenizer()
+    ids = tok("≥ π 日本語 😀 é", add_special_tokens=False)["input_ids"]
+    pieces = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces)  # the case under test: characters split over tokens
+    broken = ids[1:] + ids[:-1]  # starts and ends inside a character
+    text, offsets = char_offsets(tok, broken)
+    _check_offsets(text, offsets, len(broken))
+    long = (broken * 1000)[:8000]
+    start = time.perf_counter()
+    text, offsets = char_offsets(tok, long)
+    assert time.perf_counter() - start < 2.0  # 8,000 tokens: linear (growing prefixes took ~16 s)
+    _check_offsets(text, offsets, len(long))
+
+
+def test_build_rollout_on_broken_utf8_finds_the_answer():
+    from oar.sampler import char_offsets, build_rollout
+
+    tok = _byte_level_tokenizer()
+    junk = tok("日本語 😀", add_special_tokens=False)["input_ids"][1:]  # begins mid-character
+    answer = tok(" #### 7", add_special_tokens=False)["input_ids"]
+    completion = torch.tensor([junk + answer + [tok.eos_token_id]])
+    prompt = torch.tensor([tok("3 + 4 =", add_special_tokens=False)["input_ids"]])
+    ro = build_rollout(tok, prompt, torch.ones_like(prompt), completion, {tok.eos_token_id})
+    lp = ro.prompt_width
+    answer_ids = ro.input_ids[0][ro.answer_mask[0]].tolist()
+    assert tok.decode(answer_ids).strip() == "7" and ro.texts[0].endswith("#### 7")
+    # Reasoning is the junk before the marker; a byte token that only starts a character spans no
+    # character of the text (its successor completes it) and is left out of the span: weight 1.
+    _, offsets = char_offsets(tok, junk + answer)
+    spans = torch.tensor([e > s for s, e in offsets[:len(junk)]])
+    assert torch.equal(ro.reasoning_mask[0, lp:lp + len(junk)], spans) and spans.sum() >= len(junk) - 2
+    assert not ro.reasoning_mask[0, lp + len(junk):].any() and not ro.truncated.any()
+
+
+def test_build_rollout_on_a_huge_completion_is_fast():
+    from oar.sampler import build_rollout
+    from oar.tiny_arith import make_tokenizer
+
+    tok = make_tokenizer()
+    text = "1 + 1 = 2\n" * 2_000 + "#### 2"  # 20k tokens
+    completion = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])  # truncated: no EOS
+    prompt = torch.tensor([[tok.convert_tokens_to_ids("Q")]])
+    start = time.perf_counter()
+    ro = build_rollout(tok, prompt, torch.ones_like(prompt), completion, {tok.eos_token_id})
+    assert time.perf_counter() - start < 5.0
+    assert ro.truncated.all() and int(ro.answer_mask.sum()) == 1 and int(ro.reasoning_mask.sum()) == len(text) - 6
+
+
+def test_reward_of_a_megabyte_of_unicode_noise():
+    """test_rewards covers 1 MB of ASCII; this is 1 MB of mixed scripts, lone surrogates and NULs."""
+    from oar.rewards import reward
+
+    g = torch.Generator().manual_seed(0)
+    alphabet = list("0123456789{}\\$#. ") + ["\ud800", "\udfff", "\x00", "日", "😀", "\u202e", "\ufffd"]
+    noise = "".join(alphabet[i] for i in torch.randint(len(alphabet), (1_000_000,), generator=g).tolist())
+    for completion, gold, want in [(noise, "5", None), (noise + " #### 5", "5", 1.0), (noise + "\\boxed{6}", "5", 0.0)]:
+        start = time.perf_counter()
+        got = reward(completion, gold)
+        assert time.perf_counter() - start < 2.0
+        assert got in (0.0, 1.0) and (want is None or got == want)
