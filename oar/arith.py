@@ -136,6 +136,14 @@ def arith_problems(n: int, *, split: str = "train", seed: int = 0,
     return problems
 
 
+def unseen_problems(n: int, exclude: set[str], *, pool: int, seed: int,
+                    config: ArithConfig = DEFAULT_ARITH) -> list[Problem]:
+    """Up to `n` train-split problems none of whose texts is in `exclude`: the first of a `pool`-sized
+    draw with `seed` that are not excluded (a validation slice for choosing settings without
+    touching the test split). Fewer than `n` when the pool runs out."""
+    return [p for p in arith_problems(pool, split="train", seed=seed, config=config) if p.problem not in exclude][:n]
+
+
 def arith_solution(problem: Problem | str) -> str:
     """The worked solution of an arith problem: one `a op b = c` line per operation, then `#### N`.
 

@@ -35,7 +35,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution
+from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution, unseen_problems
 from oar.data import Problem
 
 BUILDER_VERSION = "tiny-arith-v3"
@@ -236,10 +236,8 @@ def validation_problems(train_problems: list[Problem], recipe: TinyArithRecipe,
     From the train split so the test split stays untouched by model selection; drawn with another
     seed and filtered, because the supervised problems cover much of the 2-operation space.
     """
-    seen = {p.problem for p in train_problems}
-    pool = arith_problems(3 * recipe.validation_problems, split="train", seed=seed + 10_000,
-                          config=recipe.eval_arith)
-    return [p for p in pool if p.problem not in seen][:recipe.validation_problems]
+    return unseen_problems(recipe.validation_problems, {p.problem for p in train_problems},
+                           pool=3 * recipe.validation_problems, seed=seed + 10_000, config=recipe.eval_arith)
 
 
 def train_tiny_arith(seed: int, recipe: TinyArithRecipe, log: Callable[[str], None] | None):

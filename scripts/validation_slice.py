@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oar.arith import DEFAULT_ARITH, arith_problems  # noqa: E402
+from oar.arith import DEFAULT_ARITH, arith_problems, unseen_problems  # noqa: E402
 
 
 def main() -> None:
@@ -28,8 +28,7 @@ def main() -> None:
     p.add_argument("--train_seeds", type=int, nargs="+", default=[0], help="train.py seeds whose problems are excluded")
     args = p.parse_args()
     seen = {q.problem for s in args.train_seeds for q in arith_problems(args.train_size, split="train", seed=s, config=DEFAULT_ARITH)}
-    pool = arith_problems(6 * args.size, split="train", seed=args.seed, config=DEFAULT_ARITH)
-    chosen = [q for q in pool if q.problem not in seen][: args.size]
+    chosen = unseen_problems(args.size, seen, pool=6 * args.size, seed=args.seed, config=DEFAULT_ARITH)
     if len(chosen) < args.size:
         raise SystemExit(f"validation_slice.py: only {len(chosen)} unseen problems; lower --size or --train_size.")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
