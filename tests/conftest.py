@@ -51,3 +51,11 @@ def model():
 @pytest.fixture
 def batch():
     return padded_batch()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A briefly trained tiny-arith-style model folder with its data.jsonl (tests/tinyrun.py), once per session."""
+    from tinyrun import build_model
+
+    return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-trained")

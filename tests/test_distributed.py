@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from tinyrun import TINY, build_model, check_ok, final_params, initial_params, launch, max_abs_diff, metrics, run_inprocess
+from tinyrun import TINY, check_ok, final_params, initial_params, launch, max_abs_diff, metrics, run_inprocess
 
 SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR scorers, plain GRPO
     "oar-g/seq_mean": ["--method", "oar-g", "--aggregation", "seq_mean"],
@@ -22,11 +22,6 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
 }
 SAME_FOR_ANY_SPLIT = ("optim/grad_norm", "optim/lr", "reward/mean", "reward/frac_zero_std_groups",
                       "completion/frac_truncated", "oar/frac_no_answer")
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-trained")
 
 
 def _args(model, out, setting, micro_batch_size):

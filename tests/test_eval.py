@@ -6,12 +6,7 @@ import json
 import pytest
 
 from oar.rewards import extract_answer, reward
-from tinyrun import EVAL, build_model, check_ok, launch, run_script
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-trained")
+from tinyrun import EVAL, check_ok, launch, run_script
 
 
 def _args(model, out, *extra):

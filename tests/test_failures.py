@@ -13,12 +13,7 @@ import pytest
 import torch
 
 import train
-from tinyrun import EVAL, TINY, TRAIN, build_model, final_params, metrics, run_inprocess, run_script
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-trained")
+from tinyrun import EVAL, TINY, TRAIN, final_params, metrics, run_inprocess, run_script
 
 
 def _args(model, out, *extra):

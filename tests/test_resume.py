@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from oar import checkpoint as ckpt
-from tinyrun import TINY, TRAIN, build_model, check_ok, final_params, initial_params, max_abs_diff, metrics, run_inprocess, run_script
+from tinyrun import TINY, TRAIN, check_ok, final_params, initial_params, max_abs_diff, metrics, run_inprocess, run_script
 
 KILL_DURING_SAVE = """
 import os, signal, oar.checkpoint as c
@@ -37,11 +37,6 @@ def _dying_step(self, step, metrics):
     _step(self, step, metrics)
 r.RunLog.step = _dying_step
 """
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-trained")
 
 
 def _args(model: Path, out: Path, *extra: str) -> list[str]:
