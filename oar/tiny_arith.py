@@ -12,11 +12,16 @@ saved folder loads with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(
 - Chat template: a user turn renders as `Q: <problem>\\n`, the generation prompt is `A:\\n`, an
   assistant turn is its content then `<eos>`. The model is trained to complete
   `Q: Compute (3 + 4) * 2.\\nA:\\n` with the worked solution of `arith_solution` and `<eos>`.
-- Warm start: supervised training (AdamW, loss on completion tokens only) on arith TRAIN problems
-  of 1-3 operations (in practice ~5% have one: there are only ~2k distinct one-operation
-  expressions), until greedy accuracy on held-apart validation problems of the default RL/eval
-  difficulty (DEFAULT_ARITH, 2-3 operations) reaches 30%, or at most `steps`. Partly competent on
-  purpose: most groups of rollouts then have mixed rewards, and RL has room to improve.
+- Warm start: a fixed number of supervised steps (AdamW, loss on completion tokens only) on arith
+  TRAIN problems of 1-3 operations (in practice ~5% have one: there are only ~2k distinct
+  one-operation expressions). Partly competent on purpose, in two ways:
+  * its arithmetic facts are half learned (the steps fit the build budget, not convergence);
+  * it imitates a flawed teacher: on 75% of the 3-operation problems the target stops one line
+    early and gives that line's result as the answer (`sft_target`). Greedy decoding inherits the
+    habit on every 3-operation problem; sampling at temperature 1 still finishes the work on some
+    of them, and only those rollouts are rewarded. That is the gap RL is meant to close: a
+    systematic, answer-deciding mistake that reward alone reveals, as premature final answers are
+    for real models, so that a CPU-sized run shows RL improving the policy (README: the default run).
 - Deterministic from `seed` (torch.manual_seed for the weights, the arith seed for the data
   order) for a given number of threads; the build is CPU-only on purpose for that reason.
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -35,10 +41,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution, unseen_problems
+from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution
 from oar.data import Problem
 
-BUILDER_VERSION = "tiny-arith-v3"
+BUILDER_VERSION = "tiny-arith-v4"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
 CHARACTERS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
 CHAT_TEMPLATE = (
@@ -62,17 +68,9 @@ class TinyArithRecipe:
     """Transformer blocks."""
     num_heads: int = 4
     """Attention heads (no grouped-query sharing)."""
-    steps: int = 900
-    """Most optimizer steps of supervised training (the cosine schedule ends here); sized so the
-    worst case fits the build budget. Training usually stops earlier, at `target_accuracy`."""
-    target_accuracy: float = 0.3
-    """Stop at the first check whose greedy validation accuracy reaches this: partly competent."""
-    first_check: int = 400
-    """No check before this step: each costs ~2 s, and our runs were under 10% before step 500."""
-    check_every: int = 50
-    """Steps between accuracy checks."""
-    validation_problems: int = 200
-    """Problems per check (train split, eval difficulty, none trained on)."""
+    steps: int = 1300
+    """Optimizer steps of supervised training (the cosine schedule ends here); sized to fit the
+    build budget (~5 min on 2 cores), which leaves the arithmetic facts about half learned."""
     batch_size: int = 64
     """Problems per step; each is seen once (the train problems are distinct)."""
     lr: float = 3e-3
@@ -83,13 +81,18 @@ class TinyArithRecipe:
     """AdamW weight decay."""
     train_arith: ArithConfig = field(default_factory=lambda: ArithConfig(min_ops=1, max_ops=3))
     """Difficulty of the supervised problems: DEFAULT_ARITH plus some 1-operation ones."""
+    lazy_ops: int = 3
+    """Problems with at least this many operations are sometimes solved lazily (below)."""
+    lazy_rate: float = 0.75
+    """Share of those supervised problems whose target stops one line early and gives that line's
+    result as the answer (a wrong one): the flaw in the warm start that RL can find and fix."""
     eval_arith: ArithConfig = DEFAULT_ARITH
     """Difficulty at which the held-out accuracy in build_info.json is measured."""
     eval_problems: int = 500
     """Held-out (test split) problems for the accuracy estimate (binomial sd ~2 points at 500)."""
-    num_threads: int = 1
-    """torch threads during the build; fixed because the float results depend on it. One, because
-    on shared cores two threads ran up to 10x slower per step (they wait on each other)."""
+    num_threads: int = 2
+    """torch threads during the build; fixed because the float results depend on it. Two: 1.65x
+    faster per step than one on a quiet 2-core machine (on busy cores they wait on each other)."""
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -126,13 +129,24 @@ def prompt_text(tok: PreTrainedTokenizerFast, problem: str) -> str:
                                    add_generation_prompt=True, tokenize=False)
 
 
-def sft_batch(tok: PreTrainedTokenizerFast, problems: list[Problem]) -> dict[str, torch.Tensor]:
+def sft_target(problem: Problem, recipe: TinyArithRecipe) -> str:
+    """The supervised completion: the worked solution, or for a fixed share of the longer problems
+    (chosen by a hash of the text, so a problem always gets the same) the lazy one that skips the
+    last line and answers with the line before: `37 + 8 = 45\n45 - 5 = 40\n#### 40`."""
+    lines = arith_solution(problem).split("\n")  # one line per operation, then `#### N`
+    lazy = (len(lines) - 1 >= recipe.lazy_ops
+            and zlib.crc32(b"lazy:" + problem.problem.encode()) % 10_000 < recipe.lazy_rate * 10_000)
+    return "\n".join(lines[:-2] + [f"#### {lines[-3].rsplit('= ', 1)[1]}"]) if lazy else "\n".join(lines)
+
+
+def sft_batch(tok: PreTrainedTokenizerFast, problems: list[Problem],
+              recipe: TinyArithRecipe) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask, labels (B, T); labels are -100 off the completion.
 
-    The completion is the worked solution and `<eos>`: stopping is learned like any token.
+    The completion is `sft_target` and `<eos>`: stopping is learned like any token.
     """
     prompts = tok([prompt_text(tok, p.problem) for p in problems]).input_ids
-    completions = tok([arith_solution(p) for p in problems]).input_ids
+    completions = tok([sft_target(p, recipe) for p in problems]).input_ids
     rows = [(p, c + [tok.eos_token_id]) for p, c in zip(prompts, completions)]
     width = max(len(p) + len(c) for p, c in rows)
     input_ids = torch.full((len(rows), width), tok.pad_token_id)  # (B, T)
@@ -174,17 +188,10 @@ def max_new_tokens_for(config: ArithConfig) -> int:
     return 20 * config.max_ops + 16
 
 
-def train(model, tok, problems: list[Problem], validation: list[Problem], recipe: TinyArithRecipe,
-          log: Callable[[str], None] | None = None) -> tuple[list[float], dict[int, float]]:
-    """Supervised training until `validation` accuracy reaches the target or `steps` run out.
-
-    One step per `batch_size` problems in order: they are distinct, so every step sees new ones.
-    Every `check_every` steps from `first_check` on, greedy accuracy on `validation` is measured
-    and training stops at the first check that reaches `target_accuracy`. Why a target and not a
-    fixed step count: this model's accuracy rises steeply and at a step that varies a lot with the
-    seed and even the thread count (19% to 71% at 800-900 steps in our runs); stopping on a target
-    makes "partly competent" hold for every seed. Returns the step losses and {step: accuracy}.
-    """
+def train(model, tok, problems: list[Problem], recipe: TinyArithRecipe,
+          log: Callable[[str], None] | None = None) -> list[float]:
+    """Supervised training, one step per `batch_size` problems in order (they are distinct, so every
+    step sees new ones), for `recipe.steps` steps. Returns the step losses."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
                                   weight_decay=recipe.weight_decay)
 
@@ -195,10 +202,10 @@ def train(model, tok, problems: list[Problem], validation: list[Problem], recipe
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    losses, checks, started = [], {}, time.perf_counter()
+    model.train()
+    losses, started = [], time.perf_counter()
     for step in range(1, recipe.steps + 1):
-        model.train()
-        batch = sft_batch(tok, problems[(step - 1) * recipe.batch_size:step * recipe.batch_size])
+        batch = sft_batch(tok, problems[(step - 1) * recipe.batch_size:step * recipe.batch_size], recipe)
         loss = model(**batch).loss  # mean over the batch's completion tokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -206,16 +213,10 @@ def train(model, tok, problems: list[Problem], validation: list[Problem], recipe
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if step >= recipe.first_check and step % recipe.check_every == 0:
-            checks[step] = greedy_accuracy(model, tok, validation,
-                                           max_new_tokens=max_new_tokens_for(recipe.eval_arith))
-        if log and (step % 100 == 0 or step in checks):
-            accuracy = f", validation accuracy {checks[step]:.1%}" if step in checks else ""
-            log(f"tiny-arith: step {step}/{recipe.steps}, loss {loss.item():.3f}{accuracy}, "
+        if log and step % 100 == 0:
+            log(f"tiny-arith: step {step}/{recipe.steps}, loss {loss.item():.3f}, "
                 f"{time.perf_counter() - started:.0f} s")
-        if step in checks and checks[step] >= recipe.target_accuracy:
-            break
-    return losses, checks
+    return losses
 
 
 @contextlib.contextmanager
@@ -229,17 +230,6 @@ def _torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def validation_problems(train_problems: list[Problem], recipe: TinyArithRecipe,
-                        seed: int) -> list[Problem]:
-    """Problems of the stopping check: eval difficulty, TRAIN split, none that training sees.
-
-    From the train split so the test split stays untouched by model selection; drawn with another
-    seed and filtered, because the supervised problems cover much of the 2-operation space.
-    """
-    return unseen_problems(recipe.validation_problems, {p.problem for p in train_problems},
-                           pool=3 * recipe.validation_problems, seed=seed + 10_000, config=recipe.eval_arith)
-
-
 def train_tiny_arith(seed: int, recipe: TinyArithRecipe, log: Callable[[str], None] | None):
     """The model, its tokenizer and the build facts (accuracy, steps, times) of one training run."""
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -249,20 +239,19 @@ def train_tiny_arith(seed: int, recipe: TinyArithRecipe, log: Callable[[str], No
         model = make_model(tok, recipe)
         problems = arith_problems(recipe.steps * recipe.batch_size, split="train", seed=seed,
                                   config=recipe.train_arith)
-        validation = validation_problems(problems, recipe, seed)
-        losses, checks = train(model, tok, problems, validation, recipe, log)
+        losses = train(model, tok, problems, recipe, log)
         train_s = time.perf_counter() - started
         held_out = arith_problems(recipe.eval_problems, split="test", seed=seed,
                                   config=recipe.eval_arith)
         accuracy = greedy_accuracy(model, tok, held_out,
                                    max_new_tokens=max_new_tokens_for(recipe.eval_arith))
-    if log and max(checks.values(), default=0.0) < recipe.target_accuracy:
-        log(f"tiny-arith: warning: validation accuracy never reached {recipe.target_accuracy:.0%} "
-            f"in {recipe.steps} steps; the model is weaker than intended.")
+    if log and not 0.15 <= accuracy <= 0.6:
+        log(f"tiny-arith: warning: held-out accuracy {accuracy:.1%} is outside the intended 15-60% "
+            f"(partly competent, room for RL); this seed or recipe gives a different model than the default.")
     info = {
         "builder": BUILDER_VERSION, "seed": seed, "recipe": asdict(recipe),
         "heldout_accuracy": accuracy, "heldout_problems": len(held_out),
-        "steps_run": len(losses), "validation_accuracy": checks,
+        "steps_run": len(losses),
         "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
         "train_seconds": round(train_s, 1),
         "build_seconds": round(time.perf_counter() - started, 1),
