@@ -45,7 +45,7 @@ def build_model(out: Path) -> Path:
         torch.manual_seed(0)
         tok = make_tokenizer()
         model = make_model(tok, recipe)
-        train(model, tok, problems * (recipe.steps * recipe.batch_size // len(problems) + 1), [], recipe)
+        train(model, tok, problems * (recipe.steps * recipe.batch_size // len(problems) + 1), recipe)
     finally:
         torch.set_num_threads(threads)
     tmp = out.with_name(out.name + ".tmp")
