@@ -69,7 +69,7 @@ class ArithConfig:
 DEFAULT_ARITH = ArithConfig()
 """The default RL and evaluation difficulty, e.g. `Compute ((37 + 8) - 5) * 2.`: 2-3 operations,
 a 2-digit start, 1-digit operands, every result in [0, 99]. Sized so that tiny-arith, after its
-few CPU minutes of supervised training, solves about a third of it (see oar/tiny_arith.py)."""
+few CPU minutes of supervised training, solves about a quarter of it (see oar/tiny_arith.py)."""
 
 
 def split_of(expression: str) -> str:

@@ -11,7 +11,7 @@ saved folder loads with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(
   Its padding side is left, as generation needs.
 - Chat template: a user turn renders as `Q: <problem>\\n`, the generation prompt is `A:\\n`, an
   assistant turn is its content then `<eos>`. The model is trained to complete
-  `Q: Compute (3 + 4) * 2.\\nA:\\n` with the worked solution of `arith_solution` and `<eos>`.
+  `Q: Compute (3 + 4) * 2.\\nA:\\n` with `sft_target` (a worked solution) and `<eos>`.
 - Warm start: a fixed number of supervised steps (AdamW, loss on completion tokens only) on arith
   TRAIN problems of 1-3 operations (in practice ~5% have one: there are only ~2k distinct
   one-operation expressions). Partly competent on purpose, in two ways:
