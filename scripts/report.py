@@ -175,7 +175,7 @@ def markdown(summary: dict, abl_rows, attr_rows, images: dict, out: Path, at: st
     s, methods = summary["setup"], summary["methods"]
     lines = ["# Evidence study: does OAR beat GRPO on arith?", "",
              f"Generated {summary['generated']} by `{summary['command']}` (scale `{summary['scale']}`) from the runs in "
-             f"`{summary['root']}/`, made by `python scripts/study.py --stage all` (every run's command and seed: "
+             f"`{summary['root']}/`, made by `python scripts/study.py` (every run's command and seed: "
              f"`{summary['root']}/plan-*.json`, and `config.json` in each run folder).", ""]
     if s:
         lines += [f"Setup: `{s['model']}` on `{s['dataset']}`, {s['steps']} steps × {s['prompts_per_step']} prompts × "
@@ -223,7 +223,7 @@ def markdown(summary: dict, abl_rows, attr_rows, images: dict, out: Path, at: st
                          f"{f(r, 'precision_at_k')} | {f(r, 'roc_auc')} | {f(r, 'spearman')} | {f(r, 'top20_overlap')} |")
         lines += ["", f"![attribution]({at}{images['attribution'].name})", ""]
     if (out / "heatmap.png").exists():
-        lines += ["## What OAR boosts and suppresses", "", "`python scripts/heatmap.py --run runs/study/oar-g-s0` "
+        lines += ["## What OAR boosts and suppresses", "", f"`python scripts/heatmap.py --run {summary['root']}/oar-g-s0` "
                   f"(hover the tokens in [heatmap.html]({at}heatmap.html) for their weights).", "", f"![token heatmap]({at}heatmap.png)", ""]
     if len(summary["code_versions"]) > 1:
         lines += [f"**Warning:** these runs were made by {len(summary['code_versions'])} different versions of train.py / "
