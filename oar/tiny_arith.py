@@ -85,7 +85,7 @@ class TinyArithRecipe:
     """Problems with at least this many operations are sometimes solved lazily (below)."""
     lazy_rate: float = 0.75
     """Share of those supervised problems whose target stops one line early and gives that line's
-    result as the answer (a wrong one): the flaw in the warm start that RL can find and fix."""
+    result as the answer (almost always wrong): the flaw in the warm start that RL can find and fix."""
     eval_arith: ArithConfig = DEFAULT_ARITH
     """Difficulty at which the held-out accuracy in build_info.json is measured."""
     eval_problems: int = 500
@@ -93,6 +93,11 @@ class TinyArithRecipe:
     num_threads: int = 2
     """torch threads during the build; fixed because the float results depend on it. Two: 1.65x
     faster per step than one on a quiet 2-core machine (on busy cores they wait on each other)."""
+
+    def __post_init__(self):
+        if self.lazy_ops < 2 or not 0.0 <= self.lazy_rate <= 1.0:
+            raise ValueError(f"TinyArithRecipe: need lazy_ops >= 2 (a lazy solution keeps at least one line) and "
+                             f"0 <= lazy_rate <= 1, got lazy_ops={self.lazy_ops}, lazy_rate={self.lazy_rate}.")
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -132,7 +137,7 @@ def prompt_text(tok: PreTrainedTokenizerFast, problem: str) -> str:
 def sft_target(problem: Problem, recipe: TinyArithRecipe) -> str:
     """The supervised completion: the worked solution, or for a fixed share of the longer problems
     (chosen by a hash of the text, so a problem always gets the same) the lazy one that skips the
-    last line and answers with the line before: `37 + 8 = 45\n45 - 5 = 40\n#### 40`."""
+    last line and answers with the line before: `37 + 8 = 45\\n45 - 5 = 40\\n#### 40`."""
     lines = arith_solution(problem).split("\n")  # one line per operation, then `#### N`
     lazy = (len(lines) - 1 >= recipe.lazy_ops
             and zlib.crc32(b"lazy:" + problem.problem.encode()) % 10_000 < recipe.lazy_rate * 10_000)

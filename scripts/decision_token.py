@@ -6,7 +6,7 @@
 tiny-arith stops one line early on 3-operation problems (oar/tiny_arith.py); a rollout that
 finishes the work instead is the one RL should reinforce, and the token where it decides to go on
 is the first token of its third line. This samples rollouts of 3-operation train problems, keeps
-those that finish the work, and prints the OAR-G and OAR-P gate weight of that decision token (the
+those that finish the work and are rewarded (the ones GRPO reinforces), and prints the OAR-G and OAR-P gate weight of that decision token (the
 reasoning tokens' mean weight is 1 by mass preservation) and where its score ranks among the
 rollout's reasoning tokens. Relies on tiny-arith's one-token-per-character tokenizer.
 """
@@ -26,13 +26,14 @@ from oar.gating import bilevel_weights  # noqa: E402
 from oar.models import load_model  # noqa: E402
 from oar.oar_grad import gradient_scores  # noqa: E402
 from oar.oar_perturb import perturbation_scores  # noqa: E402
+from oar.rewards import reward  # noqa: E402
 from oar.sampler import format_prompt, sample  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny-arith")
-    p.add_argument("--problems", type=int, default=64, help="3-operation train problems, 8 rollouts each")
+    p.add_argument("--problems", type=int, default=256, help="3-operation train problems, 8 rollouts each")
     p.add_argument("--seed", type=int, default=3)
     args = p.parse_args()
     model, tok = load_model(args.model)
@@ -40,8 +41,10 @@ def main() -> None:
     problems = arith_problems(args.problems, seed=args.seed, config=ArithConfig(min_ops=3, max_ops=3))
     ro = sample(model, tok, [format_prompt(tok, q.problem) for q in problems], group_size=8,
                 seeds=list(range(8 * len(problems))), max_new_tokens=64, temperature=1.0, top_p=1.0)
-    worked = [i for i, t in enumerate(ro.texts) if t.split("####")[0].count("=") >= 3]
-    print(f"{len(worked)} of {len(ro)} rollouts of 3-operation problems finish the work")
+    golds = [q.answer for q in problems for _ in range(8)]
+    finished = [i for i, t in enumerate(ro.texts) if "####" in t and t.split("####")[0].count("\n") >= 3]
+    worked = [i for i in finished if reward(ro.texts[i], golds[i]) == 1.0]
+    print(f"{len(finished)} of {len(ro)} rollouts of 3-operation problems finish the work; {len(worked)} of them are right")
     if not worked:
         return
     rows = torch.tensor(worked)

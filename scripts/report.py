@@ -175,7 +175,7 @@ def markdown(summary: dict, abl_rows, attr_rows, images: dict, out: Path, at: st
     s, methods = summary["setup"], summary["methods"]
     lines = ["# Evidence study: does OAR beat GRPO on arith?", "",
              f"Generated {summary['generated']} by `{summary['command']}` (scale `{summary['scale']}`) from the runs in "
-             f"`{summary['root']}/`, made by `python scripts/study.py` (every run's command and seed: "
+             f"`{summary['root']}/`, made by the stages of `scripts/study.py` (every run's command and seed: "
              f"`{summary['root']}/plan-*.json`, and `config.json` in each run folder).", ""]
     if s:
         lines += [f"Setup: `{s['model']}` on `{s['dataset']}`, {s['steps']} steps × {s['prompts_per_step']} prompts × "

@@ -1,7 +1,7 @@
 """Write a validation slice of arith's TRAIN split that no default run trains on, for choosing settings.
 
     python scripts/validation_slice.py --out runs/val.jsonl
-    python train.py --learning_rate 5e-5 --steps 240 --eval_every 40 --eval_dataset runs/val.jsonl --output_dir runs/val-5e-5
+    python train.py --eval_dataset runs/val.jsonl --eval_every 20 --save_every 0 --output_dir runs/val-default
 
 Held-out (test split) problems are for reporting only; settings are chosen on this slice. It is
 drawn with another seed from the train split at the default difficulty and excludes the first

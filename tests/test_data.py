@@ -252,9 +252,14 @@ def test_sft_target_is_lazy_on_a_fixed_share_of_the_longer_problems():
         ops = len(arith_solution(p).split("\n")) - 1
         total[ops] += 1
         lazy[ops] += sft_target(p, recipe) != arith_solution(p)
-        assert sft_target(p, recipe) == sft_target(Problem(p.problem, p.answer), recipe)  # fixed per problem
     assert lazy[1] == lazy[2] == 0 and total[3] > 1000
     assert abs(lazy[3] / total[3] - 0.75) < 0.04
+    # The choice is a function of the problem text alone, and a lower rate picks a subset.
+    lazy_at = lambda rate: {p.problem for p in problems if sft_target(Problem(p.problem, "0"), replace(recipe, lazy_rate=rate))
+                            != arith_solution(Problem(p.problem, "0"))}
+    assert len(lazy_at(0.75)) == lazy[3] and lazy_at(0.5) < lazy_at(0.75)
+    with pytest.raises(ValueError, match="lazy_ops"):
+        TinyArithRecipe(lazy_ops=1)
 
 
 def test_tiny_arith_is_deterministic_for_a_seed(tmp_path):
