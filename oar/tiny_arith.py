@@ -15,7 +15,8 @@ saved folder loads with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(
 - Warm start: a fixed number of supervised steps (AdamW, loss on completion tokens only) on arith
   TRAIN problems of 1-3 operations (in practice ~5% have one: there are only ~2k distinct
   one-operation expressions). Partly competent on purpose, in two ways:
-  * its arithmetic facts are half learned (the steps fit the build budget, not convergence);
+  * its arithmetic facts are partly learned (the steps fit the build budget, not convergence;
+    seed 0 gets 42% of held-out 2-operation problems right, seed 1 94%);
   * it imitates a flawed teacher: on 75% of the 3-operation problems the target stops one line
     early and gives that line's result as the answer (`sft_target`). Greedy decoding inherits the
     habit on every 3-operation problem; sampling at temperature 1 still finishes the work on some
@@ -70,7 +71,7 @@ class TinyArithRecipe:
     """Attention heads (no grouped-query sharing)."""
     steps: int = 1300
     """Optimizer steps of supervised training (the cosine schedule ends here); sized to fit the
-    build budget (~5 min on 2 cores), which leaves the arithmetic facts about half learned."""
+    build budget (~5 min on 2 cores), which leaves the arithmetic facts partly learned."""
     batch_size: int = 64
     """Problems per step; each is seen once (the train problems are distinct)."""
     lr: float = 3e-3
