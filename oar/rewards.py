@@ -52,6 +52,7 @@ MV_SECONDS = 1.0  # deadline for math-verify's parse + verify of one pair
 MV_MAX_CHARS = 1_000  # longer answers skip math-verify (and stay under Python's int-str limit)
 MAX_NUMBER_CHARS = 1_000  # longer numbers are compared as strings, never converted
 MAX_GROWTH = 10**6  # about the most digits an exact integer may reach before sympy stalls in C
+MAX_SYMBOLIC_POWER = 100  # larger powers of an expression with letters are not expanded (see _may_explode)
 
 
 class AnswerSpan(NamedTuple):
@@ -199,13 +200,16 @@ _POWER = re.compile(r"\^|\*\*")
 _FACTORIAL = re.compile(r"(?<!\\)!(?!=)")  # `\!` is a LaTeX space and `!=` no factorial
 _SMALL_FACTORIAL_ARG = re.compile(r"(?:^|[^\d.])\d{1,3}$|[A-Za-z]\s*$")
 _DIGITS = re.compile(r"\d+")
+_LETTER = re.compile(r"[A-Za-z]")  # a variable or a LaTeX command: the answer may be symbolic
 
 
 def _may_explode(latex: str) -> bool:
     """Whether sympy might build a huge exact integer from `latex`, in C, where no deadline reaches:
     a factorial of more than a letter or a 3-digit literal, a tower (a power or factorial inside an
-    exponent), or (widest digit run) x (product of the literals in all exponents) > MAX_GROWTH, a
-    bound on the digits of `(9999^{9999})^{99}`. Conservative: `x^{10}+x^9+...+x^2` is refused too."""
+    exponent), (widest digit run) x (product of the literals in all exponents) > MAX_GROWTH, a
+    bound on the digits of `(9999^{9999})^{99}`, or a power above MAX_SYMBOLIC_POWER in an answer
+    with any letter (`(x+1)^{999}` expands to 1,000 terms, with stretches of C that a deadline waits
+    out: 5 s once against a 1 s deadline). Conservative: `x^{10}+x^9+...+x^2` is refused too."""
     for m in _FACTORIAL.finditer(latex):
         if not _SMALL_FACTORIAL_ARG.search(latex[max(0, m.start() - 4) : m.start()]):
             return True
@@ -218,7 +222,7 @@ def _may_explode(latex: str) -> bool:
             return True
         for run in _DIGITS.findall(latex, at, end):
             growth *= max(int(run), 1) if len(run) <= 6 else MAX_GROWTH + 1
-            if growth > MAX_GROWTH:
+            if growth > MAX_GROWTH or (int(run[:6]) > MAX_SYMBOLIC_POWER and _LETTER.search(latex)):
                 return True
     return False
 
