@@ -257,7 +257,6 @@ def train_tiny_arith(seed: int, recipe: TinyArithRecipe, log: Callable[[str], No
     info = {
         "builder": BUILDER_VERSION, "seed": seed, "recipe": asdict(recipe),
         "heldout_accuracy": accuracy, "heldout_problems": len(held_out),
-        "steps_run": len(losses),
         "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
         "train_seconds": round(train_s, 1),
         "build_seconds": round(time.perf_counter() - started, 1),
