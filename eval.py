@@ -21,7 +21,7 @@ import torch
 from oar.checkpoint import write_json_atomic
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
-from oar.launch import make_accelerator
+from oar.launch import end, make_accelerator
 from oar.models import ModelError, load_model, resolve_model
 from oar.sampler import resolve_instruction
 
@@ -84,6 +84,7 @@ def main(cfg: EvalConfig) -> dict:
         print(f"{cfg.model} on {cfg.dataset}: accuracy {summary['accuracy']:.3f} over {summary['problems']} problems"
               f" (k={cfg.num_samples}) | {passes} | no answer {summary['frac_no_answer']:.3f}"
               f" | truncated {summary['frac_truncated']:.3f} -> {out / 'eval.jsonl'}", flush=True)
+    end(accelerator)
     return summary
 
 

@@ -45,7 +45,7 @@ from oar import checkpoint as ckpt
 from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, parse_args  # noqa: F401 (re-exported for scripts)
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
-from oar.launch import make_accelerator
+from oar.launch import end, make_accelerator
 from oar.gating import bilevel_weights, weight_stats
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
 from oar.models import ModelError, forward_logits, load_model, resolve_model
@@ -260,6 +260,7 @@ def main(cfg: Config) -> dict:
         summary |= {"eval_problems": len(eval_set), "accuracy_before": history.get("eval_before"), "accuracy_after": final["accuracy"]}
         log.records("eval_final.jsonl", records)
     log.finish(summary, policy, tokenizer)
+    end(accelerator)
     return summary
 
 

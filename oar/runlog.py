@@ -80,9 +80,6 @@ class RunLog:
             os.replace(tmp, final)
             write_json_atomic(self.dir / "summary.json", summary)
             self.say("summary: " + json.dumps(summary))
-        if self.acc.log_with:
-            self.acc.end_training()
-        self.acc.wait_for_everyone()
 
 
 def _step_of(line: str) -> float:
