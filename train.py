@@ -74,17 +74,20 @@ def rollout_seeds(seed: int, step: int, global_prompts: list[int], group_size: i
     return [(seed * 1_000_003 + step) * 10_007 * group_size + p * group_size + g for p in global_prompts for g in range(group_size)]
 
 
-def token_weights(cfg, model, mb, probe, clean, seeds, golds, tokenizer, clean_kv=None):
+def token_weights(cfg, model, mb, scored, probe, clean, seeds, golds, tokenizer, clean_kv=None):
     """Step 4's OAR part for one micro-batch: weights (b, L), all ones for GRPO, the seconds the
     scoring took, and how many rollouts had a non-finite score (they get all-ones weights, as
-    gating.bilevel_weights defines). `clean`, `clean_kv`: the clean outcome and keys/values from the
+    gating.bilevel_weights defines). Only the rollouts marked in `scored` (b,) are scored; the
+    others get all-ones weights. `clean`, `clean_kv`: the clean outcome and keys/values from the
     update's forward (probes.clean_forward), or None."""
     if cfg.method == "grpo":
         return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0.0, 0
     start = time.perf_counter()
-    ids, attn, reas, ans = mb.input_ids, mb.attention_mask, mb.reasoning_mask, mb.answer_mask
+    reasoning = mb.reasoning_mask & scored[:, None]  # a row without reasoning tokens costs nothing and weighs 1
+    ids, attn, reas, ans = mb.input_ids, mb.attention_mask, reasoning, mb.answer_mask
     if cfg.outcome_source == "reference":  # score against the gold answer appended after the reasoning
         ids, attn, reas, ans = with_reference_answer(mb, tokenizer, golds, cfg.reference_template)
+        reas = reas & scored[:, None]
         clean = clean_kv = None
     if cfg.method == "oar-g":
         h = model.config.hidden_size
@@ -99,9 +102,9 @@ def token_weights(cfg, model, mb, probe, clean, seeds, golds, tokenizer, clean_k
     width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
     full = torch.zeros(mb.input_ids.shape, device=scores.device)
     full[:, :width] = scores[:, :width]
-    weights = bilevel_weights(full, mb.reasoning_mask, quantile=cfg.gate_quantile, boost=cfg.gate_boost,
+    weights = bilevel_weights(full, reasoning, quantile=cfg.gate_quantile, boost=cfg.gate_boost,
                               floor=cfg.gate_floor, preserve_mass=cfg.preserve_mass)
-    nonfinite = int((~torch.isfinite(full) & mb.reasoning_mask).any(1).sum())
+    nonfinite = int((~torch.isfinite(full) & reasoning).any(1).sum())
     return weights, time.perf_counter() - start, nonfinite
 
 
@@ -171,8 +174,11 @@ def main(cfg: Config) -> dict:
         # 2. reward
         rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)], device=accelerator.device)
 
-        # 3. group-relative advantage (a prompt's group is on this process: no gather needed)
+        # 3. group-relative advantage (a prompt's group is on this process: no gather needed). A rollout
+        # with advantage 0 (its whole group got one reward) has loss 0 whatever its token weights: OAR
+        # does not score it unless asked to (exact; 35-40% of tiny-arith's rollouts in the default run).
         advantages = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)  # (B,)
+        scored = (advantages != 0) | cfg.score_all  # (B,)
 
         # 4. update, micro-batch by micro-batch. Only completion columns (from Lp) are scored:
         # logits at Lp-1 .. L-1 predict completion tokens Lp .. L. The normalizer is global (every
@@ -198,7 +204,7 @@ def main(cfg: Config) -> dict:
                 clean = None
                 if reuse:
                     clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe)
-                weights, secs, nonfinite = token_weights(cfg, policy, mb, probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
+                weights, secs, nonfinite = token_weights(cfg, policy, mb, scored[rows], probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
                 oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
                 token_adv = advantages[rows, None] * weights[:, lp:]  # (b, T): A_it = A_i w_it
                 ref = None
@@ -239,7 +245,7 @@ def main(cfg: Config) -> dict:
         history["step_seconds"].append(time.perf_counter() - t0)
 
         # 6. log, evaluate, checkpoint
-        metrics = step_metrics(ro, rewards, cfg.group_size, stats, torch.cat(w_all), grad_norm, schedule)
+        metrics = step_metrics(ro, rewards, scored, cfg.group_size, stats, torch.cat(w_all), grad_norm, schedule)
         metrics |= {"time/step_s": history["step_seconds"][-1], "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
                     "oar/frac_nonfinite_scores": n_nonfinite / len(ro)}
         if n_nonfinite:
@@ -264,8 +270,9 @@ def main(cfg: Config) -> dict:
     return summary
 
 
-def step_metrics(ro, rewards, group_size, stats, weights, grad_norm, schedule) -> dict:
-    """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes)."""
+def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule) -> dict:
+    """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes). The
+    weight statistics cover the rollouts that OAR scored (`scored`, (B,))."""
     tokens = max(sum(s["tokens"] for s in stats), 1.0)
     mean = lambda key: sum(s[key] * s["tokens"] for s in stats) / tokens  # the same for any micro-batching
     grouped = rewards.view(-1, group_size)
@@ -277,11 +284,11 @@ def step_metrics(ro, rewards, group_size, stats, weights, grad_norm, schedule) -
         "completion/length": float(lengths.mean()), "completion/frac_truncated": float(ro.truncated.float().mean()),
         "loss/clip_frac": mean("clip_frac"), "loss/approx_kl": mean("approx_kl"), "policy/entropy": mean("entropy"),
         "optim/grad_norm": float(grad_norm), "optim/lr": schedule.get_last_lr()[0],
-        "oar/frac_no_answer": float((~has_answer).float().mean()),
+        "oar/frac_no_answer": float((~has_answer).float().mean()), "oar/frac_scored": float((scored & has_answer).float().mean()),
     }
     if "kl_ref" in stats[0]:
         m["loss/kl_ref"] = mean("kl_ref")
-    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask).items()}
+    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None]).items()}
     return m
 
 

@@ -20,7 +20,7 @@ METHODS = ("grpo", "oar-g", "oar-p")
 # must match the checkpoint's, or a resume would splice two different runs into one.
 RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
              "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
-             "gradient_checkpointing", "perturb_chunk_tokens"}
+             "gradient_checkpointing", "perturb_chunk_tokens", "score_all"}
 
 
 @dataclass
@@ -67,6 +67,8 @@ class Config:
     gate_boost: float = field(default=2.0, metadata={"help": "beta: boost of scores above the quantile (authors' code: 1.0)."})
     gate_floor: float = field(default=0.1, metadata={"help": "Smallest weight of a suppressed token (1.0 = boost only)."})
     preserve_mass: bool = field(default=True, metadata={"help": "Rescale weights so each rollout's advantage mass equals GRPO's."})
+    score_all: bool = field(default=False, metadata={"help": "Also score rollouts with advantage 0 (their group's rewards are all equal): "
+                                                          "their loss is 0 whatever the weights, so this only adds oar/ diagnostics, and time."})
     noise_std: float = field(default=1e-3, metadata={"help": "OAR-G: std of the embedding noise."})
     perturb_span: int = field(default=1, metadata={"help": "OAR-P: tokens masked together (1 = exact; >1 approximate)."})
     perturb_chunk_tokens: int = field(default=8192, metadata={"help": "OAR-P: recomputed tokens per batch of masked copies (memory bound)."})

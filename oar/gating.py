@@ -91,7 +91,7 @@ def weight_stats(weights: torch.Tensor, reasoning_mask: torch.Tensor) -> dict[st
     n_r = mask.sum(dim=1).float()
     ess = w.sum(1) ** 2 / (n_r * (w**2).sum(1)).clamp(min=1e-12)
     return {
-        "weight_mean": float(w.sum() / n),
+        "weight_mean": float(w.sum() / n) if mask.any() else 1.0,
         "weight_max": float(w.max()) if mask.any() else 1.0,
         "frac_boosted": float(((weights > 1.0) & mask).sum() / n),
         "frac_suppressed": float(((weights < 1.0) & mask).sum() / n),

@@ -89,7 +89,7 @@ def main() -> None:
     del model
 
     # 2. (+4.) training steps
-    methods = ("grpo", "oar-g", "oar-p")
+    methods = ("grpo", "oar-g", "oar-p", "oar-g+all", "oar-p+all")  # +all: --score_all, every rollout scored
     if "steps" not in skip:
         trl = args.trl_python if not args.quick else None
         trl_model = str(ensure_tiny_arith()) if trl else None
@@ -104,7 +104,7 @@ def main() -> None:
                 f"   throughput ratio {st['median_step_s']['trl'] / st['median_step_s']['grpo']:.2f}x (target >= 1.2x)")
     if "smollm2_steps" not in skip and folder is not None:
         sm = dict(size["sm"], model=str(folder), instruction=SMOLLM2_INSTRUCTION)
-        st = bp.train_steps(sm, methods, steps=size["sm_steps"], repeats=size["sm_repeats"])
+        st = bp.train_steps(sm, methods[:3], steps=size["sm_steps"], repeats=size["sm_repeats"])  # sampling dominates: no +all
         res["steps_smollm2"] = st
         _print_steps(say, f"SmolLM2-135M ({', '.join(f'{k}={v}' for k, v in size['sm'].items())}, arith, 'The answer is' instruction)", st)
 
@@ -137,9 +137,13 @@ def _print_steps(say, title, st):
     say(f"\n2. Training step (rollout + reward + scores + update), {title}\n   {st['repeats']} interleaved runs x "
         f"{st['steps_per_run'] - 1} timed steps (first dropped), median s/step:")
     say("   " + "   ".join(f"{m} {s:.2f}" for m, s in st["median_step_s"].items() if m != "trl"))
-    say(f"   OAR-G/GRPO {st['ratio_vs_grpo']['oar-g']:.2f} (target <= 1.15)   OAR-P/GRPO {st['ratio_vs_grpo']['oar-p']:.2f} (target <= 3)"
-        f"   OAR s/rollout: oar-g {st['details']['oar-g']['oar_s_per_rollout']:.4f}, oar-p {st['details']['oar-p']['oar_s_per_rollout']:.4f}"
-        f"   rollouts without an answer: {st['details']['oar-p']['frac_no_answer']:.2f}")
+    r, d = st["ratio_vs_grpo"], st["details"]
+    say(f"   OAR-G/GRPO {r['oar-g']:.2f} (target <= 1.15)   OAR-P/GRPO {r['oar-p']:.2f} (target <= 3)   rollouts scored "
+        f"{d['oar-g']['frac_scored']:.2f} (the others have advantage 0 or no answer: {d['oar-p']['frac_no_answer']:.2f} without one)")
+    if "oar-g+all" in r:
+        say(f"   every rollout scored (--score_all): OAR-G/GRPO {r['oar-g+all']:.2f}   OAR-P/GRPO {r['oar-p+all']:.2f}   rollouts scored "
+            f"{d['oar-g+all']['frac_scored']:.2f}")
+    say("   OAR s/rollout of the step: " + ", ".join(f"{m} {d[m]['oar_s_per_rollout']:.4f}" for m in d if m.startswith("oar")))
 
 
 def _headline(res) -> dict:
@@ -149,6 +153,8 @@ def _headline(res) -> dict:
     st = res.get("steps_tiny_arith", {})
     return {"oar_p_speedup_vs_naive": get("oar_p", "speedup"), "oar_p_max_err_vs_naive": get("oar_p", "max_err_rel"),
             "step_ratio_oar_g": get("steps_tiny_arith", "ratio_vs_grpo", "oar-g"), "step_ratio_oar_p": get("steps_tiny_arith", "ratio_vs_grpo", "oar-p"),
+            "step_ratio_oar_g_score_all": get("steps_tiny_arith", "ratio_vs_grpo", "oar-g+all"),
+            "step_ratio_oar_p_score_all": get("steps_tiny_arith", "ratio_vs_grpo", "oar-p+all"),
             "step_ratio_oar_g_smollm2": get("steps_smollm2", "ratio_vs_grpo", "oar-g"), "step_ratio_oar_p_smollm2": get("steps_smollm2", "ratio_vs_grpo", "oar-p"),
             "logprob_peak_mem_ratio": max(ratios) if ratios else None,
             "trl_throughput_ratio": st["median_step_s"]["trl"] / st["median_step_s"]["grpo"] if "trl" in st.get("median_step_s", {}) else None,

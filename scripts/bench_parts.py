@@ -244,12 +244,13 @@ def logprob_equality(t: int = 256, v: int = 49152) -> dict:
 # ------------------------------------------------------------------ 2./4. training steps and TRL
 def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python: str | None = None, trl_model: str | None = None) -> dict:
     """Per-step seconds of train.main for each method (and of TRL's GRPOTrainer when trl_python is
-    given), runs interleaved, the first step of every run dropped (warm-up). Learning rate 1e-12: every
-    method then samples the same rollouts at every step, while the update is still computed and applied."""
+    given), runs interleaved, the first step of every run dropped (warm-up). A method "oar-g+all" is
+    oar-g with --score_all (every rollout scored, also those with advantage 0). Learning rate 1e-12:
+    every method then samples the same rollouts at every step, while the update is still computed and applied."""
     import train
 
     samples = {m: [] for m in methods}
-    extra = {m: {"completion_length": [], "oar_s_per_rollout": [], "frac_no_answer": []} for m in methods}
+    extra = {m: {"completion_length": [], "oar_s_per_rollout": [], "frac_no_answer": [], "frac_scored": []} for m in methods}
     runs = list(methods) + (["trl"] if trl_python else [])
     if trl_python:
         samples["trl"], extra["trl"] = [], {"completion_length": []}
@@ -267,8 +268,9 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
                     extra["trl"]["completion_length"] += got["completion_length"][1:]
                     extra["trl"]["version"] = got["trl_version"]
                     continue
-                cfg = train.Config(**settings, method=m, steps=steps, output_dir=str(out), learning_rate=1e-12,
-                                   eval_size=1, eval_every=0, save_every=0)
+                method, _, variant = m.partition("+")
+                cfg = train.Config(**settings, method=method, score_all=variant == "all", steps=steps, output_dir=str(out),
+                                   learning_rate=1e-12, eval_size=1, eval_every=0, save_every=0)
                 with contextlib.redirect_stdout(io.StringIO()):
                     train.main(cfg)
                 lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()][1:]
@@ -276,6 +278,7 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
                 extra[m]["completion_length"] += [ln["completion/length"] for ln in lines]
                 extra[m]["oar_s_per_rollout"] += [ln["oar/seconds_per_rollout"] for ln in lines]
                 extra[m]["frac_no_answer"] += [ln["oar/frac_no_answer"] for ln in lines]
+                extra[m]["frac_scored"] += [ln["oar/frac_scored"] for ln in lines]
     res = {"settings": settings, "steps_per_run": steps, "repeats": repeats, "step_s": samples,
            "median_step_s": {m: med(s) for m, s in samples.items()}}
     res["details"] = {m: {k: (med(v) if isinstance(v, list) else v) for k, v in d.items()} for m, d in extra.items()}

@@ -77,3 +77,18 @@ def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size
     step1 = [load_file(str(run / "checkpoint-1" / "model.safetensors")) for run in (one, two)]
     assert max_abs_diff(*step1) <= 1e-5  # the 2-process step itself
     _assert_same_run(two, one, tiny_model)
+
+
+@pytest.mark.parametrize("setting", ["oar-g/seq_mean", "oar-p/token_mean/mask_truncated"])
+def test_rollouts_with_zero_advantage_are_skipped_exactly(tiny_model, tmp_path, setting):
+    """OAR scores no rollout whose advantage is 0 (its group's rewards are all equal), since its loss
+    is 0 whatever its weights; --score_all scores every rollout. The runs must be the same run."""
+    skip, every = tmp_path / "skip", tmp_path / "all"
+    extra = ["--prompts_per_step", "4"]
+    run_inprocess(_args(tiny_model, skip, setting, 8) + extra)
+    run_inprocess(_args(tiny_model, every, setting, 8) + extra + ["--score_all"])
+    _assert_learns(skip, tiny_model)
+    _assert_same_run(skip, every, tiny_model)
+    scored = [(s["oar/frac_scored"], a["oar/frac_scored"]) for s, a in zip(metrics(skip), metrics(every))]
+    assert all(a == pytest.approx(1 - m["oar/frac_no_answer"]) for (_, a), m in zip(scored, metrics(every)))
+    assert all(s <= a for s, a in scored) and any(s < a for s, a in scored)  # rollouts were skipped

@@ -65,6 +65,9 @@ def test_weight_stats():
     assert st_["weight_mean"] == pytest.approx(1.0) and st_["weight_max"] == 1.5
     assert st_["frac_boosted"] == pytest.approx(1 / 3) and st_["frac_suppressed"] == pytest.approx(1 / 3)
     assert st_["ess_ratio"] == pytest.approx(9 / 10.5)
+    # No token to describe (a step where OAR scored no rollout): GRPO's weights, not zeros
+    none = weight_stats(w, torch.zeros_like(m))
+    assert none == {"weight_mean": 1.0, "weight_max": 1.0, "frac_boosted": 0.0, "frac_suppressed": 0.0, "ess_ratio": 1.0}
 
 
 # ---------------------------------------------------------------- properties
