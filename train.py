@@ -178,7 +178,7 @@ def main(cfg: Config) -> dict:
         # with advantage 0 (its whole group got one reward) has loss 0 whatever its token weights: OAR
         # does not score it unless asked to (exact; 35-40% of tiny-arith's rollouts in the default run).
         advantages = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)  # (B,)
-        scored = (advantages != 0) | cfg.score_all  # (B,)
+        scored = ((advantages != 0) | cfg.score_all) & (cfg.method != "grpo")  # (B,) the rollouts OAR scores
 
         # 4. update, micro-batch by micro-batch. Only completion columns (from Lp) are scored:
         # logits at Lp-1 .. L-1 predict completion tokens Lp .. L. The normalizer is global (every
