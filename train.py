@@ -176,7 +176,7 @@ def main(cfg: Config) -> dict:
 
         # 3. group-relative advantage (a prompt's group is on this process: no gather needed). A rollout
         # with advantage 0 (its whole group got one reward) has loss 0 whatever its token weights: OAR
-        # does not score it unless asked to (exact; 35-40% of tiny-arith's rollouts in the default run).
+        # does not score it unless asked to (exact; a third of the default run's rollouts).
         advantages = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)  # (B,)
         scored = ((advantages != 0) | cfg.score_all) & (cfg.method != "grpo")  # (B,) the rollouts OAR scores
 

@@ -104,7 +104,7 @@ def main() -> None:
                 f"   throughput ratio {st['median_step_s']['trl'] / st['median_step_s']['grpo']:.2f}x (target >= 1.2x)")
     if "smollm2_steps" not in skip and folder is not None:
         sm = dict(size["sm"], model=str(folder), instruction=SMOLLM2_INSTRUCTION)
-        st = bp.train_steps(sm, methods[:3], steps=size["sm_steps"], repeats=size["sm_repeats"])  # sampling dominates: no +all
+        st = bp.train_steps(sm, methods, steps=size["sm_steps"], repeats=size["sm_repeats"])
         res["steps_smollm2"] = st
         _print_steps(say, f"SmolLM2-135M ({', '.join(f'{k}={v}' for k, v in size['sm'].items())}, arith, 'The answer is' instruction)", st)
 
@@ -156,6 +156,8 @@ def _headline(res) -> dict:
             "step_ratio_oar_g_score_all": get("steps_tiny_arith", "ratio_vs_grpo", "oar-g+all"),
             "step_ratio_oar_p_score_all": get("steps_tiny_arith", "ratio_vs_grpo", "oar-p+all"),
             "step_ratio_oar_g_smollm2": get("steps_smollm2", "ratio_vs_grpo", "oar-g"), "step_ratio_oar_p_smollm2": get("steps_smollm2", "ratio_vs_grpo", "oar-p"),
+            "step_ratio_oar_g_smollm2_score_all": get("steps_smollm2", "ratio_vs_grpo", "oar-g+all"),
+            "step_ratio_oar_p_smollm2_score_all": get("steps_smollm2", "ratio_vs_grpo", "oar-p+all"),
             "logprob_peak_mem_ratio": max(ratios) if ratios else None,
             "trl_throughput_ratio": st["median_step_s"]["trl"] / st["median_step_s"]["grpo"] if "trl" in st.get("median_step_s", {}) else None,
             "gpu_oar_p_speedup_vs_naive": None, "gpu_step_ratio_oar_g": None, "gpu_step_ratio_oar_p": None}
