@@ -21,7 +21,7 @@ import torch
 from oar.checkpoint import write_json_atomic
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
-from oar.launch import end, make_accelerator
+from oar.launch import end, make_accelerator, release
 from oar.models import ModelError, load_model, resolve_model
 from oar.sampler import resolve_instruction
 
@@ -92,4 +92,7 @@ if __name__ == "__main__":
     from transformers import HfArgumentParser
 
     (config,) = HfArgumentParser(EvalConfig).parse_args_into_dataclasses(args=sys.argv[1:])
-    main(config)
+    try:
+        main(config)
+    finally:
+        release()  # after an error: the process group ends before the interpreter does

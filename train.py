@@ -22,7 +22,8 @@ Departures from the paper and the authors' code (each also stated where it lives
   * One policy update per batch of rollouts, so pi_old = pi_theta.detach() (ratio 1 in value).
 
 Degenerate numbers, each with a defined outcome (tests/test_failures.py):
-  * a group whose rewards are all equal has advantage 0 (oar/grpo.py): it adds nothing to the gradient;
+  * a group whose rewards are all equal has advantage 0 (oar/grpo.py): it adds nothing to the gradient,
+    and OAR does not score it (exact; --score_all scores it, for the oar/ weight diagnostics);
   * a rollout with no extractable answer, or an empty reasoning span, keeps weights 1 (plain GRPO);
   * non-finite OAR scores give their rollout weights 1, counted in oar/frac_nonfinite_scores and warned;
   * no valid completion token in the batch (all truncated under --mask_truncated): the normalizers are
@@ -45,7 +46,7 @@ from oar import checkpoint as ckpt
 from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, parse_args  # noqa: F401 (re-exported for scripts)
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
-from oar.launch import end, make_accelerator
+from oar.launch import end, make_accelerator, release
 from oar.gating import bilevel_weights, weight_stats
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
 from oar.models import ModelError, forward_logits, load_model, resolve_model
@@ -75,15 +76,15 @@ def rollout_seeds(seed: int, step: int, global_prompts: list[int], group_size: i
 
 
 def token_weights(cfg, model, mb, scored, probe, clean, seeds, golds, tokenizer, clean_kv=None):
-    """Step 4's OAR part for one micro-batch: weights (b, L), all ones for GRPO, the seconds the
-    scoring took, and how many rollouts had a non-finite score (they get all-ones weights, as
-    gating.bilevel_weights defines). Only the rollouts marked in `scored` (b,) are scored; the
-    others get all-ones weights. `clean`, `clean_kv`: the clean outcome and keys/values from the
-    update's forward (probes.clean_forward), or None."""
-    if cfg.method == "grpo":
+    """Step 4's OAR part for one micro-batch: weights (b, L), the seconds the scoring took, and how
+    many rollouts had a non-finite score (they get all-ones weights, as gating.bilevel_weights
+    defines). Only the rollouts marked in `scored` (b,) are scored (none for GRPO); the others get
+    all-ones weights. `clean`, `clean_kv`: the clean outcome and keys/values from the update's
+    forward (probes.clean_forward), or None."""
+    reasoning = mb.reasoning_mask & scored[:, None]  # (b, L) a row without reasoning tokens costs nothing and weighs 1
+    if not reasoning.any():
         return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0.0, 0
     start = time.perf_counter()
-    reasoning = mb.reasoning_mask & scored[:, None]  # a row without reasoning tokens costs nothing and weighs 1
     ids, attn, reas, ans = mb.input_ids, mb.attention_mask, reasoning, mb.answer_mask
     if cfg.outcome_source == "reference":  # score against the gold answer appended after the reasoning
         ids, attn, reas, ans = with_reference_answer(mb, tokenizer, golds, cfg.reference_template)
@@ -174,11 +175,8 @@ def main(cfg: Config) -> dict:
         # 2. reward
         rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)], device=accelerator.device)
 
-        # 3. group-relative advantage (a prompt's group is on this process: no gather needed). A rollout
-        # with advantage 0 (its whole group got one reward) has loss 0 whatever its token weights: OAR
-        # does not score it unless asked to (exact; a third of the default run's rollouts).
+        # 3. group-relative advantage (a prompt's group is on this process: no gather needed)
         advantages = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)  # (B,)
-        scored = ((advantages != 0) | cfg.score_all) & (cfg.method != "grpo")  # (B,) the rollouts OAR scores
 
         # 4. update, micro-batch by micro-batch. Only completion columns (from Lp) are scored:
         # logits at Lp-1 .. L-1 predict completion tokens Lp .. L. The normalizer is global (every
@@ -189,6 +187,10 @@ def main(cfg: Config) -> dict:
         # Clamped to 1: with no valid token anywhere (all truncated under mask_truncated) the loss is 0, not 0/0.
         n_seq = accelerator.reduce(completion.any(1).sum().float(), "sum").clamp(min=1)
         n_tok = accelerator.reduce(completion.sum().float(), "sum").clamp(min=1)
+        # A rollout with advantage 0 (its whole group got one reward) or no valid token has loss 0
+        # whatever its token weights: OAR does not score it unless asked to (exact; a third of the
+        # default run's rollouts).
+        scored = ((advantages != 0) & completion.any(1) | cfg.score_all) & (cfg.method != "grpo")  # (B,)
         probe = "last" if step < cfg.probe_warmup else cfg.probe
         model.train()
         stats, w_all, oar_seconds, n_nonfinite, bad_loss = [], [], 0.0, 0, 0
@@ -245,7 +247,7 @@ def main(cfg: Config) -> dict:
         history["step_seconds"].append(time.perf_counter() - t0)
 
         # 6. log, evaluate, checkpoint
-        metrics = step_metrics(ro, rewards, scored, cfg.group_size, stats, torch.cat(w_all), grad_norm, schedule)
+        metrics = step_metrics(ro, rewards, scored, cfg.group_size, stats, torch.cat(w_all), grad_norm, schedule, accelerator)
         metrics |= {"time/step_s": history["step_seconds"][-1], "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
                     "oar/frac_nonfinite_scores": n_nonfinite / len(ro)}
         if n_nonfinite:
@@ -270,9 +272,10 @@ def main(cfg: Config) -> dict:
     return summary
 
 
-def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule) -> dict:
-    """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes). The
-    weight statistics cover the rollouts that OAR scored (`scored`, (B,))."""
+def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule, accelerator) -> dict:
+    """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes),
+    except the weight statistics: they cover the rollouts that OAR scored (`scored`, (B,)) on every
+    process, since a process may have scored none."""
     tokens = max(sum(s["tokens"] for s in stats), 1.0)
     mean = lambda key: sum(s[key] * s["tokens"] for s in stats) / tokens  # the same for any micro-batching
     grouped = rewards.view(-1, group_size)
@@ -288,7 +291,9 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, sch
     }
     if "kl_ref" in stats[0]:
         m["loss/kl_ref"] = mean("kl_ref")
-    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None]).items()}
+    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None],
+                                                 all_sum=lambda t: accelerator.reduce(t, "sum"),
+                                                 all_max=lambda t: accelerator.gather(t)).items()}
     return m
 
 
@@ -297,3 +302,5 @@ if __name__ == "__main__":
         main(parse_args(sys.argv[1:]))
     except KeyboardInterrupt:
         raise SystemExit("train.py: interrupted. Run the same command with --resume to continue from the last checkpoint.") from None
+    finally:
+        release()  # after an error: the process group ends before the interpreter does

@@ -81,19 +81,25 @@ def _masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torc
     return torch.where(count > 0, tau, torch.zeros_like(tau))
 
 
-def weight_stats(weights: torch.Tensor, reasoning_mask: torch.Tensor) -> dict[str, float]:
+def weight_stats(weights: torch.Tensor, reasoning_mask: torch.Tensor, *, all_sum=None, all_max=None) -> dict[str, float]:
     """SPEC §6 diagnostics over reasoning tokens: mean/max weight, boosted/suppressed fractions and
-    the ESS ratio (sum w)^2 / (n_R sum w^2), averaged over rollouts that have reasoning tokens."""
+    the ESS ratio (sum w)^2 / (n_R sum w^2), averaged over rollouts that have reasoning tokens.
+
+    all_sum, all_max: optional functions that sum / take the maximum of a 1-D tensor over processes,
+    so that N processes report the statistics of the whole step, not a mean of per-process ones (a
+    process whose rollouts were all unscored has no tokens to describe). With no token anywhere the
+    statistics are those of GRPO's weights: mean and max 1, nothing boosted or suppressed, ESS 1."""
     mask = reasoning_mask.bool()
-    n = mask.sum().clamp(min=1).item()
     w = weights.float() * mask
-    rows = mask.any(dim=1)
     n_r = mask.sum(dim=1).float()
     ess = w.sum(1) ** 2 / (n_r * (w**2).sum(1)).clamp(min=1e-12)
-    return {
-        "weight_mean": float(w.sum() / n) if mask.any() else 1.0,
-        "weight_max": float(w.max()) if mask.any() else 1.0,
-        "frac_boosted": float(((weights > 1.0) & mask).sum() / n),
-        "frac_suppressed": float(((weights < 1.0) & mask).sum() / n),
-        "ess_ratio": float(ess[rows].mean()) if rows.any() else 1.0,
-    }
+    sums = torch.stack([w.sum(), ((weights > 1.0) & mask).sum().float(), ((weights < 1.0) & mask).sum().float(),
+                        mask.sum().float(), ess[n_r > 0].sum(), (n_r > 0).sum().float()])
+    most = w.masked_fill(~mask, float("-inf")).max().view(1) if w.numel() else torch.full((1,), float("-inf"))
+    if all_sum is not None:
+        sums, most = all_sum(sums), all_max(most)
+    w_sum, boosted, suppressed, n, ess_sum, rows = sums.tolist()
+    if n == 0:
+        return {"weight_mean": 1.0, "weight_max": 1.0, "frac_boosted": 0.0, "frac_suppressed": 0.0, "ess_ratio": 1.0}
+    return {"weight_mean": w_sum / n, "weight_max": float(most.max()), "frac_boosted": boosted / n,
+            "frac_suppressed": suppressed / n, "ess_ratio": ess_sum / rows}

@@ -139,7 +139,7 @@ def _print_steps(say, title, st):
     say("   " + "   ".join(f"{m} {s:.2f}" for m, s in st["median_step_s"].items() if m != "trl"))
     r, d = st["ratio_vs_grpo"], st["details"]
     say(f"   OAR-G/GRPO {r['oar-g']:.2f} (target <= 1.15)   OAR-P/GRPO {r['oar-p']:.2f} (target <= 3)   rollouts scored "
-        f"{d['oar-g']['frac_scored']:.2f} (the others have advantage 0 or no answer: {d['oar-p']['frac_no_answer']:.2f} without one)")
+        f"{d['oar-g']['frac_scored']:.2f} (not scored: advantage 0 or no answer); without an answer {d['oar-g']['frac_no_answer']:.2f}")
     if "oar-g+all" in r:
         say(f"   every rollout scored (--score_all): OAR-G/GRPO {r['oar-g+all']:.2f}   OAR-P/GRPO {r['oar-p+all']:.2f}   rollouts scored "
             f"{d['oar-g+all']['frac_scored']:.2f}")
