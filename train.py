@@ -93,8 +93,8 @@ def token_weights(cfg, model, mb, scored, probe, clean, seeds, golds, tokenizer,
     if cfg.method == "oar-g":
         h = model.config.hidden_size
         noise = torch.zeros(*ids.shape, h)
-        for i, seed in enumerate(seeds):  # rollout i's noise comes from its own seed: batching-independent
-            noise[i, reas[i].cpu()] = torch.randn(int(reas[i].sum()), h, generator=torch.Generator().manual_seed(seed + 7919))
+        for i in reas.any(1).nonzero().flatten().tolist():  # rollout i's noise comes from its own seed: batching-independent
+            noise[i, reas[i].cpu()] = torch.randn(int(reas[i].sum()), h, generator=torch.Generator().manual_seed(seeds[i] + 7919))
         scores = gradient_scores(model, ids, attn, reas, ans, probe=probe, noise_std=cfg.noise_std,
                                  noise=noise.to(ids.device), clean=clean, clean_kv=clean_kv)
     else:
