@@ -47,14 +47,14 @@ from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, p
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
 from oar.launch import end, make_accelerator, release
-from oar.gating import bilevel_weights, weight_stats
+from oar.gating import bilevel_weights
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
 from oar.models import ModelError, forward_logits, load_model, resolve_model
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
 from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
-from oar.runlog import RunLog
+from oar.runlog import RunLog, step_metrics
 from oar.sampler import format_prompt, resolve_instruction, sample, with_reference_answer
 
 
@@ -270,31 +270,6 @@ def main(cfg: Config) -> dict:
     log.finish(summary, policy, tokenizer)
     end(accelerator)
     return summary
-
-
-def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule, accelerator) -> dict:
-    """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes),
-    except the weight statistics: they cover the rollouts that OAR scored (`scored`, (B,)) on every
-    process, since a process may have scored none."""
-    tokens = max(sum(s["tokens"] for s in stats), 1.0)
-    mean = lambda key: sum(s[key] * s["tokens"] for s in stats) / tokens  # the same for any micro-batching
-    grouped = rewards.view(-1, group_size)
-    lengths = ro.completion_mask.sum(1).float()
-    has_answer = ro.answer_mask.any(1)
-    m = {
-        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "reward/frac_zero_std_groups": float((grouped.std(1) == 0).float().mean()),
-        "completion/length": float(lengths.mean()), "completion/frac_truncated": float(ro.truncated.float().mean()),
-        "loss/clip_frac": mean("clip_frac"), "loss/approx_kl": mean("approx_kl"), "policy/entropy": mean("entropy"),
-        "optim/grad_norm": float(grad_norm), "optim/lr": schedule.get_last_lr()[0],
-        "oar/frac_no_answer": float((~has_answer).float().mean()), "oar/frac_scored": float((scored & has_answer).float().mean()),
-    }
-    if "kl_ref" in stats[0]:
-        m["loss/kl_ref"] = mean("kl_ref")
-    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None],
-                                                 all_sum=lambda t: accelerator.reduce(t, "sum"),
-                                                 all_max=lambda t: accelerator.gather(t)).items()}
-    return m
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """What a run leaves behind and prints: config.json, metrics.jsonl, a line per step, summary.json,
-the final model. Only the main process writes; every method is safe to call on all processes."""
+the final model; and `step_metrics`, the diagnostics of one step. Only the main process writes;
+every method is safe to call on all processes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 from oar.checkpoint import write_json_atomic
+from oar.gating import weight_stats
 
 
 class RunLog:
@@ -95,3 +97,28 @@ def _replace_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule, accelerator) -> dict:
+    """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes),
+    except the weight statistics: they cover the rollouts that OAR scored (`scored`, (B,)) on every
+    process, since a process may have scored none."""
+    tokens = max(sum(s["tokens"] for s in stats), 1.0)
+    mean = lambda key: sum(s[key] * s["tokens"] for s in stats) / tokens  # the same for any micro-batching
+    grouped = rewards.view(-1, group_size)
+    lengths = ro.completion_mask.sum(1).float()
+    has_answer = ro.answer_mask.any(1)
+    m = {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "reward/frac_zero_std_groups": float((grouped.std(1) == 0).float().mean()),
+        "completion/length": float(lengths.mean()), "completion/frac_truncated": float(ro.truncated.float().mean()),
+        "loss/clip_frac": mean("clip_frac"), "loss/approx_kl": mean("approx_kl"), "policy/entropy": mean("entropy"),
+        "optim/grad_norm": float(grad_norm), "optim/lr": schedule.get_last_lr()[0],
+        "oar/frac_no_answer": float((~has_answer).float().mean()), "oar/frac_scored": float((scored & has_answer).float().mean()),
+    }
+    if "kl_ref" in stats[0]:
+        m["loss/kl_ref"] = mean("kl_ref")
+    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None],
+                                                 all_sum=lambda t: accelerator.reduce(t, "sum"),
+                                                 all_max=lambda t: accelerator.gather(t)).items()}
+    return m
