@@ -39,8 +39,9 @@ def _assert_same_run(got, want, model, diagnostics=True):
     for g, w in zip(metrics(got), metrics(want), strict=True):
         # Step 1 starts from identical parameters. After it they differ by float rounding (~1e-7:
         # gradients summed in another order), and OAR-G amplifies that: its score is the gradient
-        # of a KL sitting at its minimum, perturbed by noise of 1e-3, so step 2 agrees to ~3e-5.
-        tol = 1e-5 if g["step"] == 1 else 1e-4
+        # of a KL sitting at its minimum, perturbed by noise of 1e-3, which magnifies a relative
+        # error about 1e-7 / 1e-3 = 1e-4-fold: step 2 agrees to 3e-5 on one machine, 1.7e-4 on another.
+        tol = 1e-5 if g["step"] == 1 else 1e-3
         keys = SAME_FOR_ANY_SPLIT + (SCORED + (WEIGHT_STATS if g["step"] == 1 else ()) if diagnostics else ())
         for key in keys:
             assert math.isclose(g[key], w[key], rel_tol=tol, abs_tol=1e-7), (g["step"], key, g[key], w[key])

@@ -133,5 +133,8 @@ def test_scores_do_not_depend_on_the_batch_or_on_reusing_the_update_forward(prob
         top = whole.abs().max().item()
         torch.testing.assert_close(alone, whole, rtol=0, atol=1e-6 * top)
         # The update's logits come from a matmul over every position, the scorers' from one over the
-        # answer positions: last-bit differences, which OAR-G's KL-at-its-minimum gradient magnifies.
-        torch.testing.assert_close(reused, whole, rtol=0, atol=1e-5 * top)
+        # answer positions: last-bit differences (~1e-7 relative) in the clean probe P_0. OAR-G's
+        # gradient is that of a KL at its minimum, proportional to P(e + delta) - P_0 with
+        # |delta| = noise_std = 1e-3, so it magnifies them about 1e-7 / 1e-3 = 1e-4-fold (1.9e-5 of
+        # the largest score was seen on one machine, against 1e-5 allowed before).
+        torch.testing.assert_close(reused, whole, rtol=0, atol=1e-4 * top)
