@@ -31,6 +31,11 @@ def forward_logits(model, input_ids=None, attention_mask=None, *, inputs_embeds=
     return out.logits
 
 
+def family(model) -> str:
+    """The model's family as a user knows it (its config's model_type and class name), for messages."""
+    return f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', '?')!r})"
+
+
 class ModelError(ValueError):
     """A model name that cannot be loaded; the message says which input and what to do."""
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from oar.models import position_ids
-from oar.probes import answer_positions, check_probe, divergence, min_rows, outcome, output_head
+from oar.probes import answer_positions, check_probe, divergence, full_cache, min_rows, outcome, output_head
 
 
 def gradient_scores(
@@ -113,7 +113,7 @@ def _scores(model, input_ids, attention_mask, noisy, answer_mask, noise, clean, 
             prefix = [(k[:, :, :first].detach(), v[:, :, :first].detach()) for k, v in clean_kv]
         elif first > 0:  # the noise-free columns: once, without a graph
             out = decoder(inputs_embeds=e[:, :first], attention_mask=attention_mask[:, :first],
-                          position_ids=pos_ids[:, :first], use_cache=True)
+                          position_ids=pos_ids[:, :first], past_key_values=full_cache(), use_cache=True)
             prefix = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
 
     def probe_of(embeds: torch.Tensor) -> torch.Tensor:  # embeds (B, L' - first, H) -> outcome
@@ -136,15 +136,8 @@ def _scores(model, input_ids, attention_mask, noisy, answer_mask, noise, clean, 
 
 
 def _cache(kv):
-    """A fresh transformers cache holding `kv` (each layer's (keys, values)), or None."""
-    if kv is None:
-        return None
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for layer, (k, v) in enumerate(kv):
-        cache.update(k, v, layer)
-    return cache
+    """A fresh cache holding `kv` (each layer's (keys, values)) at full length, or None."""
+    return None if kv is None else full_cache(kv)
 
 
 def _checkpointing(model) -> bool:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from oar.models import forward_logits, position_ids
-from oar.probes import check_probe, divergence, min_rows, outcome, outcome_from_logits, output_head
+from oar.probes import check_probe, divergence, full_cache, min_rows, outcome, outcome_from_logits, output_head
 
 
 @torch.no_grad()
@@ -142,7 +142,8 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
         clean, kv = clean[idx], [(k[idx].detach(), v[idx].detach()) for k, v in clean_kv]
     else:
         run = torch.cat([torch.arange(len(block)), torch.zeros(min_rows(len(block), width) - len(block), dtype=torch.long)])
-        out = decoder(input_ids=ids[run], attention_mask=mask[run], position_ids=pos[run], use_cache=True)
+        out = decoder(input_ids=ids[run], attention_mask=mask[run], position_ids=pos[run], past_key_values=full_cache(),
+                      use_cache=True)
         rows_n = torch.arange(len(block), device=idx.device)[:, None]
         clean = outcome(head(out.last_hidden_state[rows_n, keep]), targets, valid, probe)  # (n, V) or (n,)
         kv = [(layer.keys[: len(block)], layer.values[: len(block)]) for layer in out.past_key_values.layers]  # (n, heads, L, d)
@@ -176,12 +177,8 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
         q_pos = pos[n_of[:, None], colc] + (col - colc)  # the fill continues the positions
         cache = None
         if s > 0:
-            from transformers import DynamicCache
-
-            cache = DynamicCache()
-            for layer, (key, value) in enumerate(kv):
-                cache.update(key[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2),
-                             value[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2), layer)
+            cache = full_cache([(key[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2),
+                                 value[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2)) for key, value in kv])
         hidden = decoder(input_ids=q_ids, attention_mask=torch.cat([cache_mask.long(), q_mask.long()], 1), position_ids=q_pos,
                          past_key_values=cache, use_cache=cache is not None).last_hidden_state  # (c, N, H)
         at = (keep[n_of] - start[:, None]).clamp(min=0)  # (c, K) answer-predicting positions in the chunk

@@ -15,6 +15,8 @@ empty give a meaningless outcome; the scorers zero their scores.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from oar.models import position_ids
@@ -62,10 +64,25 @@ def clean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     None. OAR-G reads its noise-free prefix from kv and OAR-P its clean keys/values, instead of
     running the clean sequence again; the logits give the clean probe (`outcome_from_logits`)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                use_cache=keep_cache, logits_to_keep=logits_to_keep)
+                past_key_values=full_cache() if keep_cache else None, use_cache=keep_cache, logits_to_keep=logits_to_keep)
     cache = getattr(out, "past_key_values", None) if keep_cache else None
     kv = [(layer.keys.detach(), layer.values.detach()) for layer in cache.layers] if cache is not None else None
     return out.logits, kv
+
+
+def full_cache(kv=None):
+    """A transformers cache that keeps every position of every layer, holding `kv` (each layer's
+    (keys, values)) when given. Why not the cache a model makes itself: for sliding-window layers
+    (Mistral, Gemma 2/3, ...) that one keeps only the last `sliding_window` positions, and OAR reads
+    keys/values anywhere in the sequence. The model still applies its window: its masks compare
+    positions in the cache, and a cache that holds more positions changes no attention weight
+    (tests/test_families.py pins this against each family's own full forward)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()  # no config: every layer a full layer
+    for layer, (k, v) in enumerate(kv or []):
+        cache.update(k, v, layer)
+    return cache
 
 
 MIN_ROWS = 32  # BLAS kernels round differently for a handful of rows than for many
@@ -80,11 +97,18 @@ def min_rows(n: int, positions: int) -> int:
 
 def output_head(model):
     """The model's output head as a function: final hidden states (..., H) -> logits (..., V) float
-    as the model computes them (a final logit soft-cap, when the config has one, included). The rows
-    go through the matmul padded to at least MIN_ROWS: BLAS libraries use other kernels, with other
-    rounding, for a few rows, and a rollout's scores must not depend on how many share its batch."""
+    as the model's own forward computes them: the output embedding, then the logit transform the
+    config declares (Granite's `logits_scaling` divides, Cohere's `logit_scale` multiplies, Gemma 2/3's
+    `final_logit_softcapping` caps). Checked once per model against the model's own forward; a model
+    whose head does something else is refused (ModelError) rather than scored with other numbers.
+    The rows go through the matmul padded to at least MIN_ROWS: BLAS libraries use other kernels,
+    with other rounding, for a few rows, and a rollout's scores must not depend on how many share
+    its batch."""
     linear = model.get_output_embeddings()
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    scale = 1.0 / getattr(config, "logits_scaling", None) if getattr(config, "logits_scaling", None) else 1.0
+    scale *= getattr(config, "logit_scale", None) or 1.0
+    cap = getattr(config, "final_logit_softcapping", None)
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
@@ -92,9 +116,43 @@ def output_head(model):
         if n < MIN_ROWS:
             flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - n, flat.shape[1])])
         logits = linear(flat)[:n].view(*hidden.shape[:-1], -1)
+        logits = logits * scale if scale != 1.0 else logits
         return cap * torch.tanh(logits / cap) if cap else logits
 
+    if model not in _HEAD_CHECKED:
+        _check_head(model, head)
+        _HEAD_CHECKED.add(model)
     return head
+
+
+_HEAD_CHECKED = weakref.WeakSet()  # models whose head `output_head` reproduces (checked once each)
+
+
+@torch.no_grad()
+def _check_head(model, head) -> None:
+    """Compare `head(decoder(x))` with the model's own logits on a short input, in eval mode."""
+    from oar.models import ModelError
+
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        device = model.get_output_embeddings().weight.device
+        ids = torch.arange(1, 9, device=device)[None] % model.config.get_text_config(decoder=True).vocab_size
+        mask = torch.ones_like(ids)
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        got = head(model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state).float()
+    finally:
+        for m, training in modes:
+            m.training = training
+    scale = want.abs().max().clamp(min=1e-6)
+    tol = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 2e-2  # half types: other kernels round differently
+    if got.shape != want.shape or not torch.allclose(got / scale, want / scale, rtol=0, atol=tol):
+        from oar.models import family
+
+        raise ModelError(f"{family(model)}: its output head computes logits that OAR's head (output embedding, then the "
+                         f"config's logits_scaling / logit_scale / final_logit_softcapping) does not reproduce, so OAR-G and "
+                         f"OAR-P would score other numbers than the model's. Train it with --method grpo, or add its logit "
+                         f"transform to oar.probes.output_head.")
 
 
 def outcome_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, answer_mask: torch.Tensor, probe: str) -> torch.Tensor:
