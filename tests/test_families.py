@@ -21,46 +21,7 @@ from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import clean_forward, divergence, outcome_from_logits
 from oar.sampler import generate
 
-V, H, WINDOW = 96, 32, 6
-COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-GEMMA = dict(head_dim=8, query_pre_attn_scalar=8)
-
-
-def _families():
-    """name -> (config class, model class, config kwargs beyond COMMON)."""
-    return {
-        "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
-        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
-        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=8)),
-        "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
-        "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(sliding_window=WINDOW)),
-        "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(head_dim=8)),
-        "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(GEMMA, sliding_window=WINDOW)),
-        "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(GEMMA, sliding_window=WINDOW)),
-        "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {}),
-        "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
-        "granite": (T.GraniteConfig, T.GraniteForCausalLM, dict(logits_scaling=4.0, embedding_multiplier=3.0,
-                                                                 residual_multiplier=0.5, attention_multiplier=0.3)),
-        "cohere": (T.CohereConfig, T.CohereForCausalLM, dict(logit_scale=0.0625)),
-        "smollm3": (T.SmolLM3Config, T.SmolLM3ForCausalLM, {}),
-        "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(rotary_pct=0.5)),
-        "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, None),
-    }
-
-
-FAMILIES = _families()
-
-
-def build(name: str, seed: int = 0):
-    config_cls, model_cls, extra = FAMILIES[name]
-    if extra is None:  # GPT-2 names its sizes its own way
-        config = config_cls(vocab_size=V, n_embd=H, n_layer=2, n_head=4, n_positions=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    else:
-        config = config_cls(**COMMON, **extra)
-    config._attn_implementation = "eager"  # the definition and the fast paths through the same kernels
-    torch.manual_seed(seed)
-    return model_cls(config).float().eval()
+from families import COMMON, FAMILIES, V, build
 
 
 def batch(seed: int = 1):
@@ -155,3 +116,22 @@ def test_a_head_oar_cannot_reproduce_is_refused_by_name():
     ids, attn, reas, ans = batch()
     with pytest.raises(ModelError, match="Scaled.*--method grpo"):
         perturbation_scores(model, ids, attn, reas, ans, pad_token_id=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["granite", "gemma2"])
+def test_one_train_step_per_method_on_another_family(tmp_path_factory, family):
+    # Briefly trained so that rewards vary and OAR has rollouts to score (a random model never
+    # writes an answer). Granite scales its logits; Gemma 2's window (6) is shorter than every
+    # rollout and it soft-caps. (A Qwen2 of this size earned no reward after the same training.)
+    from tinyrun import TINY, build_model, metrics, run_inprocess
+
+    model = build_model(tmp_path_factory.getbasetemp() / f"oar-tiny-{family}", family=family)
+    for method in ("grpo", "oar-g", "oar-p"):
+        out = tmp_path_factory.mktemp(f"{family}-{method}")
+        run_inprocess(["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out), "--steps", "1",
+                       "--save_every", "0", "--micro_batch_size", "8", *TINY, "--method", method, "--score_all"])
+        (row,) = metrics(out)
+        assert row["optim/grad_norm"] > 0 and row["reward/frac_zero_std_groups"] < 1, row
+        if method != "grpo":  # every rollout with an answer was scored, and its weights are not all ones
+            assert row["oar/frac_scored"] > 0 and row["oar/weight_max"] > 1, row
