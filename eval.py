@@ -24,6 +24,7 @@ from oar.evaluation import evaluate
 from oar.launch import end, make_accelerator, release
 from oar.models import ModelError, load_model, resolve_model
 from oar.sampler import resolve_instruction
+from oar.tiny_arith_cache import model_source
 
 
 
@@ -65,7 +66,7 @@ def main(cfg: EvalConfig) -> dict:
         resolve_model(cfg.model)
         problems = load_problems(cfg.dataset, split=cfg.split, limit=cfg.limit or None)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
-        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)  # the tokenizer is checked before the weights load
+        model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"eval.py: error: {err}") from None
     model = model.to(accelerator.device).eval()

@@ -56,6 +56,7 @@ from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
 from oar.runlog import RunLog, step_metrics
 from oar.sampler import format_prompt, resolve_instruction, sample, with_reference_answer
+from oar.tiny_arith_cache import model_source
 
 
 def prompt_order(step: int, local: int, rank: int, n_problems: int, prompts_per_step: int, seed: int) -> list[int]:
@@ -131,12 +132,12 @@ def main(cfg: Config) -> dict:
             check_resume(cfg, ckpt.read_state(resume_from), resume_from)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
         set_seed(cfg.seed)
-        model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)  # the tokenizer is checked before the weights load
+        model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"train.py: error: {err}") from None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    ref_model = load_model(cfg.model, dtype=cfg.dtype)[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None
+    ref_model = load_model(model_source(cfg.model), dtype=cfg.dtype)[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     n_micro = local_prompts * cfg.group_size // cfg.micro_batch_size

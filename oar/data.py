@@ -13,23 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
-if TYPE_CHECKING:  # imported lazily at run time: arith.py imports Problem from here
-    from oar.arith import ArithConfig
+from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems
+from oar.problem import Problem  # noqa: F401 (the record every loader returns; re-exported)
 
 REQUIRED_KEYS = ("problem", "answer")
 _FIX = "each line must be a JSON object with string keys 'problem' and 'answer'"
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One problem: its statement and its raw gold answer."""
-
-    problem: str
-    answer: str
 
 
 class DataError(ValueError):
@@ -132,8 +123,6 @@ def load_problems(name: str, *, split: str = "train", limit: int | None = None, 
     if limit is not None and limit < 1:
         raise DataError(f"load_problems({name!r}): limit must be >= 1 or None, got {limit}.")
     if name == "arith":
-        from oar.arith import DEFAULT_ARITH, arith_problems
-
         if split not in ("train", "test"):
             raise DataError(f"arith: split must be 'train' or 'test', got {split!r}.")
         n = limit if limit is not None else (10_000 if split == "train" else 500)

@@ -44,7 +44,7 @@ def resolve_model(name: str) -> tuple[str, dict]:
     """Where `name` points: ('tiny-arith' | hub id | local folder | .gguf file) -> (path or id,
     extra from_pretrained kwargs). Checks local paths before anything expensive happens; building
     tiny-arith is left to `load_model`."""
-    if name == "tiny-arith":
+    if name == "tiny-arith":  # the built-in policy: the entry points build it (oar.tiny_arith_cache.model_source)
         return name, {}
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
@@ -59,15 +59,12 @@ def resolve_model(name: str) -> tuple[str, dict]:
 
 
 def load_model(name: str, *, dtype: str = "float32"):
-    """(model, tokenizer) for a model name as `resolve_model` accepts it. The tokenizer pads on the
-    left (generation needs it) and has a pad token (its EOS when it had none)."""
+    """(model, tokenizer) for a model name as `resolve_model` accepts it (the built-in 'tiny-arith'
+    is resolved to its folder by the entry points: `oar.tiny_arith_cache.model_source`). The
+    tokenizer pads on the left (generation needs it) and has a pad token (its EOS when it had none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, kwargs = resolve_model(name)
-    if source == "tiny-arith":
-        from oar.tiny_arith_cache import ensure_tiny_arith
-
-        source = str(ensure_tiny_arith())
     tokenizer = _loaded(name, "tokenizer", lambda: AutoTokenizer.from_pretrained(source, **kwargs))
     if tokenizer.eos_token_id is None:
         raise ModelError(f"--model {name}: its tokenizer has no EOS token, so completions cannot end. "

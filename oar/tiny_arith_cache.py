@@ -116,3 +116,10 @@ def ensure_tiny_arith(model_dir: str | Path | None = None) -> Path:
     say(f"oar: built tiny-arith in {info['build_seconds']:.0f} s, held-out accuracy "
         f"{info['heldout_accuracy']:.1%}")
     return path
+
+
+def model_source(name: str) -> str:
+    """A `--model` value as `oar.models.load_model` takes it: the built tiny-arith folder for
+    'tiny-arith' (built on first use, minutes), any other name unchanged. The entry points resolve
+    the built-in name here, so the core (oar/models.py) does not depend on the toy task."""
+    return str(ensure_tiny_arith()) if name == "tiny-arith" else name

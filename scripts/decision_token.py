@@ -26,6 +26,7 @@ from oar.arith import ArithConfig, arith_problems  # noqa: E402
 from oar.config import Config  # noqa: E402
 from oar.gating import bilevel_weights  # noqa: E402
 from oar.models import load_model  # noqa: E402
+from oar.tiny_arith_cache import model_source  # noqa: E402
 from oar.oar_grad import gradient_scores  # noqa: E402
 from oar.oar_perturb import perturbation_scores  # noqa: E402
 from oar.rewards import reward  # noqa: E402
@@ -38,7 +39,7 @@ def main() -> None:
     p.add_argument("--problems", type=int, default=256, help="3-operation train problems, G rollouts each")
     p.add_argument("--seed", type=int, default=3)
     args = p.parse_args()
-    model, tok = load_model(args.model)
+    model, tok = load_model(model_source(args.model))
     model.eval()
     problems = arith_problems(args.problems, seed=args.seed, config=ArithConfig(min_ops=3, max_ops=3))
     cfg, g = Config(), Config().group_size  # train.py's defaults

@@ -185,6 +185,7 @@ def render_png(data: dict, title: str, path: Path) -> Path:
 def main(argv=None) -> None:
     from oar.arith import arith_problems
     from oar.models import load_model
+    from oar.tiny_arith_cache import model_source
     from oar.rewards import reward
     from train import Config
 
@@ -205,7 +206,7 @@ def main(argv=None) -> None:
                              f"pass a finished output_dir, or --model.")
         cfg |= json.loads((Path(a.run) / "config.json").read_text()) if (Path(a.run) / "config.json").exists() else {}
     torch.manual_seed(a.seed)
-    model, tok = load_model(str(Path(a.run) / "final") if a.run else a.model)
+    model, tok = load_model(str(Path(a.run) / "final") if a.run else model_source(a.model))
     model.eval()
     problem = arith_problems(a.index + 1, split="train", seed=20_000)[a.index]
     ro = choose_rollout(model, tok, problem, rollout=a.rollout, seed=a.seed, max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"])

@@ -275,11 +275,12 @@ def stage_attribution(args) -> bool:
     import torch
 
     from oar.models import load_model
+    from oar.tiny_arith_cache import model_source
     from scripts import attribution
 
     torch.set_num_threads(args.threads)
     start = time.time()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(model_source(args.model))
     max_new = args.base.get("max_new_tokens", Config.max_new_tokens)
     result = attribution.run(model, tokenizer, n=args.attr_problems, seed=0, max_new_tokens=max_new)
     result |= {"model": args.model, "model_build": model_ident(args.model), "code": code_version(), "seconds": time.time() - start}
