@@ -207,7 +207,8 @@ def main(cfg: Config) -> dict:
                 clean = None
                 if reuse:
                     clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe)
-                weights, secs, nonfinite = token_weights(cfg, policy, mb, scored[rows], probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
+                with accelerator.autocast():  # OAR calls submodules: the same mixed precision as the update forward
+                    weights, secs, nonfinite = token_weights(cfg, policy, mb, scored[rows], probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
                 oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
                 token_adv = advantages[rows, None] * weights[:, lp:]  # (b, T): A_it = A_i w_it
                 ref = None
