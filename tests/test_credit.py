@@ -110,3 +110,40 @@ def test_top_entropy_mask_properties(values, top, split):
     gather = lambda _: x  # every process sees all tokens after the gather  # noqa: E731
     got = torch.cat([top_entropy_mask(p, torch.ones_like(p, dtype=torch.bool), top=top, gather=gather) for p in parts], 1)
     assert got.equal(m)
+
+
+def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(tiny_model):
+    """The interface on a real step of the tiny model: weights per micro-batch of 1 equal those of one
+    batch of 8, GRPO is all ones, entropy is the gate of the update forward's entropies."""
+    from oar.credit import METHODS, CreditSettings, step_credit
+    from oar.gating import bilevel_weights
+    from oar.grpo import token_entropy
+    from oar.models import forward_logits, load_model
+    from oar.rewards import reward
+    from oar.sampler import format_prompt, sample
+
+    model, tok = load_model(str(tiny_model))
+    problems = [("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10")]
+    ro = sample(model, tok, [format_prompt(tok, q) for q, _ in problems], group_size=4, seeds=list(range(8)), max_new_tokens=20)
+    golds = [a for _, a in problems for _ in range(4)]
+    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
+    adv = group_advantages(rewards, 4)
+    scored = (adv != 0) & ro.completion_mask.any(1)
+    lp = ro.prompt_width
+    with torch.no_grad():
+        logits = forward_logits(model, ro.input_ids, ro.attention_mask, logits_to_keep=ro.input_ids.shape[1] - lp + 1)
+    for method in METHODS:
+        got = {}
+        for mbs in (1, 8):
+            weigh = step_credit(CreditSettings(method=method, group_size=4, micro_batch_size=mbs), model, tok, ro, rewards, adv,
+                                scored, list(range(8)), golds, "answer_mean")
+            got[mbs] = torch.cat([weigh(slice(i, i + mbs), ro.select(slice(i, i + mbs)), logits[i:i + mbs])[0] for i in range(0, 8, mbs)])
+        torch.testing.assert_close(got[1], got[8], atol=1e-4, rtol=1e-4)  # OAR-G: float rounding of its backward only
+        assert got[8].shape == ro.input_ids.shape
+    grpo = step_credit(CreditSettings(method="grpo"), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
+    assert grpo(slice(0, 8), ro, logits)[0].eq(1).all()
+    ent = step_credit(CreditSettings(method="entropy", group_size=4), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
+    full = torch.zeros(ro.input_ids.shape)
+    full[:, lp:] = token_entropy(logits[:, :-1])
+    torch.testing.assert_close(ent(slice(0, 8), ro, logits)[0], bilevel_weights(full, ro.reasoning_mask & scored[:, None]))
+    assert rewards.min() < rewards.max()  # the groups had something to credit
