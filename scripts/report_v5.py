@@ -65,7 +65,9 @@ def collect(root: Path) -> dict:
                 "code": sorted({c for s in seeds for c in by_seed[s]["code"]}),
             }
     attribution = {p.stem: json.loads(p.read_text()) for p in sorted((root / "attribution").glob("*.json"))}
-    return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution}
+    builds = {p.parent.name: {k: v for k, v in json.loads(p.read_text()).items() if k != "recipe"}
+              for p in sorted((root / "models").glob("*/build_info.json"))}
+    return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution, "builds": builds}
 
 
 def write(root, out) -> dict:
@@ -76,7 +78,7 @@ def write(root, out) -> dict:
     summary = {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "root": str(root),
                "status": f"{'PARTIAL: ' if partial else ''}{data['finished']} of {data['planned']} runs finished",
                "command": data["plan"].get("command"), "settings": data["plan"]["settings"],
-               "testbeds": data["testbeds"], "attribution": data["attribution"]}
+               "builds": data["builds"], "testbeds": data["testbeds"], "attribution": data["attribution"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     run_rows, curve_rows, attr_rows = [], [], []
     for tb, methods in data["testbeds"].items():
@@ -124,6 +126,10 @@ def markdown(summary: dict, images) -> str:
              f"{s.get('eval_size', 500)} problems of arith's test split, greedy, every {s['eval_every']} steps and at the end; "
              "completion budget 64 tokens (filler: 96); seeds 0-4; each testbed's starting model built once (seed 0). "
              "Nothing was chosen on the held-out split.", ""]
+    if summary["builds"]:
+        lines += ["Starting models (built by the study, seed 0, oar/testbeds.py's recipes): " + "; ".join(
+            f"`{tb}` {_pct(b['heldout_accuracy'])}% held-out (greedy, build's own 500 problems), {b['build_seconds'] / 60:.0f} min "
+            f"({b['build_cpu_seconds'] / 60:.0f} min CPU) on {b['torch_threads']} torch thread(s)" for tb, b in summary["builds"].items()) + ".", ""]
     for tb, methods in summary["testbeds"].items():
         lines += [f"## Testbed `{tb}`", "", "| method | seeds | before | after (mean ± std) | per seed | paired Δ vs GRPO (± s.e.) | train reward (last 5 steps) | training time | CPU time/run |",
                   "|---|---|---|---|---|---|---|---|---|"]
