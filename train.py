@@ -167,7 +167,7 @@ def main(cfg: Config) -> dict:
             rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
             mb = ro.select(rows)
             with accelerator.accumulate(model):
-                reuse = cfg.method in ("oar-g", "oar-p") and cfg.outcome_source == "rollout"  # OAR's clean pass, for free
+                reuse = cfg.method.startswith("oar") and cfg.outcome_source == "rollout"  # OAR's clean pass, for free
                 logits, clean_kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1,
                                                  keep_cache=reuse and not cfg.gradient_checkpointing)
                 labels = mb.input_ids[:, lp:]  # (b, T)

@@ -12,6 +12,10 @@ a method is only a way to fill w. `train.py --method NAME` picks one from METHOD
   entropy       the update forward's token entropy through the same gate     (oar/entropy_credit.py)
   entropy-mask  1 on the top-rho entropy tokens of the whole step, else 0    (oar/entropy_credit.py)
   tempo         prefix-tree credit from the group's own rewards, may be < 0 (oar/tempo.py)
+  oar-g+tempo   BEYOND THE PAPER: OAR-G's weights plus TEMPO's TD term at branch tokens,
+                A_it = A_i w^OAR_it + (V(child) - V(node)) / d, i.e. w = w^OAR + (w^TEMPO - 1): OAR keeps
+                its gate on the written computation, the forks it under-weights get their group's
+                credit. Mass: OAR's (preserved) plus one token's worth; sign: can flip, as TEMPO's.
 
 Two calls per step, both in train.py's step 4: `step_credit(...)` before the micro-batch loop, with
 everything the step has (what a method needs of the whole step is computed there: TEMPO's trees,
@@ -24,7 +28,7 @@ of the micro-batching or of the number of processes (tests/test_credit.py, tests
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -38,7 +42,8 @@ from oar.oar_perturb import perturbation_scores
 from oar.sampler import Rollout, with_reference_answer
 from oar.tempo import tempo_weights
 
-METHODS = ("grpo", "oar-g", "oar-p", "entropy", "entropy-mask", "tempo")
+COMPARED = ("grpo", "oar-g", "oar-p", "entropy", "entropy-mask", "tempo")  # the paper's methods and the comparators
+METHODS = COMPARED + ("oar-g+tempo",)  # plus ours, beyond the paper
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,17 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
             w = bilevel_weights(full, mb.reasoning_mask & scored[rows, None], quantile=s.gate_quantile,
                                 boost=s.gate_boost, floor=s.gate_floor, preserve_mass=s.preserve_mass)
             return w, time.perf_counter() - start, 0
+        return weigh
+    if s.method == "oar-g+tempo":
+        start = time.perf_counter()
+        td = tempo_weights(ro.input_ids[:, lp:], ro.completion_mask[:, lp:], rewards, group_size=s.group_size) - 1.0  # (B, T): 0 off branches
+        td = torch.cat([torch.zeros_like(ro.input_ids[:, :lp], dtype=td.dtype), td], dim=1)  # (B, L)
+        tree_seconds = (time.perf_counter() - start) / max(1, len(ro))
+        oar_g = replace(s, method="oar-g")
+
+        def weigh(rows, mb, logits, clean=None, clean_kv=None):
+            w, secs, nonfinite = oar_weights(oar_g, model, tokenizer, mb, scored[rows], probe, clean, seeds[rows], golds[rows], clean_kv)
+            return w + td[rows].to(w.device), secs + tree_seconds * len(mb), nonfinite
         return weigh
     start = time.perf_counter()
     if s.method == "tempo":

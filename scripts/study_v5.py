@@ -7,7 +7,7 @@
 
 Testbeds (oar/testbeds.py): fork (tiny-arith v4), slip, filler; each built once under <root>/models/
 (seed 0, its recipe; a folder built from another recipe stops the study). Methods: oar/credit.py's
-METHODS (grpo, oar-g, oar-p, entropy, entropy-mask, tempo).
+COMPARED (grpo, oar-g, oar-p, entropy, entropy-mask, tempo; oar-g+tempo, beyond the paper, only when named).
 
 Settings, fixed before any run (docs/results-v5/README.md repeats them): train.py's defaults (32
 prompts x 8 rollouts per step, lr 5e-5, OAR q = 0.4, beta = 2, floor 0.1, probe answer_mean,
@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from oar.checkpoint import write_json_atomic  # noqa: E402
-from oar.credit import METHODS  # noqa: E402
+from oar.credit import COMPARED, METHODS  # noqa: E402
 from oar.testbeds import TESTBEDS  # noqa: E402
 from scripts.study import run_dir, run_one  # noqa: E402
 
 SETTINGS = {"steps": 60, "eval_every": 20, "eval_size": 500, "save_every": 20}
 TINY = {"steps": 2, "prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8, "eval_size": 16, "eval_every": 1, "save_every": 1}
-COST = {"grpo": 1.0, "oar-g": 1.2, "oar-p": 2.6, "entropy": 1.05, "entropy-mask": 1.2, "tempo": 1.05}  # guesses until timed
+COST = {"grpo": 1.0, "oar-g": 1.2, "oar-p": 2.6, "entropy": 1.05, "entropy-mask": 1.2, "tempo": 1.05, "oar-g+tempo": 1.25}  # guesses until timed
 
 
 def parse_args(argv=None):
@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--root", type=Path, default=Path("/work/study-v5"), help="runs, models and attribution (outside the repo)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--testbeds", nargs="+", default=list(TESTBEDS), choices=list(TESTBEDS))
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=list(COMPARED), choices=list(METHODS),
+                   help="default: the six of the fixed plan; oar-g+tempo (beyond the paper) only when named")
     p.add_argument("--scale", default="default", choices=["default", "tiny"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--attr_prompts", type=int, default=None, help="problems (x8 rollouts) per testbed for attribution (default 48; tiny 4)")

@@ -147,3 +147,8 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     full[:, lp:] = token_entropy(logits[:, :-1])
     torch.testing.assert_close(ent(slice(0, 8), ro, logits)[0], bilevel_weights(full, ro.reasoning_mask & scored[:, None]))
     assert rewards.min() < rewards.max()  # the groups had something to credit
+    # oar-g+tempo (beyond the paper) is OAR-G's weights plus TEMPO's TD share on the branch tokens
+    both = {m: step_credit(CreditSettings(method=m, group_size=4), model, tok, ro, rewards, adv, scored, list(range(8)), golds,
+                           "answer_mean")(slice(0, 8), ro, logits)[0] for m in ("oar-g", "tempo", "oar-g+tempo")}
+    torch.testing.assert_close(both["oar-g+tempo"], both["oar-g"] + both["tempo"] - 1)
+    assert (both["tempo"] != 1).any()  # some token branched
