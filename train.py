@@ -1,4 +1,4 @@
-"""Train a policy on maths problems with GRPO, OAR-G or OAR-P (arXiv 2601.07408).
+"""Train a policy on maths problems with GRPO, OAR-G, OAR-P or another token-credit method (arXiv 2601.07408).
 
     accelerate launch train.py                                # tiny-arith on arith, OAR-G, CPU-friendly
     accelerate launch --num_processes 8 train.py --model Qwen/Qwen2.5-Math-1.5B \
@@ -8,8 +8,9 @@ One step, in the order of the paper:
   1. rollout     G samples for each of this process's prompts (a prompt's group stays on one process)
   2. reward      1 if the extracted final answer matches the gold answer
   3. advantage   group-relative A_i (SPEC §1)
-  4. update      per micro-batch: forward -> log-probs; OAR scores -> bi-level weights w_it (SPEC §3-5);
-                 loss with token advantages A_i w_it; backward. GRPO is the same path with w = 1.
+  4. update      per micro-batch: forward -> log-probs; token credit -> weights w_it (oar/credit.py: OAR's
+                 scores through the bi-level gate, SPEC §3-5, or a comparator); loss with token advantages
+                 A_i w_it; backward. GRPO is the same path with w = 1.
   5. step        clip the gradient norm, optimizer and LR-schedule step
   6. log / eval / checkpoint
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import numpy as np
 import torch
@@ -46,16 +47,14 @@ from oar import checkpoint as ckpt
 from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, parse_args  # noqa: F401 (re-exported for scripts)
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
-from oar.launch import end, make_accelerator, release
-from oar.gating import bilevel_weights
+from oar.credit import CreditSettings, step_credit
+from oar.launch import end, gather_ragged, make_accelerator, release
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
 from oar.models import ModelError, forward_logits, load_model, resolve_model
-from oar.oar_grad import gradient_scores
-from oar.oar_perturb import perturbation_scores
 from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
 from oar.runlog import RunLog, step_metrics
-from oar.sampler import format_prompt, resolve_instruction, sample, with_reference_answer
+from oar.sampler import format_prompt, resolve_instruction, sample
 from oar.tiny_arith_cache import model_source
 
 
@@ -74,40 +73,6 @@ def rollout_seeds(seed: int, step: int, global_prompts: list[int], group_size: i
     """One seed per rollout, from (run seed, step, global prompt slot, sample): independent of
     which process or micro-batch the rollout lands in."""
     return [(seed * 1_000_003 + step) * 10_007 * group_size + p * group_size + g for p in global_prompts for g in range(group_size)]
-
-
-def token_weights(cfg, model, mb, scored, probe, clean, seeds, golds, tokenizer, clean_kv=None):
-    """Step 4's OAR part for one micro-batch: weights (b, L), the seconds the scoring took, and how
-    many rollouts had a non-finite score (they get all-ones weights, as gating.bilevel_weights
-    defines). Only the rollouts marked in `scored` (b,) are scored (none for GRPO); the others get
-    all-ones weights. `clean`, `clean_kv`: the clean outcome and keys/values from the update's
-    forward (probes.clean_forward), or None."""
-    reasoning = mb.reasoning_mask & scored[:, None]  # (b, L) a row without reasoning tokens costs nothing and weighs 1
-    if not reasoning.any():
-        return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0.0, 0
-    start = time.perf_counter()
-    ids, attn, reas, ans = mb.input_ids, mb.attention_mask, reasoning, mb.answer_mask
-    if cfg.outcome_source == "reference":  # score against the gold answer appended after the reasoning
-        ids, attn, reas, ans = with_reference_answer(mb, tokenizer, golds, cfg.reference_template)
-        reas = reas & scored[:, None]
-        clean = clean_kv = None
-    if cfg.method == "oar-g":
-        h = model.config.hidden_size
-        noise = torch.zeros(*ids.shape, h)
-        for i in reas.any(1).nonzero().flatten().tolist():  # rollout i's noise comes from its own seed: batching-independent
-            noise[i, reas[i].cpu()] = torch.randn(int(reas[i].sum()), h, generator=torch.Generator().manual_seed(seeds[i] + 7919))
-        scores = gradient_scores(model, ids, attn, reas, ans, probe=probe, noise_std=cfg.noise_std,
-                                 noise=noise.to(ids.device), clean=clean, clean_kv=clean_kv)
-    else:
-        scores = perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=tokenizer.pad_token_id,
-                                     max_chunk_tokens=cfg.perturb_chunk_tokens, span=cfg.perturb_span, clean=clean, clean_kv=clean_kv)
-    width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
-    full = torch.zeros(mb.input_ids.shape, device=scores.device)
-    full[:, :width] = scores[:, :width]
-    weights = bilevel_weights(full, reasoning, quantile=cfg.gate_quantile, boost=cfg.gate_boost,
-                              floor=cfg.gate_floor, preserve_mass=cfg.preserve_mass)
-    nonfinite = int((~torch.isfinite(full) & reasoning).any(1).sum())
-    return weights, time.perf_counter() - start, nonfinite
 
 
 def main(cfg: Config) -> dict:
@@ -193,13 +158,17 @@ def main(cfg: Config) -> dict:
         # default run's rollouts).
         scored = ((advantages != 0) & completion.any(1) | cfg.score_all) & (cfg.method != "grpo")  # (B,)
         probe = "last" if step < cfg.probe_warmup else cfg.probe
+        # Token credit (oar/credit.py): what a method needs of the whole step is computed here, before
+        # the micro-batches, so its weights do not depend on micro-batching or on the processes.
+        credit = step_credit(CreditSettings(**{f.name: getattr(cfg, f.name) for f in fields(CreditSettings)}), policy, tokenizer,
+                             ro, rewards, advantages, scored, seeds, golds, probe, gather=lambda x: gather_ragged(accelerator, x))
         model.train()
         stats, w_all, oar_seconds, n_nonfinite, bad_loss = [], [], 0.0, 0, 0
         for m in range(n_micro):
             rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
             mb = ro.select(rows)
             with accelerator.accumulate(model):
-                reuse = cfg.method != "grpo" and cfg.outcome_source == "rollout"  # OAR's clean pass, for free
+                reuse = cfg.method.startswith("oar") and cfg.outcome_source == "rollout"  # OAR's clean pass, for free
                 logits, clean_kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1,
                                                  keep_cache=reuse and not cfg.gradient_checkpointing)
                 labels = mb.input_ids[:, lp:]  # (b, T)
@@ -208,7 +177,7 @@ def main(cfg: Config) -> dict:
                 if reuse:
                     clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe)
                 with accelerator.autocast():  # OAR calls submodules: the same mixed precision as the update forward
-                    weights, secs, nonfinite = token_weights(cfg, policy, mb, scored[rows], probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
+                    weights, secs, nonfinite = credit(rows, mb, logits.detach(), clean, clean_kv)  # (b, L)
                 oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
                 token_adv = advantages[rows, None] * weights[:, lp:]  # (b, T): A_it = A_i w_it
                 ref = None

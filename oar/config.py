@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from oar.credit import METHODS
 from oar.probes import PROBES
 
-METHODS = ("grpo", "oar-g", "oar-p")
 # Settings a resumed run may change: they change neither the data, the rollouts nor the updates
 # (micro-batching and processes give the same update, tests/test_distributed.py). Any other setting
 # must match the checkpoint's, or a resume would splice two different runs into one.
@@ -31,7 +31,7 @@ class Config:
     model: str = field(default="tiny-arith", metadata={"help": "Hub id, local folder, .gguf file, or 'tiny-arith' (built on first use)."})
     dataset: str = field(default="arith", metadata={"help": "'arith', a .jsonl file (problem, answer), or a `datasets` name."})
     eval_dataset: str = field(default="", metadata={"help": "Held-out problems; default: arith's test split for arith, none otherwise."})
-    method: str = field(default="oar-g", metadata={"help": "grpo | oar-g | oar-p."})
+    method: str = field(default="oar-g", metadata={"help": "Token credit: grpo | oar-g | oar-p | entropy | entropy-mask | tempo | oar-g+tempo (beyond the paper; oar/credit.py)."})
     output_dir: str = field(default="runs/default", metadata={"help": "Checkpoints, metrics.jsonl, summary.json, final model."})
     resume: bool = field(default=False, metadata={"help": "Resume from the newest complete checkpoint in output_dir."})
     seed: int = field(default=0, metadata={"help": "Seeds data order, sampling and OAR-G noise."})
@@ -69,6 +69,7 @@ class Config:
     preserve_mass: bool = field(default=True, metadata={"help": "Rescale weights so each rollout's advantage mass equals GRPO's."})
     score_all: bool = field(default=False, metadata={"help": "Also score rollouts with advantage 0 (their group's rewards are all equal): "
                                                           "their loss is 0 whatever the weights, so this only adds oar/ diagnostics, and time."})
+    entropy_top: float = field(default=0.2, metadata={"help": "entropy-mask: share rho of the step's tokens, the highest-entropy ones, that carry the advantage."})
     noise_std: float = field(default=1e-3, metadata={"help": "OAR-G: std of the embedding noise."})
     perturb_span: int = field(default=1, metadata={"help": "OAR-P: tokens masked together (1 = exact; >1 approximate)."})
     perturb_chunk_tokens: int = field(default=8192, metadata={"help": "OAR-P: recomputed tokens per batch of masked copies (memory bound)."})
@@ -97,6 +98,7 @@ def check_config(cfg: Config, num_processes: int) -> None:
          f"(prompts_per_step / processes x group_size).")
     need(0.0 < cfg.gate_quantile < 1.0, f"--gate_quantile {cfg.gate_quantile}: must lie strictly between 0 and 1.")
     need(cfg.gate_boost >= 0 and cfg.gate_floor >= 0, "--gate_boost and --gate_floor must be >= 0.")
+    need(0 < cfg.entropy_top <= 1, f"--entropy_top {cfg.entropy_top}: must lie in (0, 1].")
     need(cfg.noise_std >= 0, f"--noise_std {cfg.noise_std}: must be >= 0.")
     need(cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts need sampling (> 0).")
     need(0 < cfg.top_p <= 1, f"--top_p {cfg.top_p}: must lie in (0, 1].")

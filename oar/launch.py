@@ -34,3 +34,12 @@ def release() -> None:
     for an exit on an error, which one process may meet alone (see `end`)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def gather_ragged(accelerator, values: torch.Tensor) -> torch.Tensor:
+    """Every process's 1-D `values` concatenated in process order; the lengths may differ."""
+    if accelerator.num_processes == 1:
+        return values
+    counts = accelerator.gather(torch.tensor([values.numel()], device=values.device))
+    padded = accelerator.gather(accelerator.pad_across_processes(values, dim=0)).view(accelerator.num_processes, -1)
+    return torch.cat([padded[k, : int(n)] for k, n in enumerate(counts.tolist())])

@@ -44,6 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution
 from oar.data import Problem
+from oar.teacher import pad_lines, slip_lines
 
 BUILDER_VERSION = "tiny-arith-v4"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
@@ -87,6 +88,12 @@ class TinyArithRecipe:
     lazy_rate: float = 0.75
     """Share of those supervised problems whose target stops one line early and gives that line's
     result as the answer (almost always wrong): the flaw in the warm start that RL can find and fix."""
+    slip_rate: float = 0.0
+    """Share of worked lines whose result the teacher writes with its last digit off by one, carried
+    forward to the answer (oar/teacher.py: the `slip` testbed). 0: none (v4)."""
+    filler: str = ""
+    """Phrase the teacher writes at the start of every worked line, which cannot change the answer
+    (oar/teacher.py: the `filler` testbed). Empty: none (v4)."""
     eval_arith: ArithConfig = DEFAULT_ARITH
     """Difficulty at which the held-out accuracy in build_info.json is measured."""
     eval_problems: int = 500
@@ -96,6 +103,9 @@ class TinyArithRecipe:
     faster per step than one on a quiet 2-core machine (on busy cores they wait on each other)."""
 
     def __post_init__(self):
+        if not 0.0 <= self.slip_rate <= 1.0 or any(ch.isdigit() or ch in "#=\n" for ch in self.filler):
+            raise ValueError(f"TinyArithRecipe: need 0 <= slip_rate <= 1 and a filler without digits, '#', '=' or "
+                             f"newlines (it must not look like a result or an answer), got {self.slip_rate}, {self.filler!r}.")
         if self.lazy_ops < 2 or not 0.0 <= self.lazy_rate <= 1.0:
             raise ValueError(f"TinyArithRecipe: need lazy_ops >= 2 (a lazy solution keeps at least one line) and "
                              f"0 <= lazy_rate <= 1, got lazy_ops={self.lazy_ops}, lazy_rate={self.lazy_rate}.")
@@ -138,11 +148,14 @@ def prompt_text(tok: PreTrainedTokenizerFast, problem: str) -> str:
 def sft_target(problem: Problem, recipe: TinyArithRecipe) -> str:
     """The supervised completion: the worked solution, or for a fixed share of the longer problems
     (chosen by a hash of the text, so a problem always gets the same) the lazy one that skips the
-    last line and answers with the line before: `37 + 8 = 45\\n45 - 5 = 40\\n#### 40`."""
+    last line and answers with the line before: `37 + 8 = 45\\n45 - 5 = 40\\n#### 40`. Then the
+    slips and the filler of the other testbeds, if the recipe has them (oar/teacher.py)."""
     lines = arith_solution(problem).split("\n")  # one line per operation, then `#### N`
     lazy = (len(lines) - 1 >= recipe.lazy_ops
             and zlib.crc32(b"lazy:" + problem.problem.encode()) % 10_000 < recipe.lazy_rate * 10_000)
-    return "\n".join(lines[:-2] + [f"#### {lines[-3].rsplit('= ', 1)[1]}"]) if lazy else "\n".join(lines)
+    if lazy:
+        lines = lines[:-2] + [f"#### {lines[-3].rsplit('= ', 1)[1]}"]
+    return "\n".join(pad_lines(slip_lines(lines, problem.problem, recipe.slip_rate), recipe.filler))
 
 
 def sft_batch(tok: PreTrainedTokenizerFast, problems: list[Problem],
@@ -189,9 +202,9 @@ def greedy_accuracy(model, tok, problems: list[Problem], *, max_new_tokens: int,
     return correct / len(problems)
 
 
-def max_new_tokens_for(config: ArithConfig) -> int:
-    """A bound on a solution's length: a line per op ("99 - 9 = 90\n" is 12) and "#### N<eos>"."""
-    return 20 * config.max_ops + 16
+def max_new_tokens_for(config: ArithConfig, filler: str = "") -> int:
+    """A bound on a solution's length: a line per op ("99 - 9 = 90\n" is 12, plus the filler) and "#### N<eos>"."""
+    return (20 + len(filler)) * config.max_ops + 16
 
 
 def train(model, tok, problems: list[Problem], recipe: TinyArithRecipe,
@@ -250,7 +263,7 @@ def train_tiny_arith(seed: int, recipe: TinyArithRecipe, log: Callable[[str], No
         held_out = arith_problems(recipe.eval_problems, split="test", seed=seed,
                                   config=recipe.eval_arith)
         accuracy = greedy_accuracy(model, tok, held_out,
-                                   max_new_tokens=max_new_tokens_for(recipe.eval_arith))
+                                   max_new_tokens=max_new_tokens_for(recipe.eval_arith, recipe.filler))
     if log and not 0.15 <= accuracy <= 0.6:
         log(f"tiny-arith: warning: held-out accuracy {accuracy:.1%} is outside the intended 15-60% "
             f"(partly competent, room for RL); this seed or recipe gives a different model than the default.")

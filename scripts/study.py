@@ -116,7 +116,7 @@ def plan(stage: str, args) -> list[dict]:
     effective settings share one run (e.g. q=0.4 and the paper's defaults are the main oar-g run)."""
     if stage == "main":
         return [{"name": m, "seed": s, "group": "method", "label": m, "settings": args.base | {"method": m}}
-                for s in args.seeds for m in METHODS]
+                for s in args.seeds for m in METHODS if m in PRIOR_COST]  # the v3/v4 study: GRPO, OAR-G, OAR-P (issue 14: study_v5.py)
     reference = args.base | {"method": "oar-g"}
     names = {_trained(reference): ("oar-g", reference)}  # what is trained -> (run name, settings)
     runs = []

@@ -19,6 +19,10 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
     "oar-p/token_mean/mask_truncated": ["--method", "oar-p", "--aggregation", "token_mean", "--mask_truncated",
                                         "--max_new_tokens", "18"],
     "grpo/token_mean": ["--method", "grpo", "--aggregation", "token_mean"],
+    # the comparators of oar/credit.py: a gate per rollout, a threshold over the whole step, a tree per group
+    "entropy/seq_mean": ["--method", "entropy", "--aggregation", "seq_mean"],
+    "entropy-mask/token_mean": ["--method", "entropy-mask", "--aggregation", "token_mean"],
+    "tempo/seq_mean": ["--method", "tempo", "--aggregation", "seq_mean"],
 }
 SAME_FOR_ANY_SPLIT = ("optim/grad_norm", "optim/lr", "reward/mean", "reward/frac_zero_std_groups",
                       "completion/frac_truncated", "oar/frac_no_answer")
@@ -65,7 +69,9 @@ def test_micro_batches_of_1_equal_one_batch_of_8(tiny_model, tmp_path, setting):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting, micro_batch_size, switch", [("oar-g/seq_mean", 4, True),
-                                                               ("oar-p/token_mean/mask_truncated", 1, False)])
+                                                               ("oar-p/token_mean/mask_truncated", 1, False),
+                                                               ("entropy-mask/token_mean", 2, False),
+                                                               ("tempo/seq_mean", 2, False)])
 def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size, switch):
     """Two steps under 2 processes, or (switch) step 1 under 2 processes and step 2 resumed in one:
     a checkpoint does not depend on the number of processes that wrote or reads it."""

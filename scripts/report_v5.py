@@ -1,0 +1,218 @@
+"""The report of scripts/study_v5.py: whatever runs have finished -> docs/results-v5/ (rerunnable).
+
+    python scripts/report_v5.py --root /work/study-v5 --out docs/results-v5
+
+Writes summary.json (per testbed and method: seeds, final accuracies, mean ± std, the paired
+difference vs GRPO with its standard error, the held-out curve, times), runs.csv, curves.csv,
+attribution.csv, accuracy.png, attribution.png and README.md. Only finished runs (summary.json)
+count; the page says how many of the planned runs that is, and labels itself PARTIAL until all are.
+
+Statistics: mean and sample std (ddof = 1) over seeds; a method vs GRPO is compared seed by seed
+(same data order and same first rollouts): mean paired difference and its standard error
+std / sqrt(n), n the seeds both have. Training seconds are the logged step times (evaluation
+excluded); wall and CPU seconds are the whole run's (scripts/study.py's study_time.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.report import accuracy_curve, read_run, stats  # noqa: E402
+
+KINDS = ("fork", "slip", "filler", "other")
+
+
+def collect(root: Path) -> dict:
+    plan = json.loads((root / "plan.json").read_text())
+    runs, table = plan["runs"], {}
+    finished = 0
+    for r in runs:
+        run = read_run(root / f"{r['name']}-s{r['seed']}")
+        if run is not None:
+            finished += 1
+            table.setdefault(r["testbed"], {}).setdefault(r["method"], {})[r["seed"]] = run
+    out = {}
+    for tb, methods in table.items():
+        grpo = methods.get("grpo", {})
+        out[tb] = {}
+        for m, by_seed in methods.items():
+            seeds = sorted(by_seed)
+            after = [by_seed[s]["summary"]["accuracy_after"] for s in seeds]
+            paired = stats([by_seed[s]["summary"]["accuracy_after"] - grpo[s]["summary"]["accuracy_after"] for s in seeds if s in grpo])
+            curves: dict[int, list[float]] = {}
+            for s in seeds:
+                for step, acc in accuracy_curve(by_seed[s]):
+                    curves.setdefault(step, []).append(acc)
+            out[tb][m] = {
+                "seeds": seeds, "accuracy_after": after, "accuracy_before": [by_seed[s]["summary"]["accuracy_before"] for s in seeds],
+                **{k: v for k, v in stats(after).items() if k != "n"},
+                "paired_diff_vs_grpo": {"mean": paired["mean"], "se": paired["std"] / math.sqrt(paired["n"]) if paired["n"] > 1 else math.nan, "n": paired["n"]},
+                "curve": {str(st): {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else math.nan, "n": len(v)}
+                          for st, v in sorted(curves.items())},
+                "final_train_reward": stats([np.mean([x["reward/mean"] for x in by_seed[s]["rows"][-5:]]) for s in seeds])["mean"],
+                "train_seconds": [sum(x["time/step_s"] for x in by_seed[s]["rows"]) for s in seeds],
+                "wall_seconds": [by_seed[s]["wall_seconds"] for s in seeds], "cpu_seconds": [by_seed[s]["cpu_seconds"] for s in seeds],
+                "code": sorted({c for s in seeds for c in by_seed[s]["code"]}),
+            }
+    attribution = {p.stem: json.loads(p.read_text()) for p in sorted((root / "attribution").glob("*.json"))}
+    builds = {p.parent.name: {k: v for k, v in json.loads(p.read_text()).items() if k != "recipe"}
+              for p in sorted((root / "models").glob("*/build_info.json"))}
+    return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution, "builds": builds}
+
+
+def write(root, out) -> dict:
+    root, out = Path(root), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = collect(root)
+    partial = data["finished"] < data["planned"]
+    summary = {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "root": str(root),
+               "status": f"{'PARTIAL: ' if partial else ''}{data['finished']} of {data['planned']} runs finished",
+               "command": data["plan"].get("command"), "settings": data["plan"]["settings"],
+               "builds": data["builds"], "testbeds": data["testbeds"], "attribution": data["attribution"]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    run_rows, curve_rows, attr_rows = [], [], []
+    for tb, methods in data["testbeds"].items():
+        for m, v in methods.items():
+            for s, b, a, t, w, c in zip(v["seeds"], v["accuracy_before"], v["accuracy_after"], v["train_seconds"], v["wall_seconds"], v["cpu_seconds"]):
+                run_rows.append({"testbed": tb, "method": m, "seed": s, "accuracy_before": b, "accuracy_after": a,
+                                 "train_seconds": round(t, 1), "wall_seconds": round(w, 1), "cpu_seconds": round(c, 1)})
+            curve_rows += [{"testbed": tb, "method": m, "step": int(st), **c} for st, c in v["curve"].items()]
+    for tb, a in data["attribution"].items():
+        attr_rows += [{"testbed": tb, **r} for r in a["table"]]
+    for name, rows in [("runs.csv", run_rows), ("curves.csv", curve_rows), ("attribution.csv", attr_rows)]:
+        with open(out / name, "w", newline="") as f:
+            if rows:
+                w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+                w.writeheader()
+                w.writerows(rows)
+    images = []
+    if curve_rows:
+        images.append(_accuracy_plot(data["testbeds"], out / "accuracy.png"))
+    if attr_rows:
+        images.append(_attribution_plot(data["attribution"], out / "attribution.png"))
+    (out / "README.md").write_text(markdown(summary, images))
+    print(f"[report] {out}/: {summary['status']}; {len(images)} plots", flush=True)
+    return summary
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
+
+
+def _f(x, digits=2) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown(summary: dict, images) -> str:
+    s = summary["settings"]
+    lines = [f"# Where token-level credit helps: six methods on three testbeds ({summary['status']})", "",
+             f"Generated {summary['generated']} by `python scripts/report_v5.py --root {summary['root']} --out docs/results-v5` "
+             f"from the runs of `{summary['command']}`.", "",
+             "**Settings, fixed before the first run** (scripts/study_v5.py): "
+             f"{s['steps']} steps × {s.get('prompts_per_step', 32)} prompts × {s.get('group_size', 8)} rollouts = the same "
+             f"{s['steps'] * s.get('prompts_per_step', 32) * s.get('group_size', 8):,} rollouts per run for every method; "
+             "train.py's defaults otherwise (lr 5e-5, OAR q = 0.4, β = 2, floor 0.1, probe answer_mean, entropy-mask ρ = 0.2, "
+             "tempo's TD term with coefficient 1); held-out: "
+             f"{s.get('eval_size', 500)} problems of arith's test split, greedy, every {s['eval_every']} steps and at the end; "
+             "completion budget 64 tokens (filler: 96); seeds 0-4; each testbed's starting model built once (seed 0). "
+             "Nothing was chosen on the held-out split.", ""]
+    if summary["builds"]:
+        lines += ["Starting models (built by the study, seed 0, oar/testbeds.py's recipes): " + "; ".join(
+            f"`{tb}` {_pct(b['heldout_accuracy'])}% held-out (greedy, build's own 500 problems), {b['build_seconds'] / 60:.0f} min "
+            f"({b['build_cpu_seconds'] / 60:.0f} min CPU) on {b['torch_threads']} torch thread(s)" for tb, b in summary["builds"].items()) + ".", ""]
+    for tb, methods in summary["testbeds"].items():
+        lines += [f"## Testbed `{tb}`", "", "| method | seeds | before | after (mean ± std) | per seed | paired Δ vs GRPO (± s.e.) | train reward (last 5 steps) | training time | CPU time/run |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for m, v in methods.items():
+            d = v["paired_diff_vs_grpo"]
+            delta = "—" if m == "grpo" else (f"{100 * d['mean']:+.1f} ± {_pct(d['se'])} (n={d['n']})" if d["n"] else "n/a")
+            lines.append(f"| {m} | {', '.join(map(str, v['seeds']))} | {_pct(np.mean(v['accuracy_before']))} | {_pct(v['mean'])} ± {_pct(v['std'])} | "
+                         f"{', '.join(_pct(a) for a in v['accuracy_after'])} | {delta} | {_pct(v['final_train_reward'])} | "
+                         f"{np.mean(v['train_seconds']) / 60:.1f} min | {np.mean(v['cpu_seconds']) / 60:.1f} min |")
+        lines.append("")
+    if summary["attribution"]:
+        lines += ["## Where each method puts the advantage (starting models, known tokens)", "",
+                  "Each testbed's starting model samples 8 rollouts for each of 48 train-split 3-operation problems; every method "
+                  "weighs the same rollouts through train.py's credit interface. Over the reasoning tokens of the rollouts with "
+                  "advantage ≠ 0: precision@k and ROC-AUC of |w| against the pivotal tokens (result digits, the fork, the slips), and "
+                  "the mean weight w (signed: TEMPO's can be negative) on the fork, slip and filler tokens and on the other tokens. "
+                  "GRPO's all-ones weights give the base rate and 0.5.", "",
+                  "| testbed | method | rollouts | precision@k | ROC-AUC | w fork | w slip | w filler | w other | share w < 0 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for tb, a in summary["attribution"].items():
+            for r in a["table"]:
+                cell = lambda k: f"{_f(r[k])} ± {_f(r[k + '_se'])}" if r.get(k + "_n", 0) > 1 else _f(r.get(k))  # noqa: E731
+                lines.append(f"| {tb} | {r['method']} | {r['rollouts']} | {cell('precision_at_k')} | {cell('roc_auc')} | {cell('w_fork')} | "
+                             f"{cell('w_slip')} | {cell('w_filler')} | {cell('w_other')} | {_f(r['frac_negative'], 3)} |")
+        lines += ["", "Rollouts with a fork / slip token, and the starting model's sample accuracy: " + "; ".join(
+            f"{tb}: {a['rollouts_with_fork']} / {a['rollouts_with_slip']} of {a['prompts'] * a['group_size']}, {_pct(a['sample_accuracy'])}%"
+            for tb, a in summary["attribution"].items()) + ".", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in images] + [""]
+    return "\n".join(lines)
+
+
+COLORS = {"grpo": "#555555", "oar-g": "#1f77b4", "oar-p": "#d62728", "entropy": "#2ca02c", "entropy-mask": "#98df8a", "tempo": "#9467bd"}
+
+
+def _accuracy_plot(testbeds: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(testbeds), figsize=(5 * len(testbeds), 3.8), dpi=120, squeeze=False)
+    for ax, (tb, methods) in zip(axes[0], testbeds.items()):
+        for m, v in methods.items():
+            steps = [int(s) for s in v["curve"]]
+            mean = np.array([c["mean"] for c in v["curve"].values()]) * 100
+            std = np.nan_to_num(np.array([c["std"] for c in v["curve"].values()]) * 100)
+            ax.plot(steps, mean, color=COLORS.get(m), label=f"{m} (n={len(v['seeds'])})", lw=1.6)
+            ax.fill_between(steps, mean - std, mean + std, color=COLORS.get(m), alpha=0.12, lw=0)
+        ax.set(title=f"testbed {tb}", xlabel="step", ylabel="held-out accuracy (%, greedy)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _attribution_plot(attribution: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(attribution), figsize=(5 * len(attribution), 3.8), dpi=120, squeeze=False)
+    for ax, (tb, a) in zip(axes[0], attribution.items()):
+        methods = [r["method"] for r in a["table"]]
+        x = np.arange(len(methods))
+        for k, kind in enumerate(KINDS):
+            vals = [r[f"w_{kind}"] for r in a["table"]]
+            ax.bar(x + (k - 1.5) * 0.2, np.nan_to_num(vals), width=0.2, label=kind)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(x, methods, rotation=30, fontsize=8)
+        ax.set(title=f"{tb}: mean weight on known tokens", ylabel="mean w")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", type=Path, default=Path("/work/study-v5"))
+    p.add_argument("--out", type=Path, default=Path("docs/results-v5"))
+    a = p.parse_args()
+    write(a.root, a.out)

@@ -1,0 +1,154 @@
+"""Token credit methods (oar/credit.py, oar/tempo.py, oar/entropy_credit.py): hand-computed cases,
+properties, and the interface's invariance to micro-batching (train.py end to end: test_distributed.py)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oar.entropy_credit import linear_quantile, top_entropy_mask
+from oar.grpo import group_advantages
+from oar.tempo import tempo_weights
+
+
+def test_tempo_by_hand():
+    # One group of 4, three tokens each. Prefix tree: a, b, c start with 1, d with 7; then a, b
+    # continue with 2 and c with 5; then a ends with 3 and b with 4. Rewards 1 0 1 0, mean 0.5.
+    ids = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 5, 6], [7, 8, 9]])
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    w = tempo_weights(ids, torch.ones(4, 3, dtype=torch.bool), rewards, group_size=4)
+    # t=0: V(root) = 1/2; child {a,b,c}: 2/3 (delta +1/6), child {d}: 0 (delta -1/2).
+    #   a: 1 + (1/6)/(1 - 1/2) = 4/3; b: 1 + (1/6)/(0 - 1/2) = 2/3; c: 4/3; d: 1 + (-1/2)/(-1/2) = 2.
+    # t=1: node {a,b,c} = 2/3; {a,b}: 1/2 (delta -1/6), {c}: 1 (delta +1/3).
+    #   a: 1 - (1/6)/(1/2) = 2/3; b: 1 + (1/6)/(1/2) = 4/3; c: 1 + (1/3)/(1/2) = 5/3; d: no branch, 1.
+    # t=2: node {a,b} = 1/2; a -> 1 (delta +1/2): 2; b -> 0 (delta -1/2): 2; c, d: no branch, 1.
+    want = torch.tensor([[4 / 3, 2 / 3, 2.0], [2 / 3, 4 / 3, 2.0], [4 / 3, 5 / 3, 1.0], [2.0, 1.0, 1.0]])
+    torch.testing.assert_close(w, want)
+    assert torch.allclose(w.sum(1), torch.full((4,), 4.0))  # T_i + 1: the TD terms telescope to r_i - mean
+
+
+def test_tempo_can_flip_the_sign_of_a_rewarded_token():
+    # 7 of 8 rollouts right (mean 7/8). Rollout 0 (right) shares its first token only with rollout 1
+    # (wrong): that branch is worth 1/2 against the root's 7/8, delta -3/8, so w = 1 + (-3/8)/(1/8) = -2:
+    # TEMPO pushes that token down although rollout 0 was rewarded. The loss takes it as is.
+    ids = torch.tensor([[1, 2], [1, 3]] + [[4, 5]] * 6)
+    rewards = torch.tensor([1.0, 0.0] + [1.0] * 6)
+    w = tempo_weights(ids, torch.ones(8, 2, dtype=torch.bool), rewards, group_size=8)
+    assert w[0, 0].item() == pytest.approx(-2.0)
+    adv = group_advantages(rewards, 8)
+    assert (adv[0] * w[0, 0]) < 0 < adv[0]
+
+
+def test_tempo_padding_tied_groups_and_ended_rollouts():
+    ids = torch.tensor([[1, 2, 0], [1, 3, 4], [5, 6, 7], [5, 6, 7]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    w = tempo_weights(ids, mask, torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2)
+    # group 1: rollout 0 ends (EOS at t=1) where rollout 1 continues: both branch at t=1 only.
+    assert w[0].tolist() == [1.0, 2.0, 1.0] and w[1].tolist() == [1.0, 2.0, 1.0]
+    assert w[2:].eq(1).all()  # group 2: identical rollouts, equal rewards: no branch, A = 0
+
+
+@st.composite
+def groups(draw):
+    g, t, n_groups = draw(st.integers(2, 6)), draw(st.integers(1, 6)), draw(st.integers(1, 3))
+    ids = torch.tensor(draw(st.lists(st.lists(st.integers(0, 2), min_size=t, max_size=t), min_size=g * n_groups, max_size=g * n_groups)))
+    lengths = draw(st.lists(st.integers(1, t), min_size=g * n_groups, max_size=g * n_groups))
+    mask = torch.arange(t)[None] < torch.tensor(lengths)[:, None]
+    eos = torch.arange(t)[None] == torch.tensor(lengths)[:, None] - 1
+    ids = ids.masked_fill(eos & (torch.tensor(lengths)[:, None] < t), 3)  # the sampler's layout: ends in EOS unless truncated
+    # A reward is a function of the completion (as with a gold answer per group): identical
+    # completions get the same reward; which function is drawn.
+    table = draw(st.dictionaries(st.tuples(st.integers(0, 2), st.integers(1, t)), st.sampled_from([0.0, 1.0])))
+    key = lambda i: (int(ids[i, : lengths[i]].sum()) % 3, lengths[i])  # noqa: E731
+    rewards = torch.tensor([table.get(key(i), float(sum(ids[i, : lengths[i]].tolist()) % 2)) for i in range(len(lengths))])
+    return ids.masked_fill(~mask, -1), mask, rewards, g
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups())
+def test_tempo_properties(case):
+    ids, mask, rewards, g = case
+    w = tempo_weights(ids, mask, rewards, group_size=g)
+    mean = rewards.view(-1, g).mean(1).repeat_interleave(g)
+    moved = rewards != mean
+    # mass: along a rollout with A_i != 0 the weights sum to T_i + 1; A_i = 0 rollouts keep weight 1
+    torch.testing.assert_close((w * mask).sum(1)[moved], mask.sum(1).float()[moved] + 1)
+    assert w[~moved].eq(1).all() and w[~mask].eq(1).all()
+    # A_i w_it = A_i + delta_it / d for every advantage scale: the weight does not depend on d
+    for scale in ("group", "none"):
+        adv = group_advantages(rewards, g, scale=scale)
+        tok = adv[:, None] * w * mask  # the valid tokens
+        assert torch.allclose(tok.sum(1)[moved], (adv * (mask.sum(1) + 1))[moved], atol=1e-4)
+    # groups are independent and rows within a group may be reordered
+    perm = torch.cat([torch.randperm(g) + k for k in range(0, len(rewards), g)])
+    torch.testing.assert_close(tempo_weights(ids[perm], mask[perm], rewards[perm], group_size=g), w[perm])
+
+
+def test_top_entropy_mask_by_hand():
+    ent = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)  # 7.0 is padding: never counted
+    # valid values sorted: 0.0 0.1 0.2 0.3 0.5 0.7 0.9 (n = 7); top 0.2 -> the 0.8-quantile at
+    # position 0.8 * 6 = 4.8: 0.5 + 0.8 (0.7 - 0.5) = 0.66, so 0.7 and 0.9 carry the advantage.
+    m = top_entropy_mask(ent, valid, top=0.2)
+    assert m.tolist() == [[False, True, False, False], [False, True, False, False]]
+    assert top_entropy_mask(ent, valid, top=1.0).equal(valid)  # rho = 1: every valid token
+    assert not top_entropy_mask(ent, torch.zeros_like(valid)).any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0, 5, allow_nan=False), min_size=1, max_size=60), st.floats(0.05, 1.0), st.integers(1, 5))
+def test_top_entropy_mask_properties(values, top, split):
+    x = torch.tensor(values)
+    torch.testing.assert_close(linear_quantile(x, 1 - top), torch.quantile(x, 1 - top))
+    ent, valid = x.view(1, -1), torch.ones(1, len(values), dtype=torch.bool)
+    m = top_entropy_mask(ent, valid, top=top)
+    assert m.sum() >= max(1, int(top * len(values)) - 1)  # at least the top share (ties go in)
+    assert ent[m].min() >= ent[~m].max() if (~m).any() else True
+    # the threshold is the whole step's: "processes" holding any split of the tokens agree
+    cut = min(split, len(values))
+    parts = [ent[:, :cut], ent[:, cut:]]
+    gather = lambda _: x  # every process sees all tokens after the gather  # noqa: E731
+    got = torch.cat([top_entropy_mask(p, torch.ones_like(p, dtype=torch.bool), top=top, gather=gather) for p in parts], 1)
+    assert got.equal(m)
+
+
+def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(tiny_model):
+    """The interface on a real step of the tiny model: weights per micro-batch of 1 equal those of one
+    batch of 8, GRPO is all ones, entropy is the gate of the update forward's entropies."""
+    from oar.credit import METHODS, CreditSettings, step_credit
+    from oar.gating import bilevel_weights
+    from oar.grpo import token_entropy
+    from oar.models import forward_logits, load_model
+    from oar.rewards import reward
+    from oar.sampler import format_prompt, sample
+
+    model, tok = load_model(str(tiny_model))
+    problems = [("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10")]
+    ro = sample(model, tok, [format_prompt(tok, q) for q, _ in problems], group_size=4, seeds=list(range(8)), max_new_tokens=20)
+    golds = [a for _, a in problems for _ in range(4)]
+    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
+    adv = group_advantages(rewards, 4)
+    scored = (adv != 0) & ro.completion_mask.any(1)
+    lp = ro.prompt_width
+    with torch.no_grad():
+        logits = forward_logits(model, ro.input_ids, ro.attention_mask, logits_to_keep=ro.input_ids.shape[1] - lp + 1)
+    for method in METHODS:
+        got = {}
+        for mbs in (1, 8):
+            weigh = step_credit(CreditSettings(method=method, group_size=4, micro_batch_size=mbs), model, tok, ro, rewards, adv,
+                                scored, list(range(8)), golds, "answer_mean")
+            got[mbs] = torch.cat([weigh(slice(i, i + mbs), ro.select(slice(i, i + mbs)), logits[i:i + mbs])[0] for i in range(0, 8, mbs)])
+        torch.testing.assert_close(got[1], got[8], atol=1e-4, rtol=1e-4)  # OAR-G: float rounding of its backward only
+        assert got[8].shape == ro.input_ids.shape
+    grpo = step_credit(CreditSettings(method="grpo"), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
+    assert grpo(slice(0, 8), ro, logits)[0].eq(1).all()
+    ent = step_credit(CreditSettings(method="entropy", group_size=4), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
+    full = torch.zeros(ro.input_ids.shape)
+    full[:, lp:] = token_entropy(logits[:, :-1])
+    torch.testing.assert_close(ent(slice(0, 8), ro, logits)[0], bilevel_weights(full, ro.reasoning_mask & scored[:, None]))
+    assert rewards.min() < rewards.max()  # the groups had something to credit
+    # oar-g+tempo (beyond the paper) is OAR-G's weights plus TEMPO's TD share on the branch tokens
+    both = {m: step_credit(CreditSettings(method=m, group_size=4), model, tok, ro, rewards, adv, scored, list(range(8)), golds,
+                           "answer_mean")(slice(0, 8), ro, logits)[0] for m in ("oar-g", "tempo", "oar-g+tempo")}
+    torch.testing.assert_close(both["oar-g+tempo"], both["oar-g"] + both["tempo"] - 1)
+    assert (both["tempo"] != 1).any()  # some token branched

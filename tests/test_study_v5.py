@@ -1,0 +1,59 @@
+"""scripts/study_v5.py's plan and scripts/attribution_v5.py on a model that earns reward."""
+
+import math
+
+import torch
+
+from oar.arith import ArithConfig
+from oar.credit import METHODS
+from oar.testbeds import TESTBEDS
+
+
+def test_plan_puts_seed_0_of_everything_first_with_one_budget(tmp_path):
+    from scripts.study_v5 import parse_args, plan
+
+    runs = plan(parse_args(["--root", str(tmp_path)]))
+    assert len(runs) == 6 * 3 * 5 and {r["seed"] for r in runs[:18]} == {0}
+    assert len({(r["settings"]["steps"], r["settings"].get("prompts_per_step"), r["settings"].get("group_size")) for r in runs}) == 1
+    assert {r["settings"]["max_new_tokens"] for r in runs if r["testbed"] == "filler"} == {96}
+
+
+def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model):
+    from oar.models import load_model
+    from scripts import attribution_v5
+
+    model, tok = load_model(str(tiny_model))
+    torch.manual_seed(0)
+    out = attribution_v5.run(model, tok, TESTBEDS["slip"], prompts=6, group_size=4, arith=ArithConfig(min_ops=1, max_ops=1, start_digits=1))
+    table = {r["method"]: r for r in out["table"]}
+    assert list(table) == list(METHODS) and 0 < out["sample_accuracy"] < 1
+    used = table["grpo"]["rollouts"]
+    assert used > 0 and all(r["rollouts"] == used for r in table.values())
+    assert table["grpo"]["roc_auc"] == 0.5 and table["grpo"]["w_other"] == 1.0  # all ones: chance, weight 1
+    assert table["entropy-mask"]["w_other"] <= 1.0 and table["tempo"]["frac_negative"] >= 0
+    assert all(math.isnan(r["w_fork"]) for r in table.values())  # slip plants no fork
+
+
+def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
+    import json
+
+    from scripts import report_v5
+
+    runs = [{"name": f"fork/{m}", "testbed": "fork", "method": m, "seed": s, "settings": {}} for s in (0, 1, 2) for m in ("grpo", "tempo")]
+    (tmp_path / "plan.json").write_text(json.dumps({"runs": runs, "settings": {"steps": 2, "eval_every": 1}, "command": "x"}))
+    after = {("grpo", 0): 0.40, ("grpo", 1): 0.50, ("tempo", 0): 0.45, ("tempo", 1): 0.52, ("grpo", 2): 0.3}  # tempo seed 2 unfinished
+    for (m, s), acc in after.items():
+        d = tmp_path / "fork" / f"{m}-s{s}"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"method": m}))
+        (d / "summary.json").write_text(json.dumps({"steps": 2, "accuracy_before": 0.2, "accuracy_after": acc}))
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward/mean": 0.5, "time/step_s": 1.0}) + "\n" for k in (1, 2)))
+        (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 8.0}))
+    summary = report_v5.write(tmp_path, tmp_path / "out")
+    assert summary["status"] == "PARTIAL: 5 of 6 runs finished"
+    tempo = summary["testbeds"]["fork"]["tempo"]
+    # paired over seeds 0 and 1 only (tempo has no seed 2): +0.05, +0.02 -> mean 0.035, se 0.015
+    assert tempo["paired_diff_vs_grpo"]["n"] == 2
+    assert abs(tempo["paired_diff_vs_grpo"]["mean"] - 0.035) < 1e-9 and abs(tempo["paired_diff_vs_grpo"]["se"] - 0.015) < 1e-9
+    assert summary["testbeds"]["fork"]["grpo"]["seeds"] == [0, 1, 2]
+    assert "PARTIAL" in (tmp_path / "out" / "README.md").read_text() and (tmp_path / "out" / "accuracy.png").exists()
