@@ -51,7 +51,7 @@ from oar.gating import bilevel_weights
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
 from oar.models import ModelError, forward_logits, load_model, resolve_model
 from oar.oar_grad import gradient_scores
-from oar.oar_perturb import perturbation_scores
+from oar.oar_perturb_window import perturbation_scores_auto
 from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
 from oar.runlog import RunLog, step_metrics
@@ -98,8 +98,9 @@ def token_weights(cfg, model, mb, scored, probe, clean, seeds, golds, tokenizer,
         scores = gradient_scores(model, ids, attn, reas, ans, probe=probe, noise_std=cfg.noise_std,
                                  noise=noise.to(ids.device), clean=clean, clean_kv=clean_kv)
     else:
-        scores = perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=tokenizer.pad_token_id,
-                                     max_chunk_tokens=cfg.perturb_chunk_tokens, span=cfg.perturb_span, clean=clean, clean_kv=clean_kv)
+        scores = perturbation_scores_auto(model, ids, attn, reas, ans, probe=probe, pad_token_id=tokenizer.pad_token_id,
+                                          max_chunk_tokens=cfg.perturb_chunk_tokens, span=cfg.perturb_span, clean=clean, clean_kv=clean_kv,
+                                          mode=cfg.perturb_mode, window=cfg.perturb_window, auto_length=cfg.perturb_auto_length)
     width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
     full = torch.zeros(mb.input_ids.shape, device=scores.device)
     full[:, :width] = scores[:, :width]

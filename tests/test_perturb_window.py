@@ -107,3 +107,25 @@ def test_sliding_window_shorter_than_the_row_is_refused_and_auto_falls_back(monk
     auto = perturbation_scores_auto(model, ids, attn, reas, ans, mode="auto", window=2, auto_length=1, pad_token_id=0)
     assert (auto == 7.0).all() and len(calls) == 1
     assert "window mode unavailable" in capsys.readouterr().out
+
+
+def test_training_runs_the_window_mode_and_names_bad_settings(tiny_model, tmp_path, monkeypatch, capsys):
+    """train.py --perturb_mode window scores through window_perturbation_scores (W = --perturb_window),
+    and impossible settings are named before anything loads."""
+    import train
+    import oar.oar_perturb_window as pw
+    from tinyrun import TINY, metrics, run_inprocess
+
+    seen = []
+    real = pw.window_perturbation_scores
+    monkeypatch.setattr(pw, "window_perturbation_scores", lambda *a, **k: seen.append(k["window"]) or real(*a, **k))
+    out = tmp_path / "run"
+    run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out), "--micro_batch_size", "8", *TINY,
+                   "--method", "oar-p", "--steps", "1", "--score_all", "--perturb_mode", "window", "--perturb_window", "3"])
+    assert seen and set(seen) == {3}
+    assert metrics(out)[0]["oar/frac_nonfinite_scores"] == 0
+    for setting, words in ((["--perturb_mode", "fast"], "--perturb_mode fast: choose one of exact, window, auto"),
+                           (["--perturb_window", "-1"], "--perturb_window must be >= 0"),
+                           (["--perturb_span", "2"], "use it with --perturb_mode exact")):
+        with pytest.raises(ValueError, match=words):
+            train.check_config(train.parse_args(["--micro_batch_size", "8", *TINY, *setting]), 1)
