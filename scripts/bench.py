@@ -3,6 +3,8 @@
     python scripts/bench.py --json bench.json                 # full (tens of minutes on 2 CPU cores)
     python scripts/bench.py --quick --json quick.json         # smaller sizes, same comparisons, no TRL
     python scripts/bench.py --trl_python /tmp/trl-venv/bin/python --json bench.json   # + TRL's GRPOTrainer
+    python scripts/bench.py --growth --json growth.json       # issue 13: cost growth with R, decode tokens/s
+    python scripts/bench.py --growth --device cuda --model qwen1.5b-random --json growth-gpu.json
 
 1. OAR-P: the fast exact path vs the naive definition (one full forward per masked copy) on
    SmolLM2-135M-Instruct, and how both grow with the reasoning length. The naive cost is timed on
@@ -50,7 +52,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads for everything (0: torch's default). On a shared, "
                     "oversubscribed machine 1 avoids OpenMP barrier stalls that slow small ops 10x")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: oar_p, sweep, steps, smollm2_steps, logprob")
+    ap.add_argument("--growth", action="store_true", help="only issue 13's part: cost growth with R of exact OAR-P, the window "
+                    "modes, OAR-G and a GRPO update, plus decode tokens/s (scripts/bench_growth.py)")
+    ap.add_argument("--device", default="cpu", help="--growth: cpu or cuda")
+    ap.add_argument("--model", default="smollm2", help="--growth: smollm2 (the GGUF, float32) or qwen1.5b-random (Qwen2.5-1.5B shape, bf16)")
+    ap.add_argument("--lengths", default="256,512,1024,2048", help="--growth: reasoning lengths R")
+    ap.add_argument("--windows", default="16,32,64", help="--growth: window sizes W to time")
+    ap.add_argument("--fast_window", type=int, default=32, help="--growth: the window of the default long-R mode (the oar_p_fast_* keys)")
+    ap.add_argument("--sample_k", type=int, default=16, help="--growth: positions timed per sampled scorer")
+    ap.add_argument("--exact_all_up_to", type=int, default=256, help="--growth: exact OAR-P on every position up to this R")
+    ap.add_argument("--window_all_up_to", type=int, default=0, help="--growth: window modes on every position up to this R")
+    ap.add_argument("--decode", default="4,8,128,512", help="--growth: decode batch 'prompts,group,prompt_len,new_tokens' ('' skips)")
+    ap.add_argument("--fidelity_json", default="", help="--growth: scripts/fidelity.py output whose window<fast_window> row gives "
+                    "oar_p_fast_weight_mae and oar_p_fast_spearman")
     args = ap.parse_args()
+    if args.growth:
+        return growth_main(args)
     size, skip = (QUICK if args.quick else FULL), set(filter(None, args.skip.split(",")))
     if args.threads:
         bp.set_threads(args.threads)
@@ -129,6 +146,69 @@ def main() -> None:
     res.update(_headline(res))
     res["total_s"] = time.time() - t_start
     say(f"\nheadline: {json.dumps({k: res[k] for k in _headline(res)})}\ntotal {res['total_s']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+def growth_main(args) -> None:
+    """Issue 13: the growth table (and decode speed) alone, on the CPU or a GPU."""
+    import torch
+
+    import bench_growth as bg
+
+    if args.threads:
+        bp.set_threads(args.threads)
+    device = torch.device(args.device)
+    say = lambda s: print(s, flush=True)
+    res = {"mode": "growth", "machine": bp.machine(), "device": str(device), "args": vars(args)}
+    if device.type == "cuda":
+        res["machine"].update(device="cuda", gpu=torch.cuda.get_device_name())
+    if args.model == "qwen1.5b-random":
+        model, pad, source = bg.qwen15b_random(args.device), 151643, "random Qwen2.5-1.5B-shaped Qwen2 (bf16)"
+    elif args.model == "smollm2":
+        model, tok, _, source = bp.smollm2(Path(args.cache_dir))
+        model, pad = model.to(device), (tok.pad_token_id if tok is not None else 2)
+    else:
+        raise SystemExit(f"--model {args.model}: choose smollm2 or qwen1.5b-random")
+    res["model"] = source
+    lengths, windows = [int(x) for x in args.lengths.split(",")], [int(x) for x in args.windows.split(",") if x]
+    say(f"machine: {res['machine']['cpu']} / {res['machine'].get('gpu')}, device {device}, torch threads {res['machine']['torch_threads']}, "
+        f"load average {res['machine']['load_average_1min']:.1f} (shared machine: read ratios)\nmodel: {source}")
+    say(f"growth with R (1 rollout, prompt 128 + R + answer 8; sampled scorers on {args.sample_k} positions x n_R/k + clean pass):")
+    big = device.type == "cuda"
+    rows = bg.growth(model, pad, bp.synthetic, bp.every_kth, lengths=lengths, prompt=128, answer=8, windows=windows, k=args.sample_k,
+                     exact_all_up_to=args.exact_all_up_to, window_all_up_to=args.window_all_up_to,
+                     chunk_tokens=65536 if big else 8192, window_chunk_tokens=8192 if big else 2048)
+    res["growth"] = rows
+    cols = ["exact"] + [f"window{w}" for w in windows] + ["oar_g", "grpo_update"]
+    say("\n   R     " + "".join(f"{c:>13s}" for c in cols) + "   (seconds per rollout)")
+    for r in rows:
+        say(f"   {r['reasoning']:5d} " + "".join(f"{r[c + '_s']:13.2f}" for c in cols))
+    say("   per doubling 512->2048: " + "  ".join(f"{c} {bg.per_doubling(rows, c + '_s') or float('nan'):.2f}x" for c in cols))
+    fast = f"window{args.fast_window}"
+    at = {r["reasoning"]: r for r in rows}
+    res["oar_p_fast_mode"] = fast
+    res["oar_p_fast_speedup_at_1024"] = at[1024]["exact_s"] / at[1024][fast + "_s"] if 1024 in at and fast + "_s" in at[1024] else None
+    res["oar_p_fast_growth_per_doubling"] = bg.per_doubling(rows, fast + "_s") if fast in cols else None
+    res["oar_p_exact_growth_per_doubling"] = bg.per_doubling(rows, "exact_s")
+    res["oar_g_growth_per_doubling"] = bg.per_doubling(rows, "oar_g_s")
+    res["grpo_update_growth_per_doubling"] = bg.per_doubling(rows, "grpo_update_s")
+    res["oar_p_fast_weight_mae"] = res["oar_p_fast_spearman"] = None
+    if args.fidelity_json:
+        fid = json.loads(Path(args.fidelity_json).read_text())
+        if fast in fid["summary"]:
+            res["oar_p_fast_weight_mae"], res["oar_p_fast_spearman"] = fid["summary"][fast]["weight_mae"], fid["summary"][fast]["spearman"]
+            res["oar_p_fast_fidelity_source"] = (f"{args.fidelity_json}: {fid['rollouts']} rollouts, n_R {fid['reasoning_tokens_range']}, "
+                                                 f"{fid['device']}")
+    if args.decode:
+        p, g, lp, t = (int(x) for x in args.decode.split(","))
+        d = bg.decode_speed(model, pad, prompts=p, group_size=g, prompt_len=lp, new_tokens=t, synthetic=bp.synthetic)
+        res["decode"] = d
+        say(f"\ndecode, {d['rollouts']} rollouts x {t} new tokens after a {lp}-token prompt: oar.sampler {d['sampler_tokens_per_s']:.0f} "
+            f"tokens/s, transformers generate {d['hf_generate_tokens_per_s']:.0f} tokens/s ({d['sampler_s']:.1f} s vs {d['hf_generate_s']:.1f} s)")
+    keys = ("oar_p_fast_mode", "oar_p_fast_speedup_at_1024", "oar_p_fast_weight_mae", "oar_p_fast_spearman", "oar_p_fast_growth_per_doubling",
+            "oar_p_exact_growth_per_doubling", "oar_g_growth_per_doubling", "grpo_update_growth_per_doubling")
+    say(f"\nheadline: {json.dumps({k: res[k] for k in keys})}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 

@@ -114,8 +114,16 @@ def main() -> None:
     ap.add_argument("--probe", default="answer_mean")
     ap.add_argument("--chunk_tokens", type=int, default=0, help="exact OAR-P's max_chunk_tokens (0: 8192 on CPU, 65536 on CUDA)")
     ap.add_argument("--window_chunk_tokens", type=int, default=0, help="window mode's packed tokens per forward (0: 2048 CPU, 8192 CUDA)")
+    ap.add_argument("--tf32", action="store_true", help="CUDA: TF32 matmuls (about 1e-3 relative error in every mode alike; faster)")
     ap.add_argument("--out", help="write the JSON here")
+    ap.add_argument("--plot", help="write the cost-fidelity frontier (PNG) here")
+    ap.add_argument("--replot", help="no scoring: print the table of (and --plot) a saved --out JSON")
     args = ap.parse_args()
+    if args.replot:
+        res = json.loads(Path(args.replot).read_text())
+        print(table(res))
+        return frontier_plot(res, args.plot) if args.plot else None
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
     from oar.models import load_model
 
     if not args.gguf or not Path(args.data).is_file():
@@ -150,10 +158,12 @@ def main() -> None:
             scores, secs = timed(lambda: fn(x), device)
             rec["modes"][name] = dict(compare(scores, exact, reas), seconds=secs)
         records.append(rec)
+        if args.out:  # after every rollout, so that a long run that is stopped keeps what it measured
+            Path(args.out).with_suffix(".partial.json").write_text(json.dumps(records))
         print(f"rollout {len(records)}: n_R {rec['reasoning_tokens']}, exact {t_exact:.1f} s; " + ", ".join(
             f"{m} rho {r['spearman']:.3f} mae {r['weight_mae']:.3f}" for m, r in rec["modes"].items()), flush=True)
     summary = aggregate(records)
-    res = {"model": args.gguf, "device": str(device), "dtype": args.dtype, "probe": args.probe, "rollouts": len(records),
+    res = {"model": args.gguf, "device": str(device), "dtype": args.dtype + (" (tf32 matmuls)" if args.tf32 else ""), "probe": args.probe, "rollouts": len(records),
            "max_tokens": args.max_tokens, "data": args.data, "reasoning_tokens_mean": statistics.mean(r["reasoning_tokens"] for r in records),
            "reasoning_tokens_range": [min(r["reasoning_tokens"] for r in records), max(r["reasoning_tokens"] for r in records)],
            "load_average_1min": __import__("os").getloadavg()[0], "threads": torch.get_num_threads(),
@@ -161,6 +171,29 @@ def main() -> None:
     print(table(res))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
+        Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)
+    if args.plot:
+        frontier_plot(res, args.plot)
+
+
+def frontier_plot(res: dict, path: str) -> None:
+    """The cost-fidelity frontier: speed-up over exact against weight MAE and Spearman, one point per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key, target in ((axes[0], "weight_mae", 0.05), (axes[1], "spearman", 0.9)):
+        for mode, s in res["summary"].items():
+            ax.scatter(s["speedup_vs_exact"], s[key], color="C1" if mode.startswith("window") else "C0")
+            ax.annotate(mode, (s["speedup_vs_exact"], s[key]), fontsize=8, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(target, color="grey", ls="--", lw=0.8)
+        ax.set_xscale("log"), ax.set_xlabel("speed-up over exact OAR-P (same rollouts)"), ax.set_ylabel(key)
+    fig.suptitle(f"OAR-P modes vs exact: {res['rollouts']} MATH solutions, n_R {res['reasoning_tokens_range'][0]}.."
+                 f"{res['reasoning_tokens_range'][1]}, {res['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def aggregate(records: list[dict]) -> dict:
