@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--decode", default="4,8,128,512", help="--growth: decode batch 'prompts,group,prompt_len,new_tokens' ('' skips)")
     ap.add_argument("--fidelity_json", default="", help="--growth: scripts/fidelity.py output whose window<fast_window> row gives "
                     "oar_p_fast_weight_mae and oar_p_fast_spearman")
+    ap.add_argument("--from_json", default="", help="--growth: no timing; report a saved --growth JSON again (with --fidelity_json)")
     args = ap.parse_args()
     if args.growth:
         return growth_main(args)
@@ -151,15 +152,18 @@ def main() -> None:
 
 
 def growth_main(args) -> None:
-    """Issue 13: the growth table (and decode speed) alone, on the CPU or a GPU."""
+    """Issue 13: the growth table and decode speed alone, on the CPU or a GPU (or re-reported from --from_json)."""
     import torch
 
     import bench_growth as bg
 
+    say = lambda s: print(s, flush=True)
+    if args.from_json:  # no timing: the saved run's table again, with the fidelity file given now
+        res = json.loads(Path(args.from_json).read_text())
+        return bg.report(res, res["args"]["windows"], args.fast_window, args.fidelity_json, args.json, say)
     if args.threads:
         bp.set_threads(args.threads)
     device = torch.device(args.device)
-    say = lambda s: print(s, flush=True)
     res = {"mode": "growth", "machine": bp.machine(), "device": str(device), "args": vars(args)}
     if device.type == "cuda":
         res["machine"].update(device="cuda", gpu=torch.cuda.get_device_name())
@@ -176,41 +180,13 @@ def growth_main(args) -> None:
         f"load average {res['machine']['load_average_1min']:.1f} (shared machine: read ratios)\nmodel: {source}")
     say(f"growth with R (1 rollout, prompt 128 + R + answer 8; sampled scorers on {args.sample_k} positions x n_R/k + clean pass):")
     big = device.type == "cuda"
-    rows = bg.growth(model, pad, bp.synthetic, bp.every_kth, lengths=lengths, prompt=128, answer=8, windows=windows, k=args.sample_k,
-                     exact_all_up_to=args.exact_all_up_to, window_all_up_to=args.window_all_up_to,
-                     chunk_tokens=65536 if big else 8192, window_chunk_tokens=8192 if big else 2048)
-    res["growth"] = rows
-    cols = ["exact"] + [f"window{w}" for w in windows] + ["oar_g", "grpo_update"]
-    say("\n   R     " + "".join(f"{c:>13s}" for c in cols) + "   (seconds per rollout)")
-    for r in rows:
-        say(f"   {r['reasoning']:5d} " + "".join(f"{r[c + '_s']:13.2f}" for c in cols))
-    say("   per doubling 512->2048: " + "  ".join(f"{c} {bg.per_doubling(rows, c + '_s') or float('nan'):.2f}x" for c in cols))
-    fast = f"window{args.fast_window}"
-    at = {r["reasoning"]: r for r in rows}
-    res["oar_p_fast_mode"] = fast
-    res["oar_p_fast_speedup_at_1024"] = at[1024]["exact_s"] / at[1024][fast + "_s"] if 1024 in at and fast + "_s" in at[1024] else None
-    res["oar_p_fast_growth_per_doubling"] = bg.per_doubling(rows, fast + "_s") if fast in cols else None
-    res["oar_p_exact_growth_per_doubling"] = bg.per_doubling(rows, "exact_s")
-    res["oar_g_growth_per_doubling"] = bg.per_doubling(rows, "oar_g_s")
-    res["grpo_update_growth_per_doubling"] = bg.per_doubling(rows, "grpo_update_s")
-    res["oar_p_fast_weight_mae"] = res["oar_p_fast_spearman"] = None
-    if args.fidelity_json:
-        fid = json.loads(Path(args.fidelity_json).read_text())
-        if fast in fid["summary"]:
-            res["oar_p_fast_weight_mae"], res["oar_p_fast_spearman"] = fid["summary"][fast]["weight_mae"], fid["summary"][fast]["spearman"]
-            res["oar_p_fast_fidelity_source"] = (f"{args.fidelity_json}: {fid['rollouts']} rollouts, n_R {fid['reasoning_tokens_range']}, "
-                                                 f"{fid['device']}")
+    res["growth"] = bg.growth(model, pad, bp.synthetic, bp.every_kth, lengths=lengths, prompt=128, answer=8, windows=windows,
+                              k=args.sample_k, exact_all_up_to=args.exact_all_up_to, window_all_up_to=args.window_all_up_to,
+                              chunk_tokens=65536 if big else 8192, window_chunk_tokens=8192 if big else 2048)
     if args.decode:
         p, g, lp, t = (int(x) for x in args.decode.split(","))
-        d = bg.decode_speed(model, pad, prompts=p, group_size=g, prompt_len=lp, new_tokens=t, synthetic=bp.synthetic)
-        res["decode"] = d
-        say(f"\ndecode, {d['rollouts']} rollouts x {t} new tokens after a {lp}-token prompt: oar.sampler {d['sampler_tokens_per_s']:.0f} "
-            f"tokens/s, transformers generate {d['hf_generate_tokens_per_s']:.0f} tokens/s ({d['sampler_s']:.1f} s vs {d['hf_generate_s']:.1f} s)")
-    keys = ("oar_p_fast_mode", "oar_p_fast_speedup_at_1024", "oar_p_fast_weight_mae", "oar_p_fast_spearman", "oar_p_fast_growth_per_doubling",
-            "oar_p_exact_growth_per_doubling", "oar_g_growth_per_doubling", "grpo_update_growth_per_doubling")
-    say(f"\nheadline: {json.dumps({k: res[k] for k in keys})}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        res["decode"] = bg.decode_speed(model, pad, prompts=p, group_size=g, prompt_len=lp, new_tokens=t, synthetic=bp.synthetic)
+    bg.report(res, args.windows, args.fast_window, args.fidelity_json, args.json, say)
 
 
 def _print_steps(say, title, st):

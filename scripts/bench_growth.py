@@ -146,3 +146,44 @@ def decode_speed(model, tokenizer_pad: int, *, prompts: int, group_size: int, pr
         t_ours, t_hf = _time(ours, device), _time(hf, device)
     return {"rollouts": b, "prompt": prompt_len, "new_tokens": new_tokens, "sampler_s": t_ours, "hf_generate_s": t_hf,
             "sampler_tokens_per_s": b * new_tokens / t_ours, "hf_generate_tokens_per_s": b * new_tokens / t_hf}
+
+
+def report(res: dict, windows: str, fast_window: int, fidelity_json: str, out: str, say) -> None:
+    """Print the growth table, per-doubling ratios and decode speed; fill the headline keys (the
+    fidelity ones from a scripts/fidelity.py JSON); write `out`."""
+    import json
+    from pathlib import Path
+
+    rows = res["growth"]
+    cols = ["exact"] + [f"window{w}" for w in windows.split(",") if w] + ["oar_g", "grpo_update"]
+    say("\n   R     " + "".join(f"{c:>13s}" for c in cols) + "   (seconds per rollout)")
+    for r in rows:
+        say(f"   {r['reasoning']:5d} " + "".join(f"{r[c + '_s']:13.2f}" for c in cols))
+    say("   per doubling 512->2048: " + "  ".join(f"{c} {per_doubling(rows, c + '_s') or float('nan'):.2f}x" for c in cols))
+    fast = f"window{fast_window}"
+    at = {r["reasoning"]: r for r in rows}
+    res["oar_p_fast_mode"] = fast
+    res["oar_p_fast_speedup_at_1024"] = at[1024]["exact_s"] / at[1024][fast + "_s"] if 1024 in at and fast + "_s" in at[1024] else None
+    res["oar_p_fast_growth_per_doubling"] = per_doubling(rows, fast + "_s") if fast in cols else None
+    res["oar_p_exact_growth_per_doubling"] = per_doubling(rows, "exact_s")
+    res["oar_g_growth_per_doubling"] = per_doubling(rows, "oar_g_s")
+    res["grpo_update_growth_per_doubling"] = per_doubling(rows, "grpo_update_s")
+    res["oar_p_fast_weight_mae"] = res["oar_p_fast_spearman"] = None
+    if fidelity_json:
+        fid = json.loads(Path(fidelity_json).read_text())
+        if fast in fid["summary"]:
+            res["oar_p_fast_weight_mae"], res["oar_p_fast_spearman"] = fid["summary"][fast]["weight_mae"], fid["summary"][fast]["spearman"]
+            res["oar_p_fast_fidelity_source"] = (f"{fidelity_json}: {fid['rollouts']} MATH solutions, n_R {fid['reasoning_tokens_range']}, "
+                                                 f"{fid['device']} (not R = 1,024 unless that range says so)")
+    if "decode" in res:
+        d = res["decode"]
+        say(f"\ndecode, {d['rollouts']} rollouts x {d['new_tokens']} new tokens after a {d['prompt']}-token prompt: oar.sampler "
+            f"{d['sampler_tokens_per_s']:.0f} tokens/s, transformers generate {d['hf_generate_tokens_per_s']:.0f} tokens/s "
+            f"({d['sampler_s']:.1f} s vs {d['hf_generate_s']:.1f} s)")
+    keys = ("oar_p_fast_mode", "oar_p_fast_speedup_at_1024", "oar_p_fast_weight_mae", "oar_p_fast_spearman", "oar_p_fast_growth_per_doubling",
+            "oar_p_exact_growth_per_doubling", "oar_g_growth_per_doubling", "grpo_update_growth_per_doubling")
+    say(f"\nheadline: {json.dumps({k: res[k] for k in keys})}")
+    if "oar_p_fast_fidelity_source" in res:
+        say(f"fidelity from {res['oar_p_fast_fidelity_source']}")
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1))
