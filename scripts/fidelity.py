@@ -121,6 +121,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.replot:
         res = json.loads(Path(args.replot).read_text())
+        if isinstance(res, list):  # a .partial.json: the rollouts measured before the run was stopped
+            res = summarize(res, args, "stopped after {} rollouts".format(len(res)))
+            if args.out:
+                Path(args.out).write_text(json.dumps(res, indent=1))
         print(table(res))
         return frontier_plot(res, args.plot) if args.plot else None
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
@@ -162,12 +166,7 @@ def main() -> None:
             Path(args.out).with_suffix(".partial.json").write_text(json.dumps(records))
         print(f"rollout {len(records)}: n_R {rec['reasoning_tokens']}, exact {t_exact:.1f} s; " + ", ".join(
             f"{m} rho {r['spearman']:.3f} mae {r['weight_mae']:.3f}" for m, r in rec["modes"].items()), flush=True)
-    summary = aggregate(records)
-    res = {"model": args.gguf, "device": str(device), "dtype": args.dtype + (" (tf32 matmuls)" if args.tf32 else ""), "probe": args.probe, "rollouts": len(records),
-           "max_tokens": args.max_tokens, "data": args.data, "reasoning_tokens_mean": statistics.mean(r["reasoning_tokens"] for r in records),
-           "reasoning_tokens_range": [min(r["reasoning_tokens"] for r in records), max(r["reasoning_tokens"] for r in records)],
-           "load_average_1min": __import__("os").getloadavg()[0], "threads": torch.get_num_threads(),
-           "summary": summary, "records": records, "total_s": time.time() - t0}
+    res = summarize(records, args, "complete", total_s=time.time() - t0)
     print(table(res))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -196,6 +195,18 @@ def frontier_plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def summarize(records: list[dict], args, status: str, total_s: float | None = None) -> dict:
+    """The JSON of a run: settings, per-mode summary and every rollout's record."""
+    import os
+
+    return {"model": args.gguf, "device": args.device, "dtype": args.dtype + (" (tf32 matmuls)" if args.tf32 else ""), "probe": args.probe,
+            "rollouts": len(records), "status": status, "max_tokens": args.max_tokens, "data": args.data,
+            "reasoning_tokens_mean": statistics.mean(r["reasoning_tokens"] for r in records),
+            "reasoning_tokens_range": [min(r["reasoning_tokens"] for r in records), max(r["reasoning_tokens"] for r in records)],
+            "load_average_1min": os.getloadavg()[0], "threads": torch.get_num_threads(),
+            "summary": aggregate(records), "records": records, "total_s": total_s}
+
+
 def aggregate(records: list[dict]) -> dict:
     """Per mode: means over rollouts, spearman's median and min, and exact's total time over the mode's."""
     out = {}
@@ -210,7 +221,8 @@ def aggregate(records: list[dict]) -> dict:
 
 def table(res: dict) -> str:
     lines = [f"fidelity vs exact OAR-P: {res['rollouts']} rollouts, n_R {res['reasoning_tokens_range'][0]}..{res['reasoning_tokens_range'][1]} "
-             f"(mean {res['reasoning_tokens_mean']:.0f}), {res['device']} {res['dtype']}, probe {res['probe']}",
+             f"(mean {res['reasoning_tokens_mean']:.0f}), {res['device']} {res['dtype']}, probe {res['probe']}"
+             + ("" if res.get("status", "complete") == "complete" else f" ({res['status']})"),
              "mode        spearman (mean / median / min)   top20   |w-w_exact|   branch flips   speedup vs exact"]
     for mode, s in res["summary"].items():
         lines.append(f"{mode:10s}  {s['spearman']:6.3f} / {s['spearman_median']:6.3f} / {s['spearman_min']:6.3f}      {s['top20']:5.3f}"
