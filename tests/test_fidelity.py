@@ -20,7 +20,7 @@ def test_compare_identical_reversed_and_rescaled_scores():
     reas = torch.tensor([[False, True, True, True, True, True, False]])
     exact = torch.tensor([[0.0, 0.1, 0.5, 0.2, 0.9, 0.05, 0.0]])
     same = compare(exact.clone(), exact, reas)
-    assert same == {"spearman": 1.0, "top20": 1.0, "weight_mae": 0.0, "branch_flip": 0.0}
+    assert same == pytest.approx({"spearman": 1.0, "top20": 1.0, "weight_mae": 0.0, "branch_flip": 0.0})
     # Ranks 2 4 3 5 1 become 4 2 3 1 5 (6 - r): Spearman -1; the top token (k = round(0.2 * 5) = 1) is
     # now the lowest; 4 of the 5 tokens change gate branch (only the median one, rank 3, keeps its own).
     rev = compare(torch.tensor([[0.0, 0.5, 0.1, 0.2, 0.05, 0.9, 0.0]]), exact, reas)
