@@ -23,7 +23,7 @@ attention mask: copy m's slot for position p attends to clean keys at positions 
 and to its own recomputed slots q <= p. Slots of the window past the answer start are fillers (they
 attend to themselves only and nobody attends to them). Logits come from the model's own forward
 (`logits_to_keep` = the answer slots), so a family's logit scaling or soft-cap is the model's own.
-The mask is additive float (0 / dtype min), which both the `sdpa` and `eager` attention take.
+The mask is boolean for `sdpa` and additive float (0 / dtype min) for `eager`.
 
 Limits, checked: attention implementations other than sdpa/eager (flash kernels take no 4D mask)
 and sliding-window attention shorter than the row (one 4D mask would override every layer's window)
@@ -140,8 +140,7 @@ def _score_row(model, ids, mask, pos, targets, valid, js, a0, window, probe, pad
         to_new = torch.zeros(c, n, c, n, dtype=torch.bool, device=dev)
         to_new[torch.arange(c), :, torch.arange(c)] = own
         allowed = torch.cat([to_cache.reshape(c * n, end), to_new.reshape(c * n, c * n)], 1)
-        dtype = kv[0][0].dtype
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
+        bias = _attention_bias(allowed, model, kv[0][0].dtype)
         from transformers import DynamicCache
 
         cache = DynamicCache()
@@ -153,6 +152,14 @@ def _score_row(model, ids, mask, pos, targets, valid, js, a0, window, probe, pad
         masked = outcome(logits.view(c, k, -1), targets[None].expand(c, k), valid[None].expand(c, k), probe)
         result.append(divergence(clean.expand(c, *clean.shape[1:]), masked, probe).float())
     return torch.cat(result)
+
+
+def _attention_bias(allowed: torch.Tensor, model, dtype) -> torch.Tensor:
+    """The 4D mask as each attention implementation takes it: sdpa a boolean (True = attend; no
+    dtype to match the queries', which autocast may change), eager an additive float (0 / min)."""
+    if model.config._attn_implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return allowed
 
 
 _SAID: set[str] = set()
