@@ -7,12 +7,15 @@
   * a short window on a deeper model is an approximation: it differs from exact, and the difference
     shrinks to zero as the window grows (monotone in the last step: W = answer distance is exact);
   * the clean keys/values of the update's forward give the same scores as a clean pass of its own;
+  * property (hypothesis): a copy whose window reaches the answer is exact, whatever the row;
   * perturbation_scores_auto: exact below the switch length, window above it; a sliding window
     shorter than the row is refused by the window mode and sends auto to exact.
 """
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oar.oar_perturb import perturbation_scores_naive
 from oar.oar_perturb_window import perturbation_scores_auto, window_perturbation_scores, window_supported
@@ -129,3 +132,30 @@ def test_training_runs_the_window_mode_and_names_bad_settings(tiny_model, tmp_pa
                            (["--perturb_span", "2"], "use it with --perturb_mode exact")):
         with pytest.raises(ValueError, match=words):
             train.check_config(train.parse_args(["--micro_batch_size", "8", *TINY, *setting]), 1)
+
+
+_MODEL = {}
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 3), st.integers(1, 9), st.integers(1, 3), st.integers(0, 2), st.integers(0, 6), st.integers(0, 10_000))
+def test_copies_whose_window_reaches_the_answer_are_exact(pad, reasoning, answer, marker, window, seed):
+    """Property: a masked token j with j + W >= a0 - 2 (its window covers every position up to the
+    answer) gets exact OAR-P's score whatever the rest of the row, and every score is finite and >= 0
+    (KL). One row: left pad, prompt 3, reasoning, marker, answer, one tail token."""
+    model = _MODEL.setdefault("m", tiny_llama(layers=3, seed=11))
+    g = torch.Generator().manual_seed(seed)
+    n = pad + 3 + reasoning + marker + answer + 1
+    ids = torch.randint(3, 40, (1, n), generator=g)
+    attn = torch.ones_like(ids)
+    attn[:, :pad] = 0
+    reas = torch.zeros(ids.shape, dtype=torch.bool)
+    reas[0, pad + 3 : pad + 3 + reasoning] = True
+    ans = torch.zeros_like(reas)
+    a0 = pad + 3 + reasoning + marker
+    ans[0, a0 : a0 + answer] = True
+    naive = perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0)
+    win = window_perturbation_scores(model, ids, attn, reas, ans, window=window, pad_token_id=0)
+    covered = reas & (torch.arange(n)[None] + window >= a0 - 2)
+    torch.testing.assert_close(win[covered], naive[covered], rtol=0, atol=1e-4 * naive.abs().max().item() + 2e-6)  # + float32 cancellation in a KL near 0
+    assert torch.isfinite(win).all() and (win >= -1e-6).all()
