@@ -188,7 +188,8 @@ def frontier_plot(res: dict, path: str) -> None:
             ax.scatter(s["speedup_vs_exact"], s[key], color="C1" if mode.startswith("window") else "C0")
             ax.annotate(mode, (s["speedup_vs_exact"], s[key]), fontsize=8, xytext=(3, 3), textcoords="offset points")
         ax.axhline(target, color="grey", ls="--", lw=0.8)
-        ax.set_xscale("log"), ax.set_xlabel("speed-up over exact OAR-P (same rollouts)"), ax.set_ylabel(key)
+        ax.set_xscale("log"), ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("speed-up over exact OAR-P (same rollouts)"), ax.set_ylabel(key)
     fig.suptitle(f"OAR-P modes vs exact: {res['rollouts']} MATH solutions, n_R {res['reasoning_tokens_range'][0]}.."
                  f"{res['reasoning_tokens_range'][1]}, {res['device']}", fontsize=9)
     fig.tight_layout()
