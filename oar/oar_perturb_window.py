@@ -32,15 +32,12 @@ are refused by `window_supported`; `perturbation_scores_auto` then runs exact OA
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from oar.models import position_ids
 from oar.oar_perturb import _eval_mode, perturbation_scores
 from oar.probes import check_probe, divergence, outcome
 
-log = logging.getLogger(__name__)
 MODES = ("exact", "window", "auto")
 
 
@@ -169,7 +166,6 @@ def _say_once(message: str) -> None:
     """Log a mode decision once per process (a run makes it on every micro-batch)."""
     if message not in _SAID:
         _SAID.add(message)
-        log.warning(message)
         print(f"[oar] {message}", flush=True)
 
 
