@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from oar.credit import METHODS
+from oar.oar_perturb_window import MODES as PERTURB_MODES
 from oar.probes import PROBES
 
 # Settings a resumed run may change: they change neither the data, the rollouts nor the updates
@@ -72,6 +73,10 @@ class Config:
     entropy_top: float = field(default=0.2, metadata={"help": "entropy-mask: share rho of the step's tokens, the highest-entropy ones, that carry the advantage."})
     noise_std: float = field(default=1e-3, metadata={"help": "OAR-G: std of the embedding noise."})
     perturb_span: int = field(default=1, metadata={"help": "OAR-P: tokens masked together (1 = exact; >1 approximate)."})
+    perturb_mode: str = field(default="auto", metadata={"help": "OAR-P: exact | window | auto (exact for rows whose reasoning-to-answer "
+                                                              "stretch is shorter than --perturb_auto_length, window above; README 'OAR-P at long R')."})
+    perturb_window: int = field(default=32, metadata={"help": "OAR-P window mode: positions recomputed after the masked token (plus the answer's)."})
+    perturb_auto_length: int = field(default=512, metadata={"help": "OAR-P auto mode: reasoning-to-answer positions from which the window mode is used."})
     perturb_chunk_tokens: int = field(default=8192, metadata={"help": "OAR-P: recomputed tokens per batch of masked copies (memory bound)."})
     # -- logging, evaluation, checkpoints
     eval_every: int = field(default=40, metadata={"help": "Held-out evaluation every N steps (0: only before and after)."})
@@ -108,6 +113,9 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need("{answer}" in cfg.reference_template, "--reference_template must contain {answer}.")
     need(cfg.steps >= 1 and cfg.max_new_tokens >= 1 and cfg.prompts_per_step >= 1, "--steps, --max_new_tokens and --prompts_per_step must be >= 1.")
     need(cfg.perturb_span >= 1, "--perturb_span must be >= 1.")
+    need(cfg.perturb_mode in PERTURB_MODES, f"--perturb_mode {cfg.perturb_mode}: choose one of {', '.join(PERTURB_MODES)}.")
+    need(cfg.perturb_window >= 0 and cfg.perturb_auto_length >= 1, "--perturb_window must be >= 0 and --perturb_auto_length >= 1.")
+    need(cfg.perturb_span == 1 or cfg.perturb_mode == "exact", "--perturb_span > 1 is exact OAR-P's approximation: use it with --perturb_mode exact.")
     need(cfg.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1.")
     need(isinstance(getattr(torch, cfg.dtype, None), torch.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
     need(cfg.learning_rate > 0 and cfg.max_grad_norm > 0, "--learning_rate and --max_grad_norm must be > 0.")

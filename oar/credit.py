@@ -38,7 +38,7 @@ from oar.gating import bilevel_weights
 from oar.grpo import token_entropy
 from oar.models import forward_logits
 from oar.oar_grad import gradient_scores
-from oar.oar_perturb import perturbation_scores
+from oar.oar_perturb_window import perturbation_scores_auto
 from oar.sampler import Rollout, with_reference_answer
 from oar.tempo import tempo_weights
 
@@ -57,6 +57,9 @@ class CreditSettings:
     preserve_mass: bool = True
     noise_std: float = 1e-3
     perturb_span: int = 1
+    perturb_mode: str = "auto"
+    perturb_window: int = 32
+    perturb_auto_length: int = 512
     perturb_chunk_tokens: int = 8192
     outcome_source: str = "rollout"
     reference_template: str = "#### {answer}"
@@ -160,8 +163,9 @@ def oar_weights(s: CreditSettings, model, tokenizer, mb: Rollout, scored, probe,
         scores = gradient_scores(model, ids, attn, reas, ans, probe=probe, noise_std=s.noise_std,
                                  noise=noise.to(ids.device), clean=clean, clean_kv=clean_kv)
     else:
-        scores = perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=tokenizer.pad_token_id,
-                                     max_chunk_tokens=s.perturb_chunk_tokens, span=s.perturb_span, clean=clean, clean_kv=clean_kv)
+        scores = perturbation_scores_auto(model, ids, attn, reas, ans, probe=probe, pad_token_id=tokenizer.pad_token_id,
+                                          max_chunk_tokens=s.perturb_chunk_tokens, span=s.perturb_span, clean=clean, clean_kv=clean_kv,
+                                          mode=s.perturb_mode, window=s.perturb_window, auto_length=s.perturb_auto_length)
     width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
     full = torch.zeros(mb.input_ids.shape, device=scores.device)
     full[:, :width] = scores[:, :width]

@@ -3,6 +3,8 @@
     python scripts/bench.py --json bench.json                 # full (tens of minutes on 2 CPU cores)
     python scripts/bench.py --quick --json quick.json         # smaller sizes, same comparisons, no TRL
     python scripts/bench.py --trl_python /tmp/trl-venv/bin/python --json bench.json   # + TRL's GRPOTrainer
+    python scripts/bench.py --growth --json growth.json       # issue 13: cost growth with R, decode tokens/s
+    python scripts/bench.py --growth --device cuda --model qwen1.5b-random --json growth-gpu.json
 
 1. OAR-P: the fast exact path vs the naive definition (one full forward per masked copy) on
    SmolLM2-135M-Instruct, and how both grow with the reasoning length. The naive cost is timed on
@@ -50,7 +52,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads for everything (0: torch's default). On a shared, "
                     "oversubscribed machine 1 avoids OpenMP barrier stalls that slow small ops 10x")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: oar_p, sweep, steps, smollm2_steps, logprob")
+    ap.add_argument("--growth", action="store_true", help="only issue 13's part: cost growth with R of exact OAR-P, the window "
+                    "modes, OAR-G and a GRPO update, plus decode tokens/s (scripts/bench_growth.py)")
+    ap.add_argument("--device", default="cpu", help="--growth: cpu or cuda")
+    ap.add_argument("--model", default="smollm2", help="--growth: smollm2 (the GGUF, float32) or qwen1.5b-random (Qwen2.5-1.5B shape, bf16)")
+    ap.add_argument("--lengths", default="256,512,1024,2048", help="--growth: reasoning lengths R")
+    ap.add_argument("--windows", default="16,32,64", help="--growth: window sizes W to time")
+    ap.add_argument("--fast_window", type=int, default=32, help="--growth: the window of the default long-R mode (the oar_p_fast_* keys)")
+    ap.add_argument("--sample_k", type=int, default=16, help="--growth: positions timed per sampled scorer")
+    ap.add_argument("--exact_all_up_to", type=int, default=256, help="--growth: exact OAR-P on every position up to this R")
+    ap.add_argument("--window_all_up_to", type=int, default=0, help="--growth: window modes on every position up to this R")
+    ap.add_argument("--decode", default="4,8,128,512", help="--growth: decode batch 'prompts,group,prompt_len,new_tokens' ('' skips)")
+    ap.add_argument("--fidelity_json", default="", help="--growth: scripts/fidelity.py output whose window<fast_window> row gives "
+                    "oar_p_fast_weight_mae and oar_p_fast_spearman")
+    ap.add_argument("--from_json", default="", help="--growth: no timing; report a saved --growth JSON again (with --fidelity_json)")
     args = ap.parse_args()
+    if args.growth:
+        return growth_main(args)
     size, skip = (QUICK if args.quick else FULL), set(filter(None, args.skip.split(",")))
     if args.threads:
         bp.set_threads(args.threads)
@@ -131,6 +149,44 @@ def main() -> None:
     say(f"\nheadline: {json.dumps({k: res[k] for k in _headline(res)})}\ntotal {res['total_s']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+def growth_main(args) -> None:
+    """Issue 13: the growth table and decode speed alone, on the CPU or a GPU (or re-reported from --from_json)."""
+    import torch
+
+    import bench_growth as bg
+
+    say = lambda s: print(s, flush=True)
+    if args.from_json:  # no timing: the saved run's table again, with the fidelity file given now
+        res = json.loads(Path(args.from_json).read_text())
+        return bg.report(res, res["args"]["windows"], args.fast_window, args.fidelity_json, args.json, say)
+    if args.threads:
+        bp.set_threads(args.threads)
+    device = torch.device(args.device)
+    res = {"mode": "growth", "machine": bp.machine(), "device": str(device), "args": vars(args)}
+    if device.type == "cuda":
+        res["machine"].update(device="cuda", gpu=torch.cuda.get_device_name())
+    if args.model == "qwen1.5b-random":
+        model, pad, source = bg.qwen15b_random(args.device), 151643, "random Qwen2.5-1.5B-shaped Qwen2 (bf16)"
+    elif args.model == "smollm2":
+        model, tok, _, source = bp.smollm2(Path(args.cache_dir))
+        model, pad = model.to(device), (tok.pad_token_id if tok is not None else 2)
+    else:
+        raise SystemExit(f"--model {args.model}: choose smollm2 or qwen1.5b-random")
+    res["model"] = source
+    lengths, windows = [int(x) for x in args.lengths.split(",")], [int(x) for x in args.windows.split(",") if x]
+    say(f"machine: {res['machine']['cpu']} / {res['machine'].get('gpu')}, device {device}, torch threads {res['machine']['torch_threads']}, "
+        f"load average {res['machine']['load_average_1min']:.1f} (shared machine: read ratios)\nmodel: {source}")
+    say(f"growth with R (1 rollout, prompt 128 + R + answer 8; sampled scorers on {args.sample_k} positions x n_R/k + clean pass):")
+    big = device.type == "cuda"
+    res["growth"] = bg.growth(model, pad, bp.synthetic, bp.every_kth, lengths=lengths, prompt=128, answer=8, windows=windows,
+                              k=args.sample_k, exact_all_up_to=args.exact_all_up_to, window_all_up_to=args.window_all_up_to,
+                              chunk_tokens=65536 if big else 8192, window_chunk_tokens=8192 if big else 2048)
+    if args.decode:
+        p, g, lp, t = (int(x) for x in args.decode.split(","))
+        res["decode"] = bg.decode_speed(model, pad, prompts=p, group_size=g, prompt_len=lp, new_tokens=t, synthetic=bp.synthetic)
+    bg.report(res, args.windows, args.fast_window, args.fidelity_json, args.json, say)
 
 
 def _print_steps(say, title, st):

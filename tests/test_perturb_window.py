@@ -1,0 +1,161 @@
+"""Window OAR-P (oar/oar_perturb_window.py) against the definition it approximates.
+
+  * exact once the window reaches the answer: equal to `perturbation_scores_naive` on tiny random
+    Llama (eager attention) and Qwen2 (sdpa) models, every probe, ragged left-padded rows, any chunk;
+  * exact for a one-layer model whatever the window: a layer's keys/values depend on one token each,
+    so the only path from the masked token to the answer is the answer positions' own attention;
+  * a short window on a deeper model is an approximation: it differs from exact, and the difference
+    shrinks to zero as the window grows (monotone in the last step: W = answer distance is exact);
+  * the clean keys/values of the update's forward give the same scores as a clean pass of its own;
+  * property (hypothesis): a copy whose window reaches the answer is exact, whatever the row;
+  * perturbation_scores_auto: exact below the switch length, window above it; a sliding window
+    shorter than the row is refused by the window mode and sends auto to exact.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oar.oar_perturb import perturbation_scores_naive
+from oar.oar_perturb_window import perturbation_scores_auto, window_perturbation_scores, window_supported
+from oar.probes import PROBES, clean_forward, outcome_from_logits
+
+from conftest import tiny_llama
+from test_speed_paths import ragged_batch
+
+
+def tiny_qwen2(layers: int = 2, seed: int = 0, **extra):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, attn_implementation="sdpa", **extra)
+    return Qwen2ForCausalLM(config).float().eval()
+
+
+def _tol(ref):
+    return dict(rtol=0, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("chunk", [1, 50, 10_000])
+def test_window_reaching_the_answer_equals_naive(family, probe, chunk):
+    model = tiny_llama(seed=3) if family == "llama" else tiny_qwen2(seed=3)
+    ids, attn, reas, ans = ragged_batch()
+    naive = perturbation_scores_naive(model, ids, attn, reas, ans, probe=probe, pad_token_id=0, chunk_size=5)
+    win = window_perturbation_scores(model, ids, attn, reas, ans, window=ids.shape[1], probe=probe, pad_token_id=0,
+                                     max_chunk_tokens=chunk)
+    assert naive[reas].abs().max() > 0
+    torch.testing.assert_close(win, naive, **_tol(naive))
+    assert (win[~reas] == 0).all() and (win[4] == 0).all()  # row 4 has no answer
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_one_layer_model_is_exact_for_any_window(window):
+    model = tiny_llama(layers=1, seed=5)
+    ids, attn, reas, ans = ragged_batch(seed=2)
+    naive = perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0)
+    win = window_perturbation_scores(model, ids, attn, reas, ans, window=window, pad_token_id=0)
+    torch.testing.assert_close(win, naive, **_tol(naive))
+
+
+def test_short_window_is_approximate_and_converges():
+    model = tiny_llama(layers=3, seed=7)
+    ids, attn, reas, ans = ragged_batch(seed=4)
+    naive = perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0)
+    err = [(window_perturbation_scores(model, ids, attn, reas, ans, window=w, pad_token_id=0) - naive).abs().max().item()
+           for w in (0, 4, 12)]
+    assert err[0] > 1e-3 * naive.abs().max()  # a real approximation at W = 0 (three layers carry influence)
+    assert err[2] <= 1e-4 * naive.abs().max()  # 12 >= every reasoning-to-answer distance here: exact
+    assert err[1] <= err[0]
+
+
+def test_update_forward_keys_values_give_the_same_scores():
+    model = tiny_qwen2(layers=2, seed=1)
+    ids, attn, reas, ans = ragged_batch(seed=5)
+    own = window_perturbation_scores(model, ids, attn, reas, ans, window=3, pad_token_id=0)
+    logits, kv = clean_forward(model, ids, attn, keep_cache=True)
+    clean = outcome_from_logits(logits, ids, ans, "answer_mean")
+    reused = window_perturbation_scores(model, ids, attn, reas, ans, window=3, pad_token_id=0, clean=clean, clean_kv=kv)
+    torch.testing.assert_close(reused, own, **_tol(own))
+
+
+def test_auto_uses_exact_below_the_switch_and_window_above(capsys):
+    model = tiny_llama(layers=3, seed=7)
+    ids, attn, reas, ans = ragged_batch(seed=4)
+    naive = perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0)
+    win = window_perturbation_scores(model, ids, attn, reas, ans, window=0, pad_token_id=0)
+    auto = perturbation_scores_auto(model, ids, attn, reas, ans, mode="auto", window=0, auto_length=10, pad_token_id=0)
+    span = torch.tensor([10, 7, 7, 13, 0, 9])  # first reasoning token to last answer token, per layout of ragged_batch
+    for b in range(ids.shape[0]):
+        ref = win[b] if span[b] >= 10 else naive[b]
+        torch.testing.assert_close(auto[b], ref, **_tol(naive))
+    assert "window mode (W=0)" in capsys.readouterr().out
+
+
+def test_sliding_window_shorter_than_the_row_is_refused_and_auto_falls_back(monkeypatch, capsys):
+    model = tiny_qwen2(layers=2, seed=2, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    ids, attn, reas, ans = ragged_batch(seed=6)
+    assert "sliding-window" in window_supported(model.config, ids.shape[1])
+    assert window_supported(model.config, 4) is None  # a window as long as the row changes nothing
+    with pytest.raises(ValueError, match="sliding-window"):
+        window_perturbation_scores(model, ids, attn, reas, ans, window=2, pad_token_id=0)
+    # The fallback is the exact path (whose sliding-window support is oar_perturb's business): record the call.
+    import oar.oar_perturb_window as pw
+
+    calls = []
+    monkeypatch.setattr(pw, "perturbation_scores", lambda *a, **k: calls.append(k) or torch.full(ids.shape, 7.0))
+    auto = perturbation_scores_auto(model, ids, attn, reas, ans, mode="auto", window=2, auto_length=1, pad_token_id=0)
+    assert (auto == 7.0).all() and len(calls) == 1
+    assert "window mode unavailable" in capsys.readouterr().out
+
+
+def test_training_runs_the_window_mode_and_names_bad_settings(tiny_model, tmp_path, monkeypatch, capsys):
+    """train.py --perturb_mode window scores through window_perturbation_scores (W = --perturb_window),
+    and impossible settings are named before anything loads."""
+    import train
+    import oar.oar_perturb_window as pw
+    from tinyrun import TINY, metrics, run_inprocess
+
+    seen = []
+    real = pw.window_perturbation_scores
+    monkeypatch.setattr(pw, "window_perturbation_scores", lambda *a, **k: seen.append(k["window"]) or real(*a, **k))
+    out = tmp_path / "run"
+    run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out), "--micro_batch_size", "8", *TINY,
+                   "--method", "oar-p", "--steps", "1", "--score_all", "--perturb_mode", "window", "--perturb_window", "3"])
+    assert seen and set(seen) == {3}
+    assert metrics(out)[0]["oar/frac_nonfinite_scores"] == 0
+    for setting, words in ((["--perturb_mode", "fast"], "--perturb_mode fast: choose one of exact, window, auto"),
+                           (["--perturb_window", "-1"], "--perturb_window must be >= 0"),
+                           (["--perturb_span", "2"], "use it with --perturb_mode exact")):
+        with pytest.raises(ValueError, match=words):
+            train.check_config(train.parse_args(["--micro_batch_size", "8", *TINY, *setting]), 1)
+
+
+_MODEL = {}
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 3), st.integers(1, 9), st.integers(1, 3), st.integers(0, 2), st.integers(0, 6), st.integers(0, 10_000))
+def test_copies_whose_window_reaches_the_answer_are_exact(pad, reasoning, answer, marker, window, seed):
+    """Property: a masked token j with j + W >= a0 - 2 (its window covers every position up to the
+    answer) gets exact OAR-P's score whatever the rest of the row, and every score is finite and >= 0
+    (KL). One row: left pad, prompt 3, reasoning, marker, answer, one tail token."""
+    model = _MODEL.setdefault("m", tiny_llama(layers=3, seed=11))
+    g = torch.Generator().manual_seed(seed)
+    n = pad + 3 + reasoning + marker + answer + 1
+    ids = torch.randint(3, 40, (1, n), generator=g)
+    attn = torch.ones_like(ids)
+    attn[:, :pad] = 0
+    reas = torch.zeros(ids.shape, dtype=torch.bool)
+    reas[0, pad + 3 : pad + 3 + reasoning] = True
+    ans = torch.zeros_like(reas)
+    a0 = pad + 3 + reasoning + marker
+    ans[0, a0 : a0 + answer] = True
+    naive = perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0)
+    win = window_perturbation_scores(model, ids, attn, reas, ans, window=window, pad_token_id=0)
+    covered = reas & (torch.arange(n)[None] + window >= a0 - 2)
+    torch.testing.assert_close(win[covered], naive[covered], rtol=0, atol=1e-4 * naive.abs().max().item() + 2e-6)  # + float32 cancellation in a KL near 0
+    assert torch.isfinite(win).all() and (win >= -1e-6).all()
