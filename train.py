@@ -10,7 +10,7 @@ One step, in the order of the paper:
   3. advantage   group-relative A_i (SPEC §1)
   4. update      per micro-batch: forward -> log-probs; OAR scores -> bi-level weights w_it (SPEC §3-5);
                  loss with token advantages A_i w_it; backward. GRPO is the same path with w = 1.
-  5. step        clip the gradient norm, optimizer and LR-schedule step
+  5. step        clip the gradient norm, optimizer step (steps 4-5 run --num_iterations times), LR-schedule step
   6. log / eval / checkpoint
 
 Departures from the paper and the authors' code (each also stated where it lives):
@@ -19,7 +19,19 @@ Departures from the paper and the authors' code (each also stated where it lives
     do not depend on micro-batching.
   * Sampling is our own KV-cache loop with a seeded generator per rollout (oar/sampler.py), so the
     rollouts of a step are identical for any number of processes and after a resume.
-  * One policy update per batch of rollouts, so pi_old = pi_theta.detach() (ratio 1 in value).
+  * Rollout reuse, --num_iterations mu (TRL's name and meaning; verl's ppo_epochs): mu passes over
+    each batch of rollouts, each pass one optimizer step over the whole batch (every micro-batch of
+    every process, accumulated). pi_old is the sampling policy: its log-probs are taken, detached,
+    from the first pass's own forward (the parameters have not moved yet, so no extra forward and a
+    ratio of exactly 1 on that pass); later passes clip against them. OAR weights (and the KL
+    reference's log-probs) are computed once per batch, on the first pass, from the sampling policy,
+    and reused by every pass. Rollouts are not shuffled between passes: each pass's gradient is a
+    sum over the whole batch, which no order of micro-batches changes (TRL shuffles because it can
+    split a batch into several optimizer steps). --steps and the LR schedule count batches of
+    rollouts (RL steps), so the LR is the same for the mu updates of a batch and a checkpoint is only
+    ever taken between batches; metrics are logged once per RL step, of the first pass, with
+    iter<k>/ metrics (k = 2..mu) for the later passes. mu = 1 is the same code path as before (the ratio is
+    1 in value, pi_old = pi_theta.detach()).
 
 Degenerate numbers, each with a defined outcome (tests/test_failures.py):
   * a group whose rewards are all equal has advantage 0 (oar/grpo.py): it adds nothing to the gradient,
@@ -54,7 +66,7 @@ from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
 from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
-from oar.runlog import RunLog, step_metrics
+from oar.runlog import RunLog, pass_metrics, step_metrics
 from oar.sampler import format_prompt, resolve_instruction, sample, with_reference_answer
 
 
@@ -193,61 +205,71 @@ def main(cfg: Config) -> dict:
         scored = ((advantages != 0) & completion.any(1) | cfg.score_all) & (cfg.method != "grpo")  # (B,)
         probe = "last" if step < cfg.probe_warmup else cfg.probe
         model.train()
-        stats, w_all, oar_seconds, n_nonfinite, bad_loss = [], [], 0.0, 0, 0
-        for m in range(n_micro):
-            rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
-            mb = ro.select(rows)
-            with accelerator.accumulate(model):
-                reuse = cfg.method != "grpo" and cfg.outcome_source == "rollout"  # OAR's clean pass, for free
-                logits, clean_kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1,
-                                                 keep_cache=reuse and not cfg.gradient_checkpointing)
-                labels = mb.input_ids[:, lp:]  # (b, T)
-                logprobs = token_logprobs(logits[:, :-1], labels, temperature=cfg.temperature)  # (b, T): the sampled distribution
-                clean = None
-                if reuse:
-                    clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe)
-                weights, secs, nonfinite = token_weights(cfg, policy, mb, scored[rows], probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
-                oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
-                token_adv = advantages[rows, None] * weights[:, lp:]  # (b, T): A_it = A_i w_it
-                ref = None
-                if ref_model is not None:
-                    with torch.no_grad():
-                        ref_logits = forward_logits(ref_model, mb.input_ids, mb.attention_mask, logits_to_keep=labels.shape[1] + 1)
-                        ref = token_logprobs(ref_logits[:, :-1], labels, temperature=cfg.temperature)
-                loss, s = policy_loss(logprobs, logprobs.detach(), token_adv, completion[rows, lp:], clip_low=cfg.clip_low,
-                                      clip_high=cfg.clip_high, kl_beta=cfg.kl_beta, ref_logprobs=ref, aggregation=cfg.aggregation,
-                                      num_sequences=n_seq, num_tokens=n_tok)
-                bad_loss += int(not torch.isfinite(loss))
-                accelerator.backward(loss * n_micro * n_proc)
-                valid = completion[rows, lp:]
-                s["entropy"] = float((token_entropy(logits[:, :-1].detach()) * valid).sum() / valid.sum().clamp(min=1))
-                s["tokens"] = float(valid.sum())  # weights the micro-batch means: the step's are then token means
-                stats.append(s)
-                w_all.append(weights)
+        w_all, old_all, ref_all, passes, norms = [], [], [], [], []  # per micro-batch (w, old, ref); per pass
+        oar_seconds, n_nonfinite, skipped = 0.0, 0, 0
+        for it in range(cfg.num_iterations):  # mu passes over the same rollouts (docstring: rollout reuse)
+            stats, bad_loss = [], 0
+            for m in range(n_micro):
+                rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
+                mb = ro.select(rows)
+                with accelerator.accumulate(model):
+                    # OAR's clean pass comes for free from the first pass's forward (the sampling policy)
+                    reuse = it == 0 and cfg.method != "grpo" and cfg.outcome_source == "rollout"
+                    logits, clean_kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1,
+                                                     keep_cache=reuse and not cfg.gradient_checkpointing)
+                    labels = mb.input_ids[:, lp:]  # (b, T)
+                    logprobs = token_logprobs(logits[:, :-1], labels, temperature=cfg.temperature)  # (b, T): the sampled distribution
+                    if it == 0:  # the sampling policy: pi_old, OAR weights and the reference, kept for every pass
+                        clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe) if reuse else None
+                        weights, secs, nonfinite = token_weights(cfg, policy, mb, scored[rows], probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
+                        oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
+                        w_all.append(weights)
+                        old_all.append(logprobs.detach())  # (b, T): ratio 1 in value on this pass
+                        ref = None
+                        if ref_model is not None:
+                            with torch.no_grad():
+                                ref_logits = forward_logits(ref_model, mb.input_ids, mb.attention_mask, logits_to_keep=labels.shape[1] + 1)
+                                ref = token_logprobs(ref_logits[:, :-1], labels, temperature=cfg.temperature)
+                        ref_all.append(ref)
+                    token_adv = advantages[rows, None] * w_all[m][:, lp:]  # (b, T): A_it = A_i w_it
+                    loss, s = policy_loss(logprobs, old_all[m], token_adv, completion[rows, lp:], clip_low=cfg.clip_low,
+                                          clip_high=cfg.clip_high, kl_beta=cfg.kl_beta, ref_logprobs=ref_all[m], aggregation=cfg.aggregation,
+                                          num_sequences=n_seq, num_tokens=n_tok)
+                    bad_loss += int(not torch.isfinite(loss))
+                    accelerator.backward(loss * n_micro * n_proc)
+                    valid = completion[rows, lp:]
+                    s["entropy"] = float((token_entropy(logits[:, :-1].detach()) * valid).sum() / valid.sum().clamp(min=1))
+                    s["tokens"] = float(valid.sum())  # weights the micro-batch means: the step's are then token means
+                    stats.append(s)
 
-        # 5. step, unless the loss or the gradient is not finite (a NaN logit anywhere): the norm is
-        # the same on every process after DDP's all-reduce and the loss count is summed, so all of
-        # them skip together; the skipped gradient is discarded, the optimizer never sees it.
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        bad_loss = int(accelerator.reduce(torch.tensor(float(bad_loss), device=accelerator.device), "sum"))
-        if torch.isfinite(grad_norm) and bad_loss == 0:
-            optimizer.step()
-            history["bad_in_a_row"] = 0
-        else:
-            history["bad_in_a_row"] = history.get("bad_in_a_row", 0) + 1
-            history["bad_steps"] += 1
-            what = f"non-finite loss in {bad_loss} micro-batches" if bad_loss else "non-finite gradient norm"
-            log.say(f"warning: step {step + 1}: {what}, update skipped ({history['bad_steps']} skipped so far)")
-            if history["bad_in_a_row"] >= cfg.max_bad_steps:
-                raise SystemExit(f"train.py: error: {history['bad_in_a_row']} steps in a row had a non-finite loss or gradient "
-                                 f"(--max_bad_steps {cfg.max_bad_steps}); stopping. Lower --learning_rate, check the model's "
-                                 f"dtype, or resume from the last checkpoint.")
-        optimizer.zero_grad(set_to_none=True)
+            # 5. optimizer step, unless the loss or the gradient is not finite (a NaN logit anywhere):
+            # the norm is the same on every process after DDP's all-reduce and the loss count is summed,
+            # so all of them skip together; the skipped gradient is discarded, the optimizer never sees it.
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            bad_loss = int(accelerator.reduce(torch.tensor(float(bad_loss), device=accelerator.device), "sum"))
+            if torch.isfinite(grad_norm) and bad_loss == 0:
+                optimizer.step()
+            else:
+                skipped += 1
+                what = f"non-finite loss in {bad_loss} micro-batches" if bad_loss else "non-finite gradient norm"
+                where = f" (pass {it + 1} of {cfg.num_iterations})" if cfg.num_iterations > 1 else ""
+                log.say(f"warning: step {step + 1}{where}: {what}, update skipped ({history['bad_steps'] + 1} skipped so far)")
+            optimizer.zero_grad(set_to_none=True)
+            passes.append(stats)
+            norms.append(grad_norm)
+        # A step with any skipped update counts once; the LR schedule counts RL steps, not updates.
+        history["bad_in_a_row"] = history.get("bad_in_a_row", 0) + 1 if skipped else 0
+        history["bad_steps"] += int(skipped > 0)
+        if history["bad_in_a_row"] >= cfg.max_bad_steps:
+            raise SystemExit(f"train.py: error: {history['bad_in_a_row']} steps in a row had a non-finite loss or gradient "
+                             f"(--max_bad_steps {cfg.max_bad_steps}); stopping. Lower --learning_rate, check the model's "
+                             f"dtype, or resume from the last checkpoint.")
         schedule.step()
         history["step_seconds"].append(time.perf_counter() - t0)
 
         # 6. log, evaluate, checkpoint
-        metrics = step_metrics(ro, rewards, scored, cfg.group_size, stats, torch.cat(w_all), grad_norm, schedule, accelerator)
+        metrics = step_metrics(ro, rewards, scored, cfg.group_size, passes[0], torch.cat(w_all), norms[0], schedule, accelerator)
+        metrics |= pass_metrics(passes[1:], norms[1:])  # empty for --num_iterations 1
         metrics |= {"time/step_s": history["step_seconds"][-1], "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
                     "oar/frac_nonfinite_scores": n_nonfinite / len(ro)}
         if n_nonfinite:

@@ -50,6 +50,8 @@ class Config:
     warmup_steps: int = field(default=5, metadata={"help": "Linear LR warm-up steps."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient-norm clip."})
+    num_iterations: int = field(default=1, metadata={"help": "mu: policy updates on each batch of rollouts (TRL's num_iterations); "
+                                                              "pi_old and OAR weights come from the sampling policy (train.py)."})
     micro_batch_size: int = field(default=64, metadata={"help": "Rollouts per forward/backward; accumulation covers the rest."})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip epsilon below 1."})
     clip_high: float = field(default=0.2, metadata={"help": "PPO clip epsilon above 1 (0.28 for DAPO's clip-higher)."})
@@ -106,6 +108,7 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need("{answer}" in cfg.reference_template, "--reference_template must contain {answer}.")
     need(cfg.steps >= 1 and cfg.max_new_tokens >= 1 and cfg.prompts_per_step >= 1, "--steps, --max_new_tokens and --prompts_per_step must be >= 1.")
     need(cfg.perturb_span >= 1, "--perturb_span must be >= 1.")
+    need(cfg.num_iterations >= 1, f"--num_iterations {cfg.num_iterations}: must be >= 1 (1 = one update per batch of rollouts).")
     need(cfg.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1.")
     need(isinstance(getattr(torch, cfg.dtype, None), torch.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
     need(cfg.learning_rate > 0 and cfg.max_grad_norm > 0, "--learning_rate and --max_grad_norm must be > 0.")

@@ -122,3 +122,17 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, sch
                                                  all_sum=lambda t: accelerator.reduce(t, "sum"),
                                                  all_max=lambda t: accelerator.gather(t)).items()}
     return m
+
+
+def pass_metrics(passes: list[list[dict]], grad_norms: list) -> dict:
+    """Diagnostics of the later updates on one batch of rollouts (--num_iterations > 1): for pass k
+    (1-based, so the first is step_metrics' own), iter<k>/clip_frac and iter<k>/approx_kl against the
+    sampling policy, token means over the micro-batches' stats as step_metrics takes them, and the
+    pass's pre-clip gradient norm."""
+    out = {}
+    for k, (stats, norm) in enumerate(zip(passes, grad_norms, strict=True), start=2):
+        tokens = max(sum(s["tokens"] for s in stats), 1.0)
+        for key in ("clip_frac", "approx_kl"):
+            out[f"iter{k}/{key}"] = sum(s[key] * s["tokens"] for s in stats) / tokens
+        out[f"iter{k}/grad_norm"] = float(norm)
+    return out
