@@ -49,12 +49,14 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from oar import checkpoint as ckpt
+from oar import sharding
 from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, parse_args  # noqa: F401 (re-exported for scripts)
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
@@ -149,11 +151,15 @@ def main(cfg: Config) -> dict:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = load_model(cfg.model, dtype=cfg.dtype)[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None
+    own_fsdp = cfg.fsdp and not sharding.accelerate_shards(accelerator)  # on CPU processes accelerate's plugin falls back to DDP
+    if own_fsdp:  # before the optimizer: it must hold the sharded parameters
+        sharding.shard(model, sharding.mixed_precision(accelerator))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     n_micro = local_prompts * cfg.group_size // cfg.micro_batch_size
     accelerator.gradient_accumulation_steps = n_micro
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if not own_fsdp:  # (with --fsdp accelerate would wrap the sharded model in DDP; its state is saved with DCP)
+        model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(schedule)  # stepped once per RL step, on every process
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
@@ -161,7 +167,7 @@ def main(cfg: Config) -> dict:
 
     start_step, history = 0, {"step_seconds": [], "bad_steps": 0}
     if cfg.resume:
-        state = ckpt.load_checkpoint(accelerator, resume_from)
+        state = ckpt.load_checkpoint(accelerator, resume_from, sharded=(model, optimizer) if own_fsdp else None)
         start_step, history = state["step"], state["history"]
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step)
@@ -169,7 +175,8 @@ def main(cfg: Config) -> dict:
         log.say(f"resumed from {resume_from} (step {start_step})")
     eval_kw = dict(accelerator=accelerator, instruction=instruction, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens)
     if eval_set and "eval_before" not in history:
-        history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
+        with sharding.gathered(model):
+            history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
         log.say(f"held-out accuracy before training: {history['eval_before']:.3f} on {len(eval_set)} problems")
 
     for step in range(start_step, cfg.steps):
@@ -180,8 +187,9 @@ def main(cfg: Config) -> dict:
         seeds = rollout_seeds(cfg.seed, step, slots, cfg.group_size)
         prompts = [format_prompt(tokenizer, train_set[i].problem, instruction) for i in idx]
         golds = [train_set[i].answer for i in idx for _ in range(cfg.group_size)]
-        ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
-                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+        with sharding.gathered(model):  # a sharded model's full parameters, for this block only
+            ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
+                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
         t_rollout = time.perf_counter() - t0
 
         # 2. reward
@@ -221,7 +229,8 @@ def main(cfg: Config) -> dict:
                     logprobs = token_logprobs(logits[:, :-1], labels, temperature=cfg.temperature)  # (b, T): the sampled distribution
                     if it == 0:  # the sampling policy: pi_old, OAR weights and the reference, kept for every pass
                         clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe) if reuse else None
-                        weights, secs, nonfinite = token_weights(cfg, policy, mb, scored[rows], probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
+                        with sharding.gathered(model) if cfg.method != "grpo" else nullcontext():  # OAR calls submodules
+                            weights, secs, nonfinite = token_weights(cfg, policy, mb, scored[rows], probe, clean, seeds[rows], golds[rows], tokenizer, clean_kv)
                         oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
                         w_all.append(weights)
                         old_all.append(logprobs.detach())  # (b, T): ratio 1 in value on this pass
@@ -245,7 +254,7 @@ def main(cfg: Config) -> dict:
             # 5. optimizer step, unless the loss or the gradient is not finite (a NaN logit anywhere):
             # the norm is the same on every process after DDP's all-reduce and the loss count is summed,
             # so all of them skip together; the skipped gradient is discarded, the optimizer never sees it.
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            grad_norm = sharding.full_tensor(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))  # sharded: a DTensor
             bad_loss = int(accelerator.reduce(torch.tensor(float(bad_loss), device=accelerator.device), "sum"))
             if torch.isfinite(grad_norm) and bad_loss == 0:
                 optimizer.step()
@@ -277,19 +286,24 @@ def main(cfg: Config) -> dict:
         values = accelerator.reduce(torch.tensor(list(metrics.values()), device=accelerator.device), "mean")
         metrics = dict(zip(metrics, values.tolist()))
         if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
+            with sharding.gathered(model):
+                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
         log.step(step + 1, metrics)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, {"history": history, "config": asdict(cfg)}, cfg.keep_checkpoints)
+            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, {"history": history, "config": asdict(cfg)}, cfg.keep_checkpoints,
+                                 sharded=(model, optimizer) if own_fsdp else None)
 
     summary = {"method": cfg.method, "model": cfg.model, "steps": cfg.steps, "processes": n_proc,
                "seconds_per_step": float(np.median(history["step_seconds"])) if history["step_seconds"] else None,
                "skipped_steps": history["bad_steps"]}
     if eval_set:
-        records, final = evaluate(policy, tokenizer, eval_set, **eval_kw)
+        with sharding.gathered(model):
+            records, final = evaluate(policy, tokenizer, eval_set, **eval_kw)
         summary |= {"eval_problems": len(eval_set), "accuracy_before": history.get("eval_before"), "accuracy_after": final["accuracy"]}
         log.records("eval_final.jsonl", records)
-    log.finish(summary, policy, tokenizer)
+    held = sharding.param_optimizer_bytes(model, optimizer)  # this process's parameters + optimizer states
+    summary |= {"param_optimizer_bytes": held["local"], "param_optimizer_bytes_unsharded": held["unsharded"]}
+    log.finish(summary, policy, tokenizer, state_dict=sharding.full_state_dict(model))  # collective when sharded
     end(accelerator)
     return summary
 

@@ -59,6 +59,9 @@ class Config:
     aggregation: str = field(default="seq_mean", metadata={"help": "seq_mean (mean of per-sequence means) | token_mean (global token mean)."})
     advantage_scale: str = field(default="group", metadata={"help": "Advantage divisor: group | batch | none."})
     mask_truncated: bool = field(default=False, metadata={"help": "Give truncated completions no loss."})
+    fsdp: bool = field(default=False, metadata={"help": "Shard parameters, gradients and optimizer states with torch's FSDP2 "
+                                                     "(one unit per decoder layer), on processes where accelerate's FSDP plugin "
+                                                     "does not (CPU); with configs/fsdp2.yaml on GPUs accelerate shards and this is implied."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
     # -- OAR
     probe: str = field(default="answer_mean", metadata={"help": "Outcome probe: last | answer_mean | answer_joint."})
@@ -108,6 +111,8 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need("{answer}" in cfg.reference_template, "--reference_template must contain {answer}.")
     need(cfg.steps >= 1 and cfg.max_new_tokens >= 1 and cfg.prompts_per_step >= 1, "--steps, --max_new_tokens and --prompts_per_step must be >= 1.")
     need(cfg.perturb_span >= 1, "--perturb_span must be >= 1.")
+    need(not cfg.fsdp or num_processes >= 2, "--fsdp shards over processes: start 2 or more with "
+         "`accelerate launch --multi_gpu --num_processes N train.py --fsdp ...`, or drop --fsdp.")
     need(cfg.num_iterations >= 1, f"--num_iterations {cfg.num_iterations}: must be >= 1 (1 = one update per batch of rollouts).")
     need(cfg.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1.")
     need(isinstance(getattr(torch, cfg.dtype, None), torch.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")

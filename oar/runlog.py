@@ -67,16 +67,17 @@ class RunLog:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
             tmp.replace(self.dir / name)
 
-    def finish(self, summary: dict, model, tokenizer) -> None:
+    def finish(self, summary: dict, model, tokenizer, state_dict: dict | None = None) -> None:
         """Save the final model (safetensors, loadable with from_pretrained) and summary.json. The
-        model goes to final.tmp first: a folder named `final` is always complete."""
+        model goes to final.tmp first: a folder named `final` is always complete. `state_dict`: the
+        full weights of a sharded model (oar.sharding.full_state_dict), else the model's own."""
         self.acc.wait_for_everyone()
         if self.main:
             if self.bar:
                 self.bar.close()
             final, tmp = self.dir / "final", self.dir / "final.tmp"  # written whole, then renamed
             shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
             shutil.rmtree(final, ignore_errors=True)  # a resumed run that had already finished
             os.replace(tmp, final)
