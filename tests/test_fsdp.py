@@ -12,6 +12,7 @@ half of the parameters and AdamW states an unsharded (DDP) process holds.
 import json
 
 import pytest
+import torch
 
 from tinyrun import TINY, check_ok, final_params, initial_params, launch, max_abs_diff, run_inprocess
 
@@ -55,3 +56,32 @@ def test_fsdp_two_processes_equal_one(tiny_model, tmp_path, setting):
 def test_fsdp_needs_processes(tiny_model, tmp_path):
     with pytest.raises(SystemExit, match="--fsdp shards over processes"):
         run_inprocess(_args(tiny_model, tmp_path / "run", "grpo", "--fsdp"))
+
+
+def test_gpu_config_is_fsdp2_per_decoder_layer_in_bf16(monkeypatch):
+    """configs/fsdp2.yaml, read as `accelerate launch --config_file` reads it, gives accelerate's
+    FSDP2 plugin one unit per decoder layer, bf16 and sharded checkpoints (the plugin itself only
+    runs on GPUs; tests above run the same sharding on CPU)."""
+    import functools
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from conftest import tiny_llama
+
+    from tinyrun import ROOT
+
+    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "configs" / "fsdp2.yaml"), "train.py"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    for key, value in env.items():
+        if "FSDP" in key or key.startswith("ACCELERATE_"):
+            monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    model = tiny_llama()
+    plugin.set_auto_wrap_policy(model)
+    plugin.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+    assert isinstance(plugin.auto_wrap_policy, functools.partial)
+    assert {c.__name__ for c in plugin.auto_wrap_policy.keywords["transformer_layer_cls"]} == set(model._no_split_modules)
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
