@@ -3,6 +3,7 @@
     accelerate launch train.py                                # tiny-arith on arith, OAR-G, CPU-friendly
     accelerate launch --num_processes 8 train.py --model Qwen/Qwen2.5-Math-1.5B \
         --dataset ../shared/data/gsm8k/train.jsonl --eval_dataset ../shared/data/gsm8k/test.jsonl --method oar-g
+    accelerate launch --config_file configs/fsdp2.yaml --num_processes 8 train.py --model Qwen/Qwen2.5-7B ...  # FSDP2 (README)
 
 One step, in the order of the paper:
   1. rollout     G samples for each of this process's prompts (a prompt's group stays on one process)
@@ -32,6 +33,9 @@ Departures from the paper and the authors' code (each also stated where it lives
     ever taken between batches; metrics are logged once per RL step, of the first pass, with
     iter<k>/ metrics (k = 2..mu) for the later passes. mu = 1 is the same code path as before (the ratio is
     1 in value, pi_old = pi_theta.detach()).
+
+Sharding: a model sharded by FSDP2 (accelerate's plugin on GPUs, or --fsdp on CPU processes) is
+gathered whole for sampling, OAR scoring and evaluation, and resharded after (oar/sharding.py).
 
 Degenerate numbers, each with a defined outcome (tests/test_failures.py):
   * a group whose rewards are all equal has advantage 0 (oar/grpo.py): it adds nothing to the gradient,
