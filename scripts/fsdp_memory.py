@@ -95,7 +95,9 @@ def measure(mode: str, args) -> dict:
 
 def _worker(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.distributed.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=rank, world_size=world)
+    if args.device == "cuda":
+        torch.cuda.set_device(0 if args.backend == "gloo" else rank)  # gloo: every rank on the one GPU
+    torch.distributed.init_process_group(args.backend or ("gloo" if args.device == "cpu" else "nccl"), rank=rank, world_size=world)
     try:
         results = [measure(mode, args) for mode in ("ddp", "fsdp2")]
         queue.put((rank, results))
@@ -131,13 +133,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     ap.add_argument("--world", type=int, default=1, help="ranks to start for real (on one GPU only 1 works with NCCL)")
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                    help="default: nccl on cuda, gloo on cpu. gloo on cuda runs --world ranks on ONE GPU for real "
+                         "(slow collectives, real per-rank memory: each process's allocator peak is its own)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fsdp_memory.py: --device cuda but no CUDA device; use --device cpu --size tiny.")
-    if args.device == "cuda" and args.world > torch.cuda.device_count():
+    if args.device == "cuda" and args.world > torch.cuda.device_count() and args.backend != "gloo":
         raise SystemExit(f"fsdp_memory.py: --world {args.world} needs {args.world} GPUs (NCCL refuses two ranks on one GPU); "
-                         f"world size 1 is measured and larger ones computed.")
+                         f"pass --backend gloo to run them all on one GPU, or measure world size 1 and compute larger ones.")
 
     measured = run_world(args.world, args)
     model = build(args.size, "meta")
