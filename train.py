@@ -3,6 +3,7 @@
     accelerate launch train.py                                # tiny-arith on arith, OAR-G, CPU-friendly
     accelerate launch --num_processes 8 train.py --model Qwen/Qwen2.5-Math-1.5B \
         --dataset ../shared/data/gsm8k/train.jsonl --eval_dataset ../shared/data/gsm8k/test.jsonl --method oar-g
+    accelerate launch --config_file configs/fsdp2.yaml --num_processes 8 train.py --model Qwen/Qwen2.5-7B ...  # FSDP2 (README)
 
 One step, in the order of the paper:
   1. rollout     G samples for each of this process's prompts (a prompt's group stays on one process)
@@ -11,7 +12,7 @@ One step, in the order of the paper:
   4. update      per micro-batch: forward -> log-probs; token credit -> weights w_it (oar/credit.py: OAR's
                  scores through the bi-level gate, SPEC §3-5, or a comparator); loss with token advantages
                  A_i w_it; backward. GRPO is the same path with w = 1.
-  5. step        clip the gradient norm, optimizer and LR-schedule step
+  5. step        clip the gradient norm, optimizer step (steps 4-5 run --num_iterations times), LR-schedule step
   6. log / eval / checkpoint
 
 Departures from the paper and the authors' code (each also stated where it lives):
@@ -20,7 +21,22 @@ Departures from the paper and the authors' code (each also stated where it lives
     do not depend on micro-batching.
   * Sampling is our own KV-cache loop with a seeded generator per rollout (oar/sampler.py), so the
     rollouts of a step are identical for any number of processes and after a resume.
-  * One policy update per batch of rollouts, so pi_old = pi_theta.detach() (ratio 1 in value).
+  * Rollout reuse, --num_iterations mu (TRL's name and meaning; verl's ppo_epochs): mu passes over
+    each batch of rollouts, each pass one optimizer step over the whole batch (every micro-batch of
+    every process, accumulated). pi_old is the sampling policy: its log-probs are taken, detached,
+    from the first pass's own forward (the parameters have not moved yet, so no extra forward and a
+    ratio of exactly 1 on that pass); later passes clip against them. OAR weights (and the KL
+    reference's log-probs) are computed once per batch, on the first pass, from the sampling policy,
+    and reused by every pass. Rollouts are not shuffled between passes: each pass's gradient is a
+    sum over the whole batch, which no order of micro-batches changes (TRL shuffles because it can
+    split a batch into several optimizer steps). --steps and the LR schedule count batches of
+    rollouts (RL steps), so the LR is the same for the mu updates of a batch and a checkpoint is only
+    ever taken between batches; metrics are logged once per RL step, of the first pass, with
+    iter<k>/ metrics (k = 2..mu) for the later passes. mu = 1 is the same code path as before (the ratio is
+    1 in value, pi_old = pi_theta.detach()).
+
+Sharding: a model sharded by FSDP2 (accelerate's plugin on GPUs, or --fsdp on CPU processes) is
+gathered whole for sampling, OAR scoring and evaluation, and resharded after (oar/sharding.py).
 
 Degenerate numbers, each with a defined outcome (tests/test_failures.py):
   * a group whose rewards are all equal has advantage 0 (oar/grpo.py): it adds nothing to the gradient,
@@ -38,12 +54,14 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, fields
 
 import numpy as np
 import torch
 
 from oar import checkpoint as ckpt
+from oar import sharding
 from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, parse_args  # noqa: F401 (re-exported for scripts)
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
@@ -53,7 +71,7 @@ from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprob
 from oar.models import ModelError, forward_logits, load_model, resolve_model
 from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
-from oar.runlog import RunLog, step_metrics
+from oar.runlog import RunLog, pass_metrics, step_metrics
 from oar.sampler import format_prompt, resolve_instruction, sample
 from oar.tiny_arith_cache import model_source
 
@@ -103,11 +121,15 @@ def main(cfg: Config) -> dict:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = load_model(model_source(cfg.model), dtype=cfg.dtype)[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None
+    own_fsdp = cfg.fsdp and not sharding.accelerate_shards(accelerator)  # on CPU processes accelerate's plugin falls back to DDP
+    if own_fsdp:  # before the optimizer: it must hold the sharded parameters
+        sharding.shard(model, sharding.mixed_precision(accelerator))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     n_micro = local_prompts * cfg.group_size // cfg.micro_batch_size
     accelerator.gradient_accumulation_steps = n_micro
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if not own_fsdp:  # (with --fsdp accelerate would wrap the sharded model in DDP; its state is saved with DCP)
+        model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(schedule)  # stepped once per RL step, on every process
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
@@ -115,7 +137,7 @@ def main(cfg: Config) -> dict:
 
     start_step, history = 0, {"step_seconds": [], "bad_steps": 0}
     if cfg.resume:
-        state = ckpt.load_checkpoint(accelerator, resume_from)
+        state = ckpt.load_checkpoint(accelerator, resume_from, sharded=(model, optimizer) if own_fsdp else None)
         start_step, history = state["step"], state["history"]
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step)
@@ -123,7 +145,8 @@ def main(cfg: Config) -> dict:
         log.say(f"resumed from {resume_from} (step {start_step})")
     eval_kw = dict(accelerator=accelerator, instruction=instruction, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens)
     if eval_set and "eval_before" not in history:
-        history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
+        with sharding.gathered(model):
+            history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
         log.say(f"held-out accuracy before training: {history['eval_before']:.3f} on {len(eval_set)} problems")
 
     for step in range(start_step, cfg.steps):
@@ -134,8 +157,9 @@ def main(cfg: Config) -> dict:
         seeds = rollout_seeds(cfg.seed, step, slots, cfg.group_size)
         prompts = [format_prompt(tokenizer, train_set[i].problem, instruction) for i in idx]
         golds = [train_set[i].answer for i in idx for _ in range(cfg.group_size)]
-        ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
-                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+        with sharding.gathered(model):  # a sharded model's full parameters, for this block only
+            ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
+                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
         t_rollout = time.perf_counter() - t0
 
         # 2. reward
@@ -163,62 +187,73 @@ def main(cfg: Config) -> dict:
         credit = step_credit(CreditSettings(**{f.name: getattr(cfg, f.name) for f in fields(CreditSettings)}), policy, tokenizer,
                              ro, rewards, advantages, scored, seeds, golds, probe, gather=lambda x: gather_ragged(accelerator, x))
         model.train()
-        stats, w_all, oar_seconds, n_nonfinite, bad_loss = [], [], 0.0, 0, 0
-        for m in range(n_micro):
-            rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
-            mb = ro.select(rows)
-            with accelerator.accumulate(model):
-                reuse = cfg.method.startswith("oar") and cfg.outcome_source == "rollout"  # OAR's clean pass, for free
-                logits, clean_kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1,
-                                                 keep_cache=reuse and not cfg.gradient_checkpointing)
-                labels = mb.input_ids[:, lp:]  # (b, T)
-                logprobs = token_logprobs(logits[:, :-1], labels, temperature=cfg.temperature)  # (b, T): the sampled distribution
-                clean = None
-                if reuse:
-                    clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe)
-                with accelerator.autocast():  # OAR calls submodules: the same mixed precision as the update forward
-                    weights, secs, nonfinite = credit(rows, mb, logits.detach(), clean, clean_kv)  # (b, L)
-                oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
-                token_adv = advantages[rows, None] * weights[:, lp:]  # (b, T): A_it = A_i w_it
-                ref = None
-                if ref_model is not None:
-                    with torch.no_grad():
-                        ref_logits = forward_logits(ref_model, mb.input_ids, mb.attention_mask, logits_to_keep=labels.shape[1] + 1)
-                        ref = token_logprobs(ref_logits[:, :-1], labels, temperature=cfg.temperature)
-                loss, s = policy_loss(logprobs, logprobs.detach(), token_adv, completion[rows, lp:], clip_low=cfg.clip_low,
-                                      clip_high=cfg.clip_high, kl_beta=cfg.kl_beta, ref_logprobs=ref, aggregation=cfg.aggregation,
-                                      num_sequences=n_seq, num_tokens=n_tok)
-                bad_loss += int(not torch.isfinite(loss))
-                accelerator.backward(loss * n_micro * n_proc)
-                valid = completion[rows, lp:]
-                s["entropy"] = float((token_entropy(logits[:, :-1].detach()) * valid).sum() / valid.sum().clamp(min=1))
-                s["tokens"] = float(valid.sum())  # weights the micro-batch means: the step's are then token means
-                stats.append(s)
-                w_all.append(weights)
+        w_all, old_all, ref_all, passes, norms = [], [], [], [], []  # per micro-batch (w, old, ref); per pass
+        oar_seconds, n_nonfinite, skipped = 0.0, 0, 0
+        for it in range(cfg.num_iterations):  # mu passes over the same rollouts (docstring: rollout reuse)
+            stats, bad_loss = [], 0
+            for m in range(n_micro):
+                rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
+                mb = ro.select(rows)
+                with accelerator.accumulate(model):
+                    # OAR's clean pass comes for free from the first pass's forward (the sampling policy)
+                    reuse = it == 0 and cfg.method.startswith("oar") and cfg.outcome_source == "rollout"
+                    logits, clean_kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1,
+                                                     keep_cache=reuse and not cfg.gradient_checkpointing)
+                    labels = mb.input_ids[:, lp:]  # (b, T)
+                    logprobs = token_logprobs(logits[:, :-1], labels, temperature=cfg.temperature)  # (b, T): the sampled distribution
+                    if it == 0:  # the sampling policy: pi_old, OAR weights and the reference, kept for every pass
+                        clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe) if reuse else None
+                        # OAR calls submodules: gathered when sharded, and in the update forward's mixed precision
+                        with sharding.gathered(model) if cfg.method != "grpo" else nullcontext(), accelerator.autocast():
+                            weights, secs, nonfinite = credit(rows, mb, logits.detach(), clean, clean_kv)  # (b, L)
+                        oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
+                        w_all.append(weights)
+                        old_all.append(logprobs.detach())  # (b, T): ratio 1 in value on this pass
+                        ref = None
+                        if ref_model is not None:
+                            with torch.no_grad():
+                                ref_logits = forward_logits(ref_model, mb.input_ids, mb.attention_mask, logits_to_keep=labels.shape[1] + 1)
+                                ref = token_logprobs(ref_logits[:, :-1], labels, temperature=cfg.temperature)
+                        ref_all.append(ref)
+                    token_adv = advantages[rows, None] * w_all[m][:, lp:]  # (b, T): A_it = A_i w_it
+                    loss, s = policy_loss(logprobs, old_all[m], token_adv, completion[rows, lp:], clip_low=cfg.clip_low,
+                                          clip_high=cfg.clip_high, kl_beta=cfg.kl_beta, ref_logprobs=ref_all[m], aggregation=cfg.aggregation,
+                                          num_sequences=n_seq, num_tokens=n_tok)
+                    bad_loss += int(not torch.isfinite(loss))
+                    accelerator.backward(loss * n_micro * n_proc)
+                    valid = completion[rows, lp:]
+                    s["entropy"] = float((token_entropy(logits[:, :-1].detach()) * valid).sum() / valid.sum().clamp(min=1))
+                    s["tokens"] = float(valid.sum())  # weights the micro-batch means: the step's are then token means
+                    stats.append(s)
 
-        # 5. step, unless the loss or the gradient is not finite (a NaN logit anywhere): the norm is
-        # the same on every process after DDP's all-reduce and the loss count is summed, so all of
-        # them skip together; the skipped gradient is discarded, the optimizer never sees it.
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        bad_loss = int(accelerator.reduce(torch.tensor(float(bad_loss), device=accelerator.device), "sum"))
-        if torch.isfinite(grad_norm) and bad_loss == 0:
-            optimizer.step()
-            history["bad_in_a_row"] = 0
-        else:
-            history["bad_in_a_row"] = history.get("bad_in_a_row", 0) + 1
-            history["bad_steps"] += 1
-            what = f"non-finite loss in {bad_loss} micro-batches" if bad_loss else "non-finite gradient norm"
-            log.say(f"warning: step {step + 1}: {what}, update skipped ({history['bad_steps']} skipped so far)")
-            if history["bad_in_a_row"] >= cfg.max_bad_steps:
-                raise SystemExit(f"train.py: error: {history['bad_in_a_row']} steps in a row had a non-finite loss or gradient "
-                                 f"(--max_bad_steps {cfg.max_bad_steps}); stopping. Lower --learning_rate, check the model's "
-                                 f"dtype, or resume from the last checkpoint.")
-        optimizer.zero_grad(set_to_none=True)
+            # 5. optimizer step, unless the loss or the gradient is not finite (a NaN logit anywhere):
+            # the norm is the same on every process after DDP's all-reduce and the loss count is summed,
+            # so all of them skip together; the skipped gradient is discarded, the optimizer never sees it.
+            grad_norm = sharding.full_tensor(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))  # sharded: a DTensor
+            bad_loss = int(accelerator.reduce(torch.tensor(float(bad_loss), device=accelerator.device), "sum"))
+            if torch.isfinite(grad_norm) and bad_loss == 0:
+                optimizer.step()
+            else:
+                skipped += 1
+                what = f"non-finite loss in {bad_loss} micro-batches" if bad_loss else "non-finite gradient norm"
+                where = f" (pass {it + 1} of {cfg.num_iterations})" if cfg.num_iterations > 1 else ""
+                log.say(f"warning: step {step + 1}{where}: {what}, update skipped ({history['bad_steps'] + 1} skipped so far)")
+            optimizer.zero_grad(set_to_none=True)
+            passes.append(stats)
+            norms.append(grad_norm)
+        # A step with any skipped update counts once; the LR schedule counts RL steps, not updates.
+        history["bad_in_a_row"] = history.get("bad_in_a_row", 0) + 1 if skipped else 0
+        history["bad_steps"] += int(skipped > 0)
+        if history["bad_in_a_row"] >= cfg.max_bad_steps:
+            raise SystemExit(f"train.py: error: {history['bad_in_a_row']} steps in a row had a non-finite loss or gradient "
+                             f"(--max_bad_steps {cfg.max_bad_steps}); stopping. Lower --learning_rate, check the model's "
+                             f"dtype, or resume from the last checkpoint.")
         schedule.step()
         history["step_seconds"].append(time.perf_counter() - t0)
 
         # 6. log, evaluate, checkpoint
-        metrics = step_metrics(ro, rewards, scored, cfg.group_size, stats, torch.cat(w_all), grad_norm, schedule, accelerator)
+        metrics = step_metrics(ro, rewards, scored, cfg.group_size, passes[0], torch.cat(w_all), norms[0], schedule, accelerator)
+        metrics |= pass_metrics(passes[1:], norms[1:])  # empty for --num_iterations 1
         metrics |= {"time/step_s": history["step_seconds"][-1], "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
                     "oar/frac_nonfinite_scores": n_nonfinite / len(ro)}
         if n_nonfinite:
@@ -226,19 +261,24 @@ def main(cfg: Config) -> dict:
         values = accelerator.reduce(torch.tensor(list(metrics.values()), device=accelerator.device), "mean")
         metrics = dict(zip(metrics, values.tolist()))
         if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
+            with sharding.gathered(model):
+                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
         log.step(step + 1, metrics)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, {"history": history, "config": asdict(cfg)}, cfg.keep_checkpoints)
+            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, {"history": history, "config": asdict(cfg)}, cfg.keep_checkpoints,
+                                 sharded=(model, optimizer) if own_fsdp else None)
 
     summary = {"method": cfg.method, "model": cfg.model, "steps": cfg.steps, "processes": n_proc,
                "seconds_per_step": float(np.median(history["step_seconds"])) if history["step_seconds"] else None,
                "skipped_steps": history["bad_steps"]}
     if eval_set:
-        records, final = evaluate(policy, tokenizer, eval_set, **eval_kw)
+        with sharding.gathered(model):
+            records, final = evaluate(policy, tokenizer, eval_set, **eval_kw)
         summary |= {"eval_problems": len(eval_set), "accuracy_before": history.get("eval_before"), "accuracy_after": final["accuracy"]}
         log.records("eval_final.jsonl", records)
-    log.finish(summary, policy, tokenizer)
+    held = sharding.param_optimizer_bytes(model, optimizer)  # this process's parameters + optimizer states
+    summary |= {"param_optimizer_bytes": held["local"], "param_optimizer_bytes_unsharded": held["unsharded"]}
+    log.finish(summary, policy, tokenizer, state_dict=sharding.full_state_dict(model))  # collective when sharded
     end(accelerator)
     return summary
 

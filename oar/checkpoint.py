@@ -36,8 +36,10 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict, keep: int) -> Path:
-    """Save accelerate's state plus `state` (JSON) as checkpoint-<step>, atomically; keep the last `keep`."""
+def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict, keep: int, sharded=None) -> Path:
+    """Save accelerate's state plus `state` (JSON) as checkpoint-<step>, atomically; keep the last `keep`.
+    `sharded`: (model, optimizer) that train.py sharded itself (--fsdp), which accelerate does not
+    hold: each process writes its shards to `sharded/` (oar.sharding.save_sharded)."""
     root = Path(output_dir)
     final = root / f"checkpoint-{step}"
     tmp = root / f"checkpoint-{step}.tmp"
@@ -46,6 +48,10 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict,
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if sharded is not None:
+        from oar.sharding import save_sharded
+
+        save_sharded(*sharded, tmp / "sharded")
     if accelerator.is_main_process:
         _write_json(tmp / "trainer_state.json", {**state, "step": step})
     accelerator.wait_for_everyone()
@@ -72,9 +78,13 @@ def read_state(path: str | Path) -> dict:
     return json.loads((Path(path) / "trainer_state.json").read_text())
 
 
-def load_checkpoint(accelerator, path: str | Path) -> dict:
-    """Restore accelerate's state from `path`; returns its trainer_state.json."""
+def load_checkpoint(accelerator, path: str | Path, sharded=None) -> dict:
+    """Restore accelerate's state from `path` (and `sharded`'s, see save_checkpoint); returns its trainer_state.json."""
     accelerator.load_state(str(path))
+    if sharded is not None:
+        from oar.sharding import load_sharded
+
+        load_sharded(*sharded, Path(path) / "sharded")
     return read_state(path)
 
 

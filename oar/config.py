@@ -51,6 +51,8 @@ class Config:
     warmup_steps: int = field(default=5, metadata={"help": "Linear LR warm-up steps."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient-norm clip."})
+    num_iterations: int = field(default=1, metadata={"help": "mu: policy updates on each batch of rollouts (TRL's num_iterations); "
+                                                              "pi_old and OAR weights come from the sampling policy (train.py)."})
     micro_batch_size: int = field(default=64, metadata={"help": "Rollouts per forward/backward; accumulation covers the rest."})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip epsilon below 1."})
     clip_high: float = field(default=0.2, metadata={"help": "PPO clip epsilon above 1 (0.28 for DAPO's clip-higher)."})
@@ -58,6 +60,9 @@ class Config:
     aggregation: str = field(default="seq_mean", metadata={"help": "seq_mean (mean of per-sequence means) | token_mean (global token mean)."})
     advantage_scale: str = field(default="group", metadata={"help": "Advantage divisor: group | batch | none."})
     mask_truncated: bool = field(default=False, metadata={"help": "Give truncated completions no loss."})
+    fsdp: bool = field(default=False, metadata={"help": "Shard parameters, gradients and optimizer states with torch's FSDP2 "
+                                                     "(one unit per decoder layer), on processes where accelerate's FSDP plugin "
+                                                     "does not (CPU); with configs/fsdp2.yaml on GPUs accelerate shards and this is implied."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
     # -- OAR
     probe: str = field(default="answer_mean", metadata={"help": "Outcome probe: last | answer_mean | answer_joint."})
@@ -116,6 +121,9 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(cfg.perturb_mode in PERTURB_MODES, f"--perturb_mode {cfg.perturb_mode}: choose one of {', '.join(PERTURB_MODES)}.")
     need(cfg.perturb_window >= 0 and cfg.perturb_auto_length >= 1, "--perturb_window must be >= 0 and --perturb_auto_length >= 1.")
     need(cfg.perturb_span == 1 or cfg.perturb_mode == "exact", "--perturb_span > 1 is exact OAR-P's approximation: use it with --perturb_mode exact.")
+    need(not cfg.fsdp or num_processes >= 2, "--fsdp shards over processes: start 2 or more with "
+         "`accelerate launch --multi_gpu --num_processes N train.py --fsdp ...`, or drop --fsdp.")
+    need(cfg.num_iterations >= 1, f"--num_iterations {cfg.num_iterations}: must be >= 1 (1 = one update per batch of rollouts).")
     need(cfg.keep_checkpoints >= 1, "--keep_checkpoints must be >= 1.")
     need(isinstance(getattr(torch, cfg.dtype, None), torch.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
     need(cfg.learning_rate > 0 and cfg.max_grad_norm > 0, "--learning_rate and --max_grad_norm must be > 0.")

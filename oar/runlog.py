@@ -67,16 +67,17 @@ class RunLog:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
             tmp.replace(self.dir / name)
 
-    def finish(self, summary: dict, model, tokenizer) -> None:
+    def finish(self, summary: dict, model, tokenizer, state_dict: dict | None = None) -> None:
         """Save the final model (safetensors, loadable with from_pretrained) and summary.json. The
-        model goes to final.tmp first: a folder named `final` is always complete."""
+        model goes to final.tmp first: a folder named `final` is always complete. `state_dict`: the
+        full weights of a sharded model (oar.sharding.full_state_dict), else the model's own."""
         self.acc.wait_for_everyone()
         if self.main:
             if self.bar:
                 self.bar.close()
             final, tmp = self.dir / "final", self.dir / "final.tmp"  # written whole, then renamed
             shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
             shutil.rmtree(final, ignore_errors=True)  # a resumed run that had already finished
             os.replace(tmp, final)
@@ -122,3 +123,17 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, sch
                                                  all_sum=lambda t: accelerator.reduce(t, "sum"),
                                                  all_max=lambda t: accelerator.gather(t)).items()}
     return m
+
+
+def pass_metrics(passes: list[list[dict]], grad_norms: list) -> dict:
+    """Diagnostics of the later updates on one batch of rollouts (--num_iterations > 1): for pass k
+    (1-based, so the first is step_metrics' own), iter<k>/clip_frac and iter<k>/approx_kl against the
+    sampling policy, token means over the micro-batches' stats as step_metrics takes them, and the
+    pass's pre-clip gradient norm."""
+    out = {}
+    for k, (stats, norm) in enumerate(zip(passes, grad_norms, strict=True), start=2):
+        tokens = max(sum(s["tokens"] for s in stats), 1.0)
+        for key in ("clip_frac", "approx_kl"):
+            out[f"iter{k}/{key}"] = sum(s[key] * s["tokens"] for s in stats) / tokens
+        out[f"iter{k}/grad_norm"] = float(norm)
+    return out

@@ -1,0 +1,87 @@
+"""FSDP2 on 2 CPU processes (`accelerate launch --multi_gpu --num_processes 2 train.py --fsdp`) gives
+the update of one unsharded process: the GPU path (configs/fsdp2.yaml, accelerate's plugin) runs
+the same gather/reshard code on a model accelerate shards, and cannot be launched on this machine
+(accelerate's FSDP plugin falls back to DDP without a GPU).
+
+Each run must leave the 1-process run's parameters (within 1e-5) in a final/ folder that
+from_pretrained loads: GRPO, OAR-P with --num_iterations 2 (rollout reuse on the sharded model),
+and OAR-G stopped after step 1 and resumed from its sharded checkpoint. Each process holds about
+half of the parameters and AdamW states an unsharded (DDP) process holds.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tinyrun import TINY, check_ok, final_params, initial_params, launch, max_abs_diff, run_inprocess
+
+RUNS = {"grpo": ["--method", "grpo"], "oar-p/mu2": ["--method", "oar-p", "--num_iterations", "2"], "oar-g/resumed": ["--method", "oar-g"]}
+
+
+def _args(model, out, setting, *extra):
+    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out),
+            "--steps", "2", "--save_every", "1", "--micro_batch_size", "2", *TINY, *RUNS[setting], *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", RUNS)
+def test_fsdp_two_processes_equal_one(tiny_model, tmp_path, setting):
+    from transformers import AutoModelForCausalLM
+
+    one, two = tmp_path / "one", tmp_path / "fsdp"
+    run_inprocess(_args(tiny_model, one, setting, "--micro_batch_size", "8"))
+    if setting.endswith("resumed"):  # step 1, its sharded checkpoint, then step 2 in a new launch
+        check_ok(launch(_args(tiny_model, two, setting, "--fsdp", "--steps", "1")))
+        assert (two / "checkpoint-1" / "sharded" / ".metadata").is_file()
+        proc = launch(_args(tiny_model, two, setting, "--fsdp", "--resume"))
+        check_ok(proc)
+        assert "(step 1)" in proc.stdout
+    else:
+        check_ok(launch(_args(tiny_model, two, setting, "--fsdp")))
+    assert max_abs_diff(final_params(one), initial_params(tiny_model)) > 1e-4  # an update to compare
+    assert max_abs_diff(final_params(two), final_params(one)) <= 1e-5
+    loaded = AutoModelForCausalLM.from_pretrained(two / "final")  # a plain save_pretrained folder
+    want = final_params(one)
+    assert max(float((p - want[k]).abs().max()) for k, p in loaded.state_dict().items() if k in want) <= 1e-5
+
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["processes"] == 2
+    # Sharded along dim 0 with padding to a multiple of 2: a hair over half of the unsharded bytes.
+    assert 0.5 <= summary["param_optimizer_bytes"] / summary["param_optimizer_bytes_unsharded"] <= 0.52
+    alone = json.loads((one / "summary.json").read_text())
+    assert alone["param_optimizer_bytes"] == alone["param_optimizer_bytes_unsharded"] == summary["param_optimizer_bytes_unsharded"]
+
+
+def test_fsdp_needs_processes(tiny_model, tmp_path):
+    with pytest.raises(SystemExit, match="--fsdp shards over processes"):
+        run_inprocess(_args(tiny_model, tmp_path / "run", "grpo", "--fsdp"))
+
+
+def test_gpu_config_is_fsdp2_per_decoder_layer_in_bf16(monkeypatch):
+    """configs/fsdp2.yaml, read as `accelerate launch --config_file` reads it, gives accelerate's
+    FSDP2 plugin one unit per decoder layer, bf16 and sharded checkpoints (the plugin itself only
+    runs on GPUs; tests above run the same sharding on CPU)."""
+    import functools
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from conftest import tiny_llama
+
+    from tinyrun import ROOT
+
+    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "configs" / "fsdp2.yaml"), "train.py"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    for key, value in env.items():
+        if "FSDP" in key or key.startswith("ACCELERATE_"):
+            monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    model = tiny_llama()
+    plugin.set_auto_wrap_policy(model)
+    plugin.set_mixed_precision(env["ACCELERATE_MIXED_PRECISION"])
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+    assert isinstance(plugin.auto_wrap_policy, functools.partial)
+    assert {c.__name__ for c in plugin.auto_wrap_policy.keywords["transformer_layer_cls"]} == set(model._no_split_modules)
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
