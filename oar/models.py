@@ -31,9 +31,21 @@ def forward_logits(model, input_ids=None, attention_mask=None, *, inputs_embeds=
     return out.logits
 
 
-def family(model) -> str:
-    """The model's family as a user knows it (its config's model_type and class name), for messages."""
-    return f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', '?')!r})"
+def full_cache(kv=None):
+    """A transformers cache that keeps every position of every layer, optionally holding `kv` (each
+    layer's (keys, values), (B, heads, S, head_dim)).
+
+    Why not the model's own `DynamicCache(config=...)`: for sliding-window layers (Mistral with a
+    window, Gemma 2, Gemma 3) it keeps only the last window of positions, and OAR reads every clean
+    position back. The model builds its attention masks from the cache's length and offsets in index
+    space (transformers' masking_utils), so with a cache that keeps everything it still applies its own
+    window: the attention computed is the one the model defines (tests/test_families.py pins it)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()  # no config: every layer a full DynamicLayer
+    for layer, (k, v) in enumerate(kv or []):
+        cache.update(k, v, layer)
+    return cache
 
 
 class ModelError(ValueError):
@@ -65,7 +77,7 @@ def load_model(name: str, *, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, kwargs = resolve_model(name)
-    tokenizer = _loaded(name, "tokenizer", lambda: AutoTokenizer.from_pretrained(source, **kwargs))
+    tokenizer = _loaded(name, "tokenizer", lambda: _tokenizer_class(source, AutoTokenizer).from_pretrained(source, **kwargs))
     if tokenizer.eos_token_id is None:
         raise ModelError(f"--model {name}: its tokenizer has no EOS token, so completions cannot end. "
                          f"Set tokenizer.eos_token and save the tokenizer again.")
@@ -80,6 +92,20 @@ def load_model(name: str, *, dtype: str = "float32"):
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config
     return model, tokenizer
+
+
+def _tokenizer_class(source: str, auto):
+    """The class to load a folder's tokenizer with: the generic one it was saved as (a tokenizer.json of
+    its own, e.g. oar.tiny_arith's), else `auto`. Why: transformers 5's AutoTokenizer picks the model
+    family's class from config.json before the saved class, and for a Qwen2 folder its Qwen2Tokenizer
+    re-splits a custom tokenizer.json into other tokens (spaces dropped), silently."""
+    import json
+
+    import transformers
+
+    config = Path(source) / "tokenizer_config.json"
+    saved = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    return getattr(transformers, saved) if saved in ("TokenizersBackend", "PreTrainedTokenizerFast") else auto
 
 
 def _loaded(name: str, what: str, load):

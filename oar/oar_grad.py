@@ -19,7 +19,7 @@ Cost (all exact, pinned by tests against a plain full-sequence backward):
     the update forward's) or from one forward without a graph (not possible with gradient
     checkpointing in training mode, which drops caches: then the whole row is in the graph);
   * columns after the last answer token are cut, and only the K answer-predicting positions of a
-    row go through the output head, not every position x V;
+    row (from its first on) go through the model's own head, not every position x V;
   * rows are scored in groups of the same columns (first .. last answer token rounded up to a
     multiple of GRAIN), so short rows do not pay for the longest one's; a row's shapes never
     depend on the other rows, and groups too small for the BLAS kernels of large matrices are
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from oar.models import position_ids
-from oar.probes import answer_positions, check_probe, divergence, full_cache, min_rows, outcome, output_head
+from oar.models import full_cache, position_ids
+from oar.probes import answer_positions, check_probe, divergence, logits_at, min_rows, outcome
 
 
 def gradient_scores(
@@ -101,9 +101,7 @@ def _scores(model, input_ids, attention_mask, noisy, answer_mask, noise, clean, 
     end = input_ids.shape[1]
     pos, valid = answer_positions(answer_mask)  # (B, K) positions of the logits that predict answers
     targets = input_ids.gather(1, (pos + 1).clamp(max=end - 1))
-    decoder, head = model.get_decoder(), output_head(model)
     pos_ids = position_ids(attention_mask)
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(1)
     at = (pos - first).clamp(min=0)  # (B, K) in the graph's columns
 
     with torch.no_grad():
@@ -112,14 +110,14 @@ def _scores(model, input_ids, attention_mask, noisy, answer_mask, noise, clean, 
         if first > 0 and clean_kv is not None:  # the noise-free columns, as the caller's clean forward left them
             prefix = [(k[:, :, :first].detach(), v[:, :, :first].detach()) for k, v in clean_kv]
         elif first > 0:  # the noise-free columns: once, without a graph
-            out = decoder(inputs_embeds=e[:, :first], attention_mask=attention_mask[:, :first],
-                          position_ids=pos_ids[:, :first], past_key_values=full_cache(), use_cache=True)
+            out = model(inputs_embeds=e[:, :first], attention_mask=attention_mask[:, :first], position_ids=pos_ids[:, :first],
+                        past_key_values=full_cache(), use_cache=True, logits_to_keep=1)
             prefix = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
 
     def probe_of(embeds: torch.Tensor) -> torch.Tensor:  # embeds (B, L' - first, H) -> outcome
-        hidden = decoder(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=pos_ids[:, first:],
-                         past_key_values=_cache(prefix), use_cache=prefix is not None).last_hidden_state
-        return outcome(head(hidden[rows, at]), targets, valid, probe)
+        logits, _ = logits_at(model, at, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=pos_ids[:, first:],
+                              past_key_values=None if prefix is None else full_cache(prefix), use_cache=prefix is not None)
+        return outcome(logits, targets, valid, probe)  # the model's own head (logit scaling, soft-caps) at the K positions
 
     if clean is None:
         with torch.no_grad():
@@ -133,11 +131,6 @@ def _scores(model, input_ids, attention_mask, noisy, answer_mask, noise, clean, 
         (grad,) = torch.autograd.grad(objective.sum(), noised)
 
     return (grad.float() * e.float()).sum(dim=-1).abs() * noisy[:, first:]  # (B', L' - first)
-
-
-def _cache(kv):
-    """A fresh cache holding `kv` (each layer's (keys, values)) at full length, or None."""
-    return None if kv is None else full_cache(kv)
 
 
 def _checkpointing(model) -> bool:

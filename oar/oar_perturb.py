@@ -15,7 +15,7 @@ change anything before j:
   * one clean pass per block of rollouts keeps every layer's keys/values (or none at all: train.py
     hands over the update forward's, `clean` / `clean_kv`); a masked copy recomputes only positions
     j .. end-1 (end: the last answer token) and attends to the clean keys/values of positions < j;
-  * only the K answer-predicting positions go through the output head, not L x V logits;
+  * only the columns from the first answer-predicting one on go through the output head, not L x V logits;
   * copies from *all* rollouts of a block share forwards: copies whose recomputed length rounds up
     to the same multiple of GRAIN (4) form a chunk, so little work is padding and small models run
     a few large batches instead of one small forward per rollout;
@@ -30,9 +30,11 @@ of them the span's score (span-fold fewer copies; its error is reported by scrip
 Rows with no answer token or no reasoning token score 0 everywhere. Scoring runs with every module
 in eval mode (dropout off; checkpointed layers would drop the caches), and restores each module's mode.
 
-Assumptions of the fast path: logits = output_embeddings(decoder(x)) (Llama, Qwen2, Mistral,
-SmolLM; a final logit soft-cap is applied when the config has one) and no sliding-window attention
-(left padding inside a cache would shift the window).
+Every causal LM's own forward computes the logits (`probes.logits_at`: its head, logit scaling and
+soft-cap included, only at the last columns), and caches keep every position (`models.full_cache`):
+the model's masks, sliding windows included, are built in index space from the cache, and the
+left-padded prefix shifts cached keys and queries alike, so a window sees the same tokens.
+tests/test_families.py pins fast == naive on 15 families, sliding windows shorter than the sequence.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oar.models import forward_logits, position_ids
-from oar.probes import check_probe, divergence, full_cache, min_rows, outcome, outcome_from_logits, output_head
+from oar.models import forward_logits, full_cache, position_ids
+from oar.probes import check_probe, divergence, logits_at, min_rows, outcome, outcome_from_logits
 
 
 @torch.no_grad()
@@ -127,7 +129,6 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
     L + GRAIN - 1 - that many. So a copy's score does not depend on which rollouts share its
     chunk, and micro-batching cannot change it (tests/test_distributed.py checks whole updates).
     """
-    decoder, head = model.get_decoder(), output_head(model)
     idx = torch.tensor([r.b for r in block], device=input_ids.device)
     width = input_ids.shape[1]  # the full width, whatever rows the block holds
     ids, mask = input_ids[idx], attention_mask[idx]  # (n, L)
@@ -140,25 +141,16 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
 
     if clean_kv is not None:  # the caller's clean forward (e.g. the update's): nothing to recompute
         clean, kv = clean[idx], [(k[idx].detach(), v[idx].detach()) for k, v in clean_kv]
-    else:
+    else:  # keys/values of the block; the head runs on one column only (ragged answers would need L x V logits)
         run = torch.cat([torch.arange(len(block)), torch.zeros(min_rows(len(block), width) - len(block), dtype=torch.long)])
-        out = decoder(input_ids=ids[run], attention_mask=mask[run], position_ids=pos[run], past_key_values=full_cache(),
-                      use_cache=True)
-        rows_n = torch.arange(len(block), device=idx.device)[:, None]
-        clean = outcome(head(out.last_hidden_state[rows_n, keep]), targets, valid, probe)  # (n, V) or (n,)
+        out = model(input_ids=ids[run], attention_mask=mask[run], position_ids=pos[run], past_key_values=full_cache(),
+                    use_cache=True, logits_to_keep=1)
         kv = [(layer.keys[: len(block)], layer.values[: len(block)]) for layer in out.past_key_values.layers]  # (n, heads, L, d)
-
-    # One copy per masked group: recompute from start = min(first masked, a0 - 1) to end - 1.
-    copies = []
-    for n, r in enumerate(block):
-        for g in r.groups:
-            start = min(int(g[0]), r.a0 - 1)
-            copies.append((n, g, start, -(-(r.end - start) // GRAIN) * GRAIN))
-    copies.sort(key=lambda c: c[3], reverse=True)
     keys = width + GRAIN - 1  # cached + recomputed positions of every copy
-    for chunk in _chunks(copies, max(1, budget // keys)):
-        n_real, n = len(chunk), chunk[0][3]
-        chunk = chunk + [chunk[0]] * (min_rows(n_real, n) - n_real)  # duplicates keep the matmuls' kernels fixed
+
+    def outcomes(chunk):
+        """The probe of each copy (n, group, start, padded length) of a chunk, duplicates included."""
+        n = chunk[0][3]
         n_of = torch.tensor([c[0] for c in chunk], device=idx.device)  # (c,) block row of each copy
         start = torch.tensor([c[2] for c in chunk], device=idx.device)  # (c,)
         s = keys - n
@@ -175,17 +167,41 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
             q_ids[m, group - int(start[m])] = pad_token_id
         q_mask = torch.where(real, mask[n_of[:, None], colc], 1)
         q_pos = pos[n_of[:, None], colc] + (col - colc)  # the fill continues the positions
+        # The cache keeps every position (models.full_cache). Left-padding the prefix shifts cached keys and
+        # queries by the same s - start columns, so index-space sliding windows still see the same tokens.
         cache = None
         if s > 0:
             cache = full_cache([(key[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2),
                                  value[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2)) for key, value in kv])
-        hidden = decoder(input_ids=q_ids, attention_mask=torch.cat([cache_mask.long(), q_mask.long()], 1), position_ids=q_pos,
-                         past_key_values=cache, use_cache=cache is not None).last_hidden_state  # (c, N, H)
         at = (keep[n_of] - start[:, None]).clamp(min=0)  # (c, K) answer-predicting positions in the chunk
-        masked = outcome(head(hidden[torch.arange(len(chunk), device=idx.device)[:, None], at]), targets[n_of], valid[n_of], probe)
+        answer_logits, _ = logits_at(model, at, input_ids=q_ids, attention_mask=torch.cat([cache_mask.long(), q_mask.long()], 1),
+                                     position_ids=q_pos, past_key_values=cache, use_cache=cache is not None)  # (c, K, V)
+        return n_of, outcome(answer_logits, targets[n_of], valid[n_of], probe)
+
+    def packed(copies):
+        """(chunk of real copies, their block rows, their outcomes) for copies packed in chunks."""
+        copies = sorted(copies, key=lambda c: c[3], reverse=True)
+        for chunk in _chunks(copies, max(1, budget // keys)):
+            n_real = len(chunk)
+            chunk = chunk + [chunk[0]] * (min_rows(n_real, chunk[0][3]) - n_real)  # duplicates keep the matmuls' kernels fixed
+            n_of, probes = outcomes(chunk)
+            yield chunk[:n_real], n_of[:n_real], probes[:n_real]
+
+    if clean_kv is None:  # the clean probe: an unmasked copy of each row (from a0 - 1), as exact as the masked ones
+        none = torch.zeros(0, dtype=torch.long, device=idx.device)
+        rows_clean = {}
+        for chunk, _, probes in packed([(n, none, r.a0 - 1, -(-(r.end - r.a0 + 1) // GRAIN) * GRAIN) for n, r in enumerate(block)]):
+            rows_clean.update({c[0]: probes[m] for m, c in enumerate(chunk)})
+        clean = torch.stack([rows_clean[n] for n in range(len(block))])  # (n, V) or (n,)
+
+    # One copy per masked group: recompute from start = min(first masked, a0 - 1) to end - 1.
+    copies = [(n, g, min(int(g[0]), r.a0 - 1), 0) for n, r in enumerate(block) for g in r.groups]
+    copies = [(n, g, start, -(-(block[n].end - start) // GRAIN) * GRAIN) for n, g, start, _ in copies]
+    for chunk, n_of, masked in packed(copies):
         s_m = divergence(clean[n_of], masked, probe).float()
-        for m, (row_n, group, _, _) in enumerate(chunk[:n_real]):
+        for m, (row_n, group, _, _) in enumerate(chunk):
             scores[block[row_n].b, group] = s_m[m]
+
 
 
 def _chunks(copies, most: int):

@@ -15,11 +15,9 @@ empty give a meaningless outcome; the scorers zero their scores.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from oar.models import position_ids
+from oar.models import full_cache, position_ids
 
 PROBES = ("last", "answer_mean", "answer_joint")
 
@@ -63,26 +61,12 @@ def clean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     when `keep_cache` and the model kept a cache (checkpointed layers drop it in training mode), else
     None. OAR-G reads its noise-free prefix from kv and OAR-P its clean keys/values, instead of
     running the clean sequence again; the logits give the clean probe (`outcome_from_logits`)."""
+    # A cache of every position (models.full_cache): a sliding-window model's own cache keeps only its window.
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 past_key_values=full_cache() if keep_cache else None, use_cache=keep_cache, logits_to_keep=logits_to_keep)
     cache = getattr(out, "past_key_values", None) if keep_cache else None
     kv = [(layer.keys.detach(), layer.values.detach()) for layer in cache.layers] if cache is not None else None
     return out.logits, kv
-
-
-def full_cache(kv=None):
-    """A transformers cache that keeps every position of every layer, holding `kv` (each layer's
-    (keys, values)) when given. Why not the cache a model makes itself: for sliding-window layers
-    (Mistral, Gemma 2/3, ...) that one keeps only the last `sliding_window` positions, and OAR reads
-    keys/values anywhere in the sequence. The model still applies its window: its masks compare
-    positions in the cache, and a cache that holds more positions changes no attention weight
-    (tests/test_families.py pins this against each family's own full forward)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()  # no config: every layer a full layer
-    for layer, (k, v) in enumerate(kv or []):
-        cache.update(k, v, layer)
-    return cache
 
 
 MIN_ROWS = 32  # BLAS kernels round differently for a handful of rows than for many
@@ -95,67 +79,23 @@ def min_rows(n: int, positions: int) -> int:
     return max(n, -(-MIN_ROWS // max(positions, 1)))
 
 
-def output_head(model):
-    """The model's output head as a function: final hidden states (..., H) -> logits (..., V) float
-    as the model's own forward computes them: the output embedding, then the logit transform the
-    config declares (Granite's `logits_scaling` divides, Cohere's `logit_scale` multiplies, Gemma 2/3's
-    `final_logit_softcapping` caps). Checked once per model against the model's own forward; a model
-    whose head does something else is refused (ModelError) rather than scored with other numbers.
-    The rows go through the matmul padded to at least MIN_ROWS: BLAS libraries use other kernels,
-    with other rounding, for a few rows, and a rollout's scores must not depend on how many share
-    its batch."""
-    linear = model.get_output_embeddings()
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    scale = 1.0 / getattr(config, "logits_scaling", None) if getattr(config, "logits_scaling", None) else 1.0
-    scale *= getattr(config, "logit_scale", None) or 1.0
-    cap = getattr(config, "final_logit_softcapping", None)
+def logits_at(model, at: torch.Tensor, **inputs):
+    """The model's own logits (its output head with whatever logit scaling or soft-cap its forward
+    applies: Granite's logits_scaling, Cohere's logit_scale, Gemma 2/3's final soft-cap...) at columns
+    `at` (B, K) of one forward over `inputs` (the keyword arguments of `model(...)`, whose columns
+    are those of input_ids or inputs_embeds) -> (logits (B, K, V), the model's output).
 
-    def head(hidden: torch.Tensor) -> torch.Tensor:
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        n = flat.shape[0]
-        if n < MIN_ROWS:
-            flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - n, flat.shape[1])])
-        logits = linear(flat)[:n].view(*hidden.shape[:-1], -1)
-        logits = logits * scale if scale != 1.0 else logits
-        return cap * torch.tanh(logits / cap) if cap else logits
-
-    if model not in _HEAD_CHECKED:
-        _check_head(model, head)
-        _HEAD_CHECKED.add(model)
-    return head
-
-
-_HEAD_CHECKED = weakref.WeakSet()  # models whose head `output_head` reproduces (checked once each)
-
-
-@torch.no_grad()
-def _check_head(model, head) -> None:
-    """Compare `head(decoder(x))` with the model's own logits on a short input, in eval mode."""
-    from oar.models import ModelError
-
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        device = model.get_output_embeddings().weight.device
-        ids = torch.arange(1, 9, device=device)[None] % model.config.get_text_config(decoder=True).vocab_size
-        mask = torch.ones_like(ids)
-        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-        got = head(model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state).float()
-    finally:
-        for m, training in modes:
-            m.training = training
-    scale = want.abs().max().clamp(min=1e-6)
-    # In bfloat16 (weights, or autocast as accelerate's mixed precision runs the forward) the two
-    # matmuls round differently (other kernels for other row counts); a missing transform is a factor.
-    low = model.get_output_embeddings().weight.dtype != torch.float32 or torch.is_autocast_enabled(device.type)
-    tol = 2e-2 if low else 1e-4
-    if got.shape != want.shape or not torch.allclose(got / scale, want / scale, rtol=0, atol=tol):
-        from oar.models import family
-
-        raise ModelError(f"{family(model)}: its output head computes logits that OAR's head (output embedding, then the "
-                         f"config's logits_scaling / logit_scale / final_logit_softcapping) does not reproduce, so OAR-G and "
-                         f"OAR-P would score other numbers than the model's. Train it with --method grpo, or add its logit "
-                         f"transform to oar.probes.output_head.")
+    Exact by construction: no hand-built head. Only the last columns, from the first one asked for,
+    go through the head (`logits_to_keep`), and at least MIN_ROWS rows of them when the forward has
+    that many: BLAS libraries use other kernels, with other rounding, for a few rows, and a rollout's
+    numbers must not depend on how many share its batch."""
+    ref = inputs.get("input_ids")
+    width = (ref if ref is not None else inputs["inputs_embeds"]).shape[1]
+    assert at.dim() == 2 and at.shape[0] == (ref if ref is not None else inputs["inputs_embeds"]).shape[0], at.shape
+    keep = max(width - int(at.min()), min(width, -(-MIN_ROWS // at.shape[0])))
+    out = model(**inputs, logits_to_keep=keep)
+    rows = torch.arange(at.shape[0], device=at.device).unsqueeze(1)
+    return out.logits[rows, at - (width - keep)], out
 
 
 def outcome_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, answer_mask: torch.Tensor, probe: str) -> torch.Tensor:

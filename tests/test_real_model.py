@@ -55,28 +55,3 @@ def test_oar_g_scores_on_a_teacher_forced_smollm2_rollout():
     assert torch.isfinite(scores).all() and scores[ro.reasoning_mask].gt(0).all()
     assert all(p.grad is None for p in model.parameters())
 
-
-def test_chat_template_sample_and_boxed_masks_with_the_real_tokenizer():
-    # SmolLM2's byte-level BPE tokenizer with its chat template, through format_prompt -> sample ->
-    # masks: sampled rollouts keep the layout (prompt left-padded, completion after it, EOS inside
-    # the mask); a teacher-forced completion with a \boxed{} answer maps its answer characters and
-    # its reasoning back to exactly the right tokens.
-    from oar.models import load_model
-    from oar.sampler import BOXED_INSTRUCTION, build_rollout, encode_prompts, format_prompt, sample, stop_token_ids
-
-    model, tok = load_model(str(GGUF))
-    prompts = [format_prompt(tok, q, BOXED_INSTRUCTION) for q in ("What is 12 + 30?", "Compute 7 * 6.")]
-    assert prompts[0].startswith("<|im_start|>") and prompts[0].rstrip().endswith("assistant")
-    ro = sample(model, tok, prompts, group_size=2, seeds=[1, 2, 3, 4], max_new_tokens=8, temperature=1.0)
-    lp = ro.prompt_width
-    assert not ro.completion_mask[:, :lp].any() and ro.attention_mask[:, lp:].bool().equal(ro.completion_mask[:, lp:])
-    assert all(t == tok.decode(ro.input_ids[i, lp:][ro.completion_mask[i, lp:]], skip_special_tokens=True) for i, t in enumerate(ro.texts))
-
-    ids, mask = encode_prompts(tok, prompts[:1], "cpu")
-    text = "12 + 30 = 42.\nSo the answer is $\\boxed{42}$."
-    completion = tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
-    ro = build_rollout(tok, ids, mask, torch.tensor([completion]), stop_token_ids(model, tok))
-    assert tok.decode(ro.input_ids[ro.answer_mask]) == "42"
-    reasoning = tok.decode(ro.input_ids[ro.reasoning_mask])
-    assert reasoning.startswith("12 + 30 = 42.") and "boxed" not in reasoning
-    assert ro.completion_mask[0, lp + len(completion) - 1] and not ro.truncated[0]  # <|im_end|> ends it, inside the mask

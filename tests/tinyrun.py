@@ -28,10 +28,9 @@ TINY = ["--instruction", "", "--prompts_per_step", "2", "--group_size", "4", "--
         "--learning_rate", "1e-3", "--warmup_steps", "1", "--eval_every", "0"]
 
 
-def build_model(out: Path, family: str = "") -> Path:
+def build_model(out: Path) -> Path:
     """Save a briefly trained tiny-arith-style model, its tokenizer and `data.jsonl` into `out`
-    (once per session: a finished folder is reused). Returns `out`. `family`: a name from
-    tests/families.py for a model of that family instead of tiny-arith's Llama."""
+    (once per session: a finished folder is reused). Returns `out`."""
     if (out / "data.jsonl").is_file():
         return out
     from oar.data import Problem
@@ -46,12 +45,6 @@ def build_model(out: Path, family: str = "") -> Path:
         torch.manual_seed(0)
         tok = make_tokenizer()
         model = make_model(tok, recipe)
-        if family:
-            from families import build
-
-            model = build(family, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                          bos_token_id=None).train()
-            model.generation_config.pad_token_id, model.generation_config.eos_token_id = tok.pad_token_id, tok.eos_token_id
         train(model, tok, problems * (recipe.steps * recipe.batch_size // len(problems) + 1), recipe)
     finally:
         torch.set_num_threads(threads)
