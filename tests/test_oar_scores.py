@@ -1,6 +1,7 @@
 """OAR-P and OAR-G on a tiny random Llama: the fast paths against the definitions (SPEC §3, §4)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -116,3 +117,16 @@ def test_scores_are_padding_invariant(model, batch):
     for fn in (lambda *b: perturbation_scores(model, *b, pad_token_id=0),
                lambda *b: gradient_scores(model, *b, probe="answer_joint", noise_std=0.0)):
         torch.testing.assert_close(fn(*shifted)[:, 2:], fn(ids, attn, reas, ans), rtol=1e-4, atol=1e-6)
+
+
+def test_oar_g_warns_where_half_precision_drowns_its_perturbation(model, batch):
+    # bfloat16 rounds the logits more than a 1e-3 perturbation moves the KL (README, Model families):
+    # a distribution probe then gives rounding noise, said once; answer_joint needs no noise.
+    ids, attn, reas, ans = batch
+    half = model.to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="half precision"):
+        gradient_scores(half, ids, attn, reas, ans, probe="answer_mean", generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradient_scores(half, ids, attn, reas, ans, probe="answer_joint", generator=torch.Generator().manual_seed(0))
+        gradient_scores(model.float(), ids, attn, reas, ans, probe="answer_mean", generator=torch.Generator().manual_seed(0))
