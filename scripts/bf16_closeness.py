@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import torch
-from scipy.stats import spearmanr
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 from test_families import PAD, build, long_batch  # noqa: E402
 
 from oar.oar_grad import gradient_scores  # noqa: E402
 from oar.oar_perturb import perturbation_scores  # noqa: E402
+from scripts.attribution import spearman  # noqa: E402
 
 
 def closeness(model, ids, attn, reas, ans, pad, noise):
@@ -33,7 +33,7 @@ def closeness(model, ids, attn, reas, ans, pad, noise):
                 scores.append(gradient_scores(m, ids, attn, reas, ans, noise=noise, noise_std=1e-2)[reas])
         model.to(torch.float32)
         f32, b16 = scores
-        out.append((method, spearmanr(f32.numpy(), b16.numpy()).statistic, float((f32 - b16).abs().max() / f32.abs().max())))
+        out.append((method, spearman(f32.numpy(), b16.numpy()), float((f32 - b16).abs().max() / f32.abs().max())))
     return out
 
 

@@ -35,6 +35,7 @@ from oar.gating import bilevel_weights  # noqa: E402
 from oar.oar_grad import gradient_scores  # noqa: E402
 from oar.oar_perturb import perturbation_scores  # noqa: E402
 from oar.oar_perturb_window import window_perturbation_scores  # noqa: E402
+from scripts.attribution import spearman  # noqa: E402 (average ranks for ties, as scipy)
 
 
 def default_gguf() -> str | None:
@@ -77,15 +78,13 @@ def teacher_forced(tok, problem: str, solution: str, max_tokens: int):
 
 def compare(scores: torch.Tensor, exact: torch.Tensor, reasoning: torch.Tensor) -> dict:
     """The four fidelity numbers of one rollout. scores, exact, reasoning: (1, L)."""
-    from scipy.stats import spearmanr
-
     s, e = scores[reasoning].double().cpu(), exact[reasoning].double().cpu()
     k = max(1, round(0.2 * s.numel()))
     top = len(set(s.topk(k).indices.tolist()) & set(e.topk(k).indices.tolist())) / k
     w, w_e = bilevel_weights(scores, reasoning), bilevel_weights(exact, reasoning)
     branch = lambda x: bilevel_weights(x, reasoning, preserve_mass=False) >= 1.0  # boost branch: w >= 1; suppress: w < 1
-    rho = spearmanr(s.numpy(), e.numpy()).statistic if s.numel() > 1 else 1.0
-    return {"spearman": float(rho) if rho == rho else 0.0, "top20": top,  # a constant score vector has no rank: 0
+    rho = spearman(s.numpy(), e.numpy()) if s.numel() > 1 else 1.0  # 0 for a constant score vector
+    return {"spearman": rho, "top20": top,
             "weight_mae": float((w - w_e)[reasoning].abs().mean()),
             "branch_flip": float((branch(scores) != branch(exact))[reasoning].float().mean())}
 
