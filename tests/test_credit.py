@@ -138,7 +138,9 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
             weigh = step_credit(CreditSettings(method=method, group_size=4, micro_batch_size=mbs), model, tok, ro, rewards, adv,
                                 scored, list(range(8)), golds, "answer_mean")
             got[mbs] = torch.cat([weigh(slice(i, i + mbs), ro.select(slice(i, i + mbs)), logits[i:i + mbs])[0] for i in range(0, 8, mbs)])
-        torch.testing.assert_close(got[1], got[8], atol=1e-4, rtol=1e-4)  # OAR-G: float rounding of its backward only
+        # OAR-G's score is the gradient of a KL at its minimum: it magnifies float rounding about
+        # 1 / noise_std = 1e3-fold (2.5e-4 seen with several BLAS threads, 1e-4 allowed before).
+        torch.testing.assert_close(got[1], got[8], atol=1e-3, rtol=1e-3)
         assert got[8].shape == ro.input_ids.shape
     grpo = step_credit(CreditSettings(method="grpo"), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
     assert grpo(slice(0, 8), ro, logits)[0].eq(1).all()
