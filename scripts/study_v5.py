@@ -20,6 +20,9 @@ informative runs. A testbed's model is built (minutes) and its attribution made 
 before its first run.
 Resumable: a run with summary.json is skipped, one with a checkpoint resumes from it (train.py
 --resume), one with neither restarts (scripts/study.py's run_one, with its timing file).
+Across machines: every finished run, attribution and build record is also kept in --ledger (default
+docs/results-v5/ledger, committed; scripts/study_ledger.py); on a new machine the testbeds are
+rebuilt, and the ledger's runs are restored once the rebuilt weights hash equal to the recorded ones.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from oar.checkpoint import write_json_atomic  # noqa: E402
 from oar.credit import COMPARED, METHODS  # noqa: E402
 from oar.testbeds import TESTBEDS  # noqa: E402
+from scripts import study_ledger  # noqa: E402
 from scripts.study import run_dir, run_one  # noqa: E402
 
 SETTINGS = {"steps": 60, "eval_every": 20, "eval_size": 500, "save_every": 20}
@@ -56,8 +60,12 @@ def parse_args(argv=None):
     p.add_argument("--scale", default="default", choices=["default", "tiny"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--attr_prompts", type=int, default=None, help="problems (x8 rollouts) per testbed for attribution (default 48; tiny 4)")
+    p.add_argument("--ledger", default=None,
+                   help="where finished work is kept across machines (default docs/results-v5/ledger; tiny scale: none); 'none' for none")
     p.add_argument("--dry_run", action="store_true")
     args = p.parse_args(argv)
+    default_ledger = None if args.scale == "tiny" else ROOT / "docs" / "results-v5" / "ledger"
+    args.ledger = default_ledger if args.ledger is None else (None if args.ledger == "none" else Path(args.ledger))
     args.attr_prompts = args.attr_prompts or (4 if args.scale == "tiny" else 48)
     return args
 
@@ -157,12 +165,22 @@ def main(argv=None) -> int:
     write_json_atomic(args.root / "plan.json", {"scale": args.scale, "settings": TINY if args.scale == "tiny" else SETTINGS,
                                                 "testbeds": {tb: asdict(TESTBEDS[tb]) for tb in args.testbeds}, "runs": runs,
                                                 "command": " ".join(sys.argv)})
-    ok = True
-    print(f"[study] {len(runs)} runs under {args.root}; {estimate(args, runs)}", flush=True)
+    ok, synced = True, set()
+    print(f"[study] {len(runs)} runs under {args.root}; ledger {args.ledger}; {estimate(args, runs)}", flush=True)
     for r in runs:  # a testbed is built, and its attribution made, when its first run comes
-        attribution(SimpleNamespace(**vars(args) | {"testbeds": [r["testbed"]]}))
+        tb = r["testbed"]
+        if args.ledger is not None and tb not in synced:
+            model = ensure_testbed(args.root, tb, args.scale, args.threads)
+            study_ledger.check_build(args.ledger, tb, model)
+            restored = study_ledger.restore(args.ledger, args.root, tb, model)
+            print(f"[study] testbed {tb}: build matches the ledger's; {restored} finished run(s) restored from {args.ledger}", flush=True)
+            synced.add(tb)
+        attribution(SimpleNamespace(**vars(args) | {"testbeds": [tb]}))
         status = run_one(SimpleNamespace(root=args.root, threads=args.threads), r)
         ok &= status != "failed"
+        if args.ledger is not None and status != "failed":
+            study_ledger.record_attribution(args.ledger, args.root, tb)
+            study_ledger.record_run(args.ledger, args.root, tb, run_dir(args, r).name)
         if status != "done":
             print(f"[study] estimate: {estimate(args, runs)}", flush=True)
     return 0 if ok else 1

@@ -1,0 +1,113 @@
+"""A study's finished work kept in the repository, so that it resumes on another machine.
+
+A study's root (models, checkpoints, logs) lives on one machine and is lost with it; this ledger keeps
+what the report needs, a few kB per run: each finished run's config.json, summary.json, metrics.jsonl
+and study_time.json, each testbed's attribution, and each testbed's build record with a hash of its
+weights. On a new machine the study rebuilds a testbed (same recipe, seed and thread count), and the
+ledger's runs from that testbed are restored into the root only when the rebuilt weights hash equal
+to those the runs started from; otherwise the study stops, since a report mixing two starting models
+would be silently wrong.
+
+    ledger/builds/<testbed>.json              build_info.json + weights_sha256
+    ledger/attribution/<testbed>.json
+    ledger/runs/<testbed>/<method>-s<seed>/   the run's four small files
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "study_time.json")
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """A hash of the tensors (names, dtypes, shapes, bytes) of a saved model, not of the file's header."""
+    from safetensors.numpy import load_file
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(path)
+        for name in sorted(tensors):
+            t = tensors[name]
+            digest.update(f"{name}:{t.dtype}:{t.shape};".encode())
+            digest.update(t.tobytes())
+    return digest.hexdigest()
+
+
+def check_build(ledger: Path, testbed: str, model_dir: Path) -> None:
+    """Record the testbed's build in the ledger, or check that the rebuilt model is the recorded one."""
+    path = Path(ledger) / "builds" / f"{testbed}.json"
+    built = json.loads((Path(model_dir) / "build_info.json").read_text()) | {"weights_sha256": weights_sha256(model_dir)}
+    if not path.exists():
+        _write(path, built)
+        return
+    recorded = json.loads(path.read_text())
+    if recorded["weights_sha256"] != built["weights_sha256"]:
+        raise SystemExit(
+            f"study: error: testbed {testbed} at {model_dir} is not the model the ledger's runs started from "
+            f"(weights hash {built['weights_sha256'][:12]} here, {recorded['weights_sha256'][:12]} in {path}; held-out "
+            f"accuracy {built.get('heldout_accuracy')} vs {recorded.get('heldout_accuracy')}). The rebuild differs "
+            f"(torch version, threads, CPU?); use another --ledger to start a new study.")
+
+
+def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
+    """Copy the ledger's attribution and finished runs of `testbed` into `root` where `root` lacks them
+    (call check_build first: the runs then started from the weights at `model_dir`, whose path their
+    records are given); the number of runs restored."""
+    ledger, root = Path(ledger), Path(root)
+    attribution = ledger / "attribution" / f"{testbed}.json"
+    if attribution.exists() and not (root / "attribution" / f"{testbed}.json").exists():
+        (root / "attribution").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(attribution, root / "attribution" / attribution.name)
+    restored = 0
+    for kept in sorted((ledger / "runs" / testbed).glob("*")):
+        out = root / testbed / kept.name
+        if (out / "summary.json").exists():
+            continue
+        if out.exists():
+            shutil.rmtree(out)  # an unfinished attempt here: the ledger holds the finished one
+        out.mkdir(parents=True)
+        for name in RUN_FILES:
+            if (kept / name).exists():
+                shutil.copy2(kept / name, out / name)
+        _repoint(out, model_dir)
+        restored += 1
+    return restored
+
+
+def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> None:
+    """Keep a finished run (`root/<testbed>/<run_name>`) in the ledger."""
+    src, dst = Path(root) / testbed / run_name, Path(ledger) / "runs" / testbed / run_name
+    if not (src / "summary.json").exists():
+        raise ValueError(f"{src} is not a finished run (no summary.json)")
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in RUN_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def record_attribution(ledger: Path, root: Path, testbed: str) -> None:
+    src = Path(root) / "attribution" / f"{testbed}.json"
+    if src.exists():
+        (Path(ledger) / "attribution").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, Path(ledger) / "attribution" / src.name)
+
+
+def _repoint(run: Path, model_dir: Path) -> None:
+    """A restored run's records name the model and output folders of the machine that made it."""
+    config = json.loads((run / "config.json").read_text())
+    config |= {"model": str(model_dir), "output_dir": str(run)}
+    (run / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    timing = run / "study_time.json"
+    if timing.exists():
+        t = json.loads(timing.read_text())
+        if isinstance(t.get("model"), str) and Path(t["model"]).name == Path(model_dir).name:
+            timing.write_text(json.dumps(t | {"model": str(model_dir)}) + "\n")
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
