@@ -112,7 +112,8 @@ def plan(args) -> list[dict]:
 
 
 def attribution(args) -> None:
-    """scripts/attribution_v5.py on every testbed's starting model; one file per testbed, kept."""
+    """scripts/attribution_v5.py on every testbed's starting model, every method of oar/credit.py (the
+    trained ones and those beyond the plan: it costs no training); one file per testbed, kept."""
     import torch
 
     from oar.models import load_model
@@ -127,7 +128,7 @@ def attribution(args) -> None:
         start = time.time()
         model, tok = load_model(str(model_dir(args.root, tb)))
         try:
-            result = attribution_v5.run(model, tok, TESTBEDS[tb], prompts=args.attr_prompts, methods=args.methods)
+            result = attribution_v5.run(model, tok, TESTBEDS[tb], prompts=args.attr_prompts)
         except Exception as err:  # noqa: BLE001 - the training runs matter more; the report says it is missing
             print(f"[study] attribution {tb} FAILED ({type(err).__name__}: {err}); the runs go on", flush=True)
             continue
