@@ -70,6 +70,17 @@ def collect(root: Path) -> dict:
     return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution, "builds": builds}
 
 
+def _nan_to_null(x):
+    """JSON has no NaN (Python writes it, strict parsers reject it): a statistic with too few seeds is null."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_nan_to_null(v) for v in x]
+    return x
+
+
 def write(root, out) -> dict:
     root, out = Path(root), Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +90,7 @@ def write(root, out) -> dict:
                "status": f"{'PARTIAL: ' if partial else ''}{data['finished']} of {data['planned']} runs finished",
                "command": data["plan"].get("command"), "settings": data["plan"]["settings"],
                "builds": data["builds"], "testbeds": data["testbeds"], "attribution": data["attribution"]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(_nan_to_null(summary), indent=2, allow_nan=False) + "\n")
     run_rows, curve_rows, attr_rows = [], [], []
     for tb, methods in data["testbeds"].items():
         for m, v in methods.items():

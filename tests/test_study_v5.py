@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 import torch
 
 from oar.arith import ArithConfig
@@ -57,3 +59,5 @@ def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
     assert abs(tempo["paired_diff_vs_grpo"]["mean"] - 0.035) < 1e-9 and abs(tempo["paired_diff_vs_grpo"]["se"] - 0.015) < 1e-9
     assert summary["testbeds"]["fork"]["grpo"]["seeds"] == [0, 1, 2]
     assert "PARTIAL" in (tmp_path / "out" / "README.md").read_text() and (tmp_path / "out" / "accuracy.png").exists()
+    strict = json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert strict["testbeds"]["fork"]["tempo"]["std"] is not None
