@@ -62,7 +62,7 @@ import torch
 
 from oar import checkpoint as ckpt
 from oar import sharding
-from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, parse_args  # noqa: F401 (re-exported for scripts)
+from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, micro_batch, parse_args  # noqa: F401 (re-exported for scripts)
 from oar.data import DataError, load_problems
 from oar.evaluation import evaluate
 from oar.credit import CreditSettings, step_credit
@@ -126,7 +126,8 @@ def main(cfg: Config) -> dict:
         sharding.shard(model, sharding.mixed_precision(accelerator))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
-    n_micro = local_prompts * cfg.group_size // cfg.micro_batch_size
+    micro = micro_batch(cfg, accelerator.num_processes)
+    n_micro = local_prompts * cfg.group_size // micro
     accelerator.gradient_accumulation_steps = n_micro
     if not own_fsdp:  # (with --fsdp accelerate would wrap the sharded model in DDP; its state is saved with DCP)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -192,7 +193,7 @@ def main(cfg: Config) -> dict:
         for it in range(cfg.num_iterations):  # mu passes over the same rollouts (docstring: rollout reuse)
             stats, bad_loss = [], 0
             for m in range(n_micro):
-                rows = slice(m * cfg.micro_batch_size, (m + 1) * cfg.micro_batch_size)
+                rows = slice(m * micro, (m + 1) * micro)
                 mb = ro.select(rows)
                 with accelerator.accumulate(model):
                     # OAR's clean pass comes for free from the first pass's forward (the sampling policy)

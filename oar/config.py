@@ -53,7 +53,7 @@ class Config:
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient-norm clip."})
     num_iterations: int = field(default=1, metadata={"help": "mu: policy updates on each batch of rollouts (TRL's num_iterations); "
                                                               "pi_old and OAR weights come from the sampling policy (train.py)."})
-    micro_batch_size: int = field(default=64, metadata={"help": "Rollouts per forward/backward; accumulation covers the rest."})
+    micro_batch_size: int = field(default=64, metadata={"help": "Rollouts per forward/backward (capped at a process's rollouts); accumulation covers the rest."})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip epsilon below 1."})
     clip_high: float = field(default=0.2, metadata={"help": "PPO clip epsilon above 1 (0.28 for DAPO's clip-higher)."})
     kl_beta: float = field(default=0.0, metadata={"help": "k3 KL penalty to the initial model; > 0 loads a reference copy."})
@@ -93,6 +93,12 @@ class Config:
     max_bad_steps: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row (each is skipped)."})
 
 
+def micro_batch(cfg: Config, num_processes: int) -> int:
+    """Rollouts per forward/backward: --micro_batch_size, or all of a process's rollouts when it holds
+    fewer (8 GPUs x 4 prompts x 8 rollouts is one micro-batch of 32 at the default 64)."""
+    return max(1, min(cfg.micro_batch_size, cfg.prompts_per_step // num_processes * cfg.group_size))
+
+
 def check_config(cfg: Config, num_processes: int) -> None:
     """Every impossible setting, named with its fix, before anything expensive happens."""
     problems = []
@@ -103,9 +109,9 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(cfg.prompts_per_step % num_processes == 0,
          f"--prompts_per_step {cfg.prompts_per_step} does not divide over {num_processes} processes; use a multiple of {num_processes}.")
     local = cfg.prompts_per_step // num_processes * cfg.group_size
-    need(cfg.micro_batch_size >= 1 and local % cfg.micro_batch_size == 0,
+    need(cfg.micro_batch_size >= 1 and local % micro_batch(cfg, num_processes) == 0,
          f"--micro_batch_size {cfg.micro_batch_size} must divide the {local} rollouts each process holds "
-         f"(prompts_per_step / processes x group_size).")
+         f"(prompts_per_step / processes x group_size), or be at least that many (one micro-batch).")
     need(0.0 < cfg.gate_quantile < 1.0, f"--gate_quantile {cfg.gate_quantile}: must lie strictly between 0 and 1.")
     need(cfg.gate_boost >= 0 and cfg.gate_floor >= 0, "--gate_boost and --gate_floor must be >= 0.")
     need(0 < cfg.entropy_top <= 1, f"--entropy_top {cfg.entropy_top}: must lie in (0, 1].")

@@ -254,7 +254,14 @@ def test_impossible_settings_are_named(setting):
 def test_every_impossible_setting_is_named_at_once(tiny_model, tmp_path):
     message = _stops(_args(tiny_model, tmp_path / "out", "--group_size", "1", "--gate_quantile", "2", "--noise_std", "-1"),
                      "--group_size 1", "--gate_quantile 2.0", "--noise_std -1.0")
-    assert len(message.splitlines()) == 4  # one line each (G = 1 also leaves 2 rollouts for micro-batches of 8)
+    assert len(message.splitlines()) == 3  # one line each (G = 1 leaves 2 rollouts: one micro-batch, not an error)
+
+
+def test_a_micro_batch_larger_than_a_process_rollouts_is_one_micro_batch():
+    # the default 64 on 8 processes x 4 prompts x 8 rollouts: one micro-batch of 32 each, not an error
+    cfg = train.parse_args(["--prompts_per_step", "32", "--group_size", "8"])
+    train.check_config(cfg, num_processes=8)
+    assert train.micro_batch(cfg, 8) == 32 and train.micro_batch(cfg, 2) == 64 and train.micro_batch(cfg, 1) == 64
 
 
 def test_output_dir_that_is_a_file_is_named(tiny_model, tmp_path):
