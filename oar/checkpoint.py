@@ -94,7 +94,7 @@ def write_json_atomic(path: str | Path, obj) -> None:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: two writers of one file never share it
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2)
         f.flush()

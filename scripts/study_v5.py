@@ -2,6 +2,7 @@
 
     nohup nice -n 19 python scripts/study_v5.py --root /work/study-v5 > /work/study-v5/study.log 2>&1 &
     python scripts/study_v5.py --root /work/study-v5 --dry_run          # the plan, nothing run
+    python scripts/study_v5.py --root /work/study-v5 --only slip         # a second process on a second core
     python scripts/study_v5.py --root /tmp/s --scale tiny                # the whole pipeline at toy size
     python scripts/report_v5.py --root /work/study-v5 --out docs/results-v5   # whatever has finished
 
@@ -57,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--testbeds", nargs="+", default=list(TESTBEDS), choices=list(TESTBEDS))
     p.add_argument("--methods", nargs="+", default=list(COMPARED), choices=list(METHODS),
                    help="default: the six of the fixed plan; oar-g+tempo (beyond the paper) only when named")
+    p.add_argument("--only", nargs="+", default=None, choices=list(TESTBEDS), metavar="TESTBED",
+                   help="run only these testbeds' runs (the plan, ledger and report still cover --testbeds): "
+                        "one process per testbed uses more cores, and no two processes touch one run")
     p.add_argument("--scale", default="default", choices=["default", "tiny"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--attr_prompts", type=int, default=None, help="problems (x8 rollouts) per testbed for attribution (default 48; tiny 4)")
@@ -170,6 +174,8 @@ def main(argv=None) -> int:
     print(f"[study] {len(runs)} runs under {args.root}; ledger {args.ledger}; {estimate(args, runs)}", flush=True)
     for r in runs:  # a testbed is built, and its attribution made, when its first run comes
         tb = r["testbed"]
+        if args.only is not None and tb not in args.only:
+            continue
         if args.ledger is not None and tb not in synced:
             model = ensure_testbed(args.root, tb, args.scale, args.threads)
             study_ledger.check_build(args.ledger, tb, model)
