@@ -1,13 +1,15 @@
 """A study's finished work kept in the repository, so that it resumes on another machine.
 
 A study's root (models, checkpoints, logs) lives on one machine and is lost with it; this ledger keeps
-what the report needs, a few kB per run: each finished run's config.json, summary.json, metrics.jsonl
-and study_time.json, each testbed's attribution, and each testbed's build record with a hash of its
-weights. On a new machine the study rebuilds a testbed (same recipe, seed and thread count), and the
-ledger's runs from that testbed are restored into the root only when the rebuilt weights hash equal
-to those the runs started from; otherwise the study stops, since a report mixing two starting models
-would be silently wrong.
+what resuming and the report need: each testbed's starting model (3 MB: the same recipe and seed
+rebuilt on another machine gave another model, 45.2% vs 23.4% held-out, so a rebuild cannot be
+trusted to match), its build record with a hash of its weights, its attribution, and each finished
+run's config.json, summary.json, metrics.jsonl and study_time.json (a few kB). On a new machine the
+study copies the kept models into its root instead of building them; a testbed built anew is
+checked against the recorded hash, and the ledger's runs are restored only when it matches,
+otherwise the study stops: a report mixing two starting models would be silently wrong.
 
+    ledger/models/<testbed>/                  the starting model, as built
     ledger/builds/<testbed>.json              build_info.json + weights_sha256
     ledger/attribution/<testbed>.json
     ledger/runs/<testbed>/<method>-s<seed>/   the run's four small files
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -37,13 +40,17 @@ def weights_sha256(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def check_build(ledger: Path, testbed: str, model_dir: Path) -> None:
-    """Record the testbed's build in the ledger, or check that the rebuilt model is the recorded one."""
+def check_build(ledger: Path, testbed: str, model_dir: Path) -> str:
+    """Record the testbed's build in the ledger ('recorded'), or check that the model at `model_dir`
+    is the recorded one ('matches'; a stop otherwise)."""
     path = Path(ledger) / "builds" / f"{testbed}.json"
     built = json.loads((Path(model_dir) / "build_info.json").read_text()) | {"weights_sha256": weights_sha256(model_dir)}
     if not path.exists():
         _write(path, built)
-        return
+        kept = Path(ledger) / "models" / testbed
+        if not kept.exists():
+            _copy_folder(Path(model_dir), kept)
+        return "recorded"
     recorded = json.loads(path.read_text())
     if recorded["weights_sha256"] != built["weights_sha256"]:
         raise SystemExit(
@@ -51,6 +58,16 @@ def check_build(ledger: Path, testbed: str, model_dir: Path) -> None:
             f"(weights hash {built['weights_sha256'][:12]} here, {recorded['weights_sha256'][:12]} in {path}; held-out "
             f"accuracy {built.get('heldout_accuracy')} vs {recorded.get('heldout_accuracy')}). The rebuild differs "
             f"(torch version, threads, CPU?); use another --ledger to start a new study.")
+    return "matches"
+
+
+def restore_model(ledger: Path, testbed: str, model_dir: Path) -> bool:
+    """Copy the kept starting model to `model_dir` when it is not there; whether it was copied."""
+    kept = Path(ledger) / "models" / testbed
+    if Path(model_dir).exists() or not (kept / "build_info.json").is_file():
+        return False
+    _copy_folder(kept, Path(model_dir))
+    return True
 
 
 def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
@@ -106,6 +123,14 @@ def _repoint(run: Path, model_dir: Path) -> None:
         t = json.loads(timing.read_text())
         if isinstance(t.get("model"), str) and Path(t["model"]).name == Path(model_dir).name:
             timing.write_text(json.dumps(t | {"model": str(model_dir)}) + "\n")
+
+
+def _copy_folder(src: Path, dst: Path) -> None:
+    """Copy under a temporary name, then rename: a folder with build_info.json is always complete."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    tmp.rename(dst)
 
 
 def _write(path: Path, data: dict) -> None:

@@ -21,9 +21,9 @@ informative runs. A testbed's model is built (minutes) and its attribution made 
 before its first run.
 Resumable: a run with summary.json is skipped, one with a checkpoint resumes from it (train.py
 --resume), one with neither restarts (scripts/study.py's run_one, with its timing file).
-Across machines: every finished run, attribution and build record is also kept in --ledger (default
-docs/results-v5/ledger, committed; scripts/study_ledger.py); on a new machine the testbeds are
-rebuilt, and the ledger's runs are restored once the rebuilt weights hash equal to the recorded ones.
+Across machines: every testbed's starting model, build record, attribution and finished run is also
+kept in --ledger (default docs/results-v5/ledger, committed; scripts/study_ledger.py); on a new
+machine the kept models are copied in instead of rebuilt and the finished runs restored.
 """
 
 from __future__ import annotations
@@ -177,10 +177,12 @@ def main(argv=None) -> int:
         if args.only is not None and tb not in args.only:
             continue
         if args.ledger is not None and tb not in synced:
+            if study_ledger.restore_model(args.ledger, tb, model_dir(args.root, tb)):
+                print(f"[study] testbed {tb}: the ledger's starting model copied to {model_dir(args.root, tb)}", flush=True)
             model = ensure_testbed(args.root, tb, args.scale, args.threads)
-            study_ledger.check_build(args.ledger, tb, model)
+            build = study_ledger.check_build(args.ledger, tb, model)
             restored = study_ledger.restore(args.ledger, args.root, tb, model)
-            print(f"[study] testbed {tb}: build matches the ledger's; {restored} finished run(s) restored from {args.ledger}", flush=True)
+            print(f"[study] testbed {tb}: build {build} in {args.ledger}; {restored} finished run(s) restored from it", flush=True)
             synced.add(tb)
         attribution(SimpleNamespace(**vars(args) | {"testbeds": [tb]}))
         status = run_one(SimpleNamespace(root=args.root, threads=args.threads), r)

@@ -35,7 +35,9 @@ def test_a_run_recorded_on_one_machine_is_restored_on_another_with_its_paths(tmp
     study_ledger.record_run(ledger, a, "slip", "grpo-s0")
     assert sorted(p.name for p in (ledger / "runs" / "slip" / "grpo-s0").iterdir()) == sorted(study_ledger.RUN_FILES)
 
-    model_b = _model(b / "models" / "slip", 1.0)  # the same weights, rebuilt elsewhere
+    model_b = b / "models" / "slip"  # a new machine: the kept model is copied in, not rebuilt
+    assert study_ledger.restore_model(ledger, "slip", model_b) and not study_ledger.restore_model(ledger, "slip", model_b)
+    assert study_ledger.weights_sha256(model_b) == study_ledger.weights_sha256(model_a)
     study_ledger.check_build(ledger, "slip", model_b)
     (b / "slip" / "grpo-s0").mkdir(parents=True)  # an unfinished attempt: replaced by the finished one
     assert study_ledger.restore(ledger, b, "slip", model_b) == 1
