@@ -1,9 +1,9 @@
 """A study's finished work kept in the repository, so that it resumes on another machine.
 
 A study's root (models, checkpoints, logs) lives on one machine and is lost with it; this ledger keeps
-what resuming and the report need: each testbed's starting model (3 MB: the same recipe and seed
-rebuilt on another machine gave another model, 45.2% vs 23.4% held-out, so a rebuild cannot be
-trusted to match), its build record with a hash of its weights, its attribution, and each finished
+what resuming and the report need: each testbed's starting model (3 MB: tiny-arith v4's recipe and
+seed give bitwise one model on one machine whatever the thread count or torch version, but another
+machine built another one, 23.4% against 45.2% held-out, so a rebuild cannot be trusted to match), its build record with a hash of its weights, its attribution, and each finished
 run's config.json, summary.json, metrics.jsonl and study_time.json (a few kB). On a new machine the
 study copies the kept models into its root instead of building them; a testbed built anew is
 checked against the recorded hash, and the ledger's runs are restored only when it matches,
@@ -42,23 +42,22 @@ def weights_sha256(model_dir: Path) -> str:
 
 def check_build(ledger: Path, testbed: str, model_dir: Path) -> str:
     """Record the testbed's build in the ledger ('recorded'), or check that the model at `model_dir`
-    is the recorded one ('matches'; a stop otherwise)."""
-    path = Path(ledger) / "builds" / f"{testbed}.json"
+    is the recorded one ('matches'; a stop otherwise); the ledger keeps a copy of the model either way."""
+    path, kept = Path(ledger) / "builds" / f"{testbed}.json", Path(ledger) / "models" / testbed
     built = json.loads((Path(model_dir) / "build_info.json").read_text()) | {"weights_sha256": weights_sha256(model_dir)}
-    if not path.exists():
+    status = "matches" if path.exists() else "recorded"
+    if status == "recorded":
         _write(path, built)
-        kept = Path(ledger) / "models" / testbed
-        if not kept.exists():
-            _copy_folder(Path(model_dir), kept)
-        return "recorded"
     recorded = json.loads(path.read_text())
     if recorded["weights_sha256"] != built["weights_sha256"]:
         raise SystemExit(
             f"study: error: testbed {testbed} at {model_dir} is not the model the ledger's runs started from "
             f"(weights hash {built['weights_sha256'][:12]} here, {recorded['weights_sha256'][:12]} in {path}; held-out "
-            f"accuracy {built.get('heldout_accuracy')} vs {recorded.get('heldout_accuracy')}). The rebuild differs "
-            f"(torch version, threads, CPU?); use another --ledger to start a new study.")
-    return "matches"
+            f"accuracy {built.get('heldout_accuracy')} vs {recorded.get('heldout_accuracy')}). A rebuild on another "
+            f"machine can differ; use another --ledger to start a new study.")
+    if not kept.exists():
+        _copy_folder(Path(model_dir), kept)
+    return status
 
 
 def restore_model(ledger: Path, testbed: str, model_dir: Path) -> bool:
