@@ -81,8 +81,8 @@ def model_dir(root: Path, testbed: str) -> Path:
 def ensure_testbed(root: Path, name: str, scale: str, threads: int) -> Path:
     """The testbed's starting model, built once (seed 0) with `threads` torch threads (its recipe says
     2; under contention 2 threads spin on each other: 6x less work per CPU second measured on this
-    shared machine, so the study builds with its own thread count, which changes only float
-    rounding); a build from another recipe stops the study."""
+    shared machine, so the study builds with its own thread count; on one machine 1 and 2 threads
+    built the same weights, bitwise); a build from another recipe stops the study."""
     from dataclasses import replace
 
     from oar.tiny_arith_cache import build_tiny_arith, is_complete
