@@ -1,6 +1,7 @@
 """The report of scripts/study_v5.py: whatever runs have finished -> docs/results-v5/ (rerunnable).
 
     python scripts/report_v5.py --root /work/study-v5 --out docs/results-v5
+    python scripts/report_v5.py --ledger docs/results-v5/ledger --out docs/results-v5   # from the repository alone
 
 Writes summary.json (per testbed and method: seeds, final accuracies, mean ± std, the paired
 difference vs GRPO with its standard error, the held-out curve, times), runs.csv, curves.csv,
@@ -32,12 +33,20 @@ from scripts.report import accuracy_curve, read_run, stats  # noqa: E402
 KINDS = ("fork", "slip", "filler", "other")
 
 
-def collect(root: Path) -> dict:
-    plan = json.loads((root / "plan.json").read_text())
+def collect(root: Path, ledger: bool = False) -> dict:
+    """The finished runs, attribution and builds under a study's --root, or in its ledger
+    (scripts/study_ledger.py: the plan is then study_v5.py's default one)."""
+    if ledger:
+        from scripts.study_v5 import SETTINGS, parse_args, plan as default_plan
+
+        plan = {"runs": default_plan(parse_args(["--root", "<root>"])), "settings": SETTINGS,
+                "command": f"scripts/study_v5.py --ledger {root}"}
+    else:
+        plan = json.loads((root / "plan.json").read_text())
     runs, table = plan["runs"], {}
     finished = 0
     for r in runs:
-        run = read_run(root / f"{r['name']}-s{r['seed']}")
+        run = read_run(root / "runs" / r["testbed"] / f"{r['method']}-s{r['seed']}" if ledger else root / f"{r['name']}-s{r['seed']}")
         if run is not None:
             finished += 1
             table.setdefault(r["testbed"], {}).setdefault(r["method"], {})[r["seed"]] = run
@@ -65,8 +74,9 @@ def collect(root: Path) -> dict:
                 "code": sorted({c for s in seeds for c in by_seed[s]["code"]}),
             }
     attribution = {p.stem: json.loads(p.read_text()) for p in sorted((root / "attribution").glob("*.json"))}
-    builds = {p.parent.name: {k: v for k, v in json.loads(p.read_text()).items() if k != "recipe"}
-              for p in sorted((root / "models").glob("*/build_info.json"))}
+    build_files = sorted((root / "builds").glob("*.json")) if ledger else sorted((root / "models").glob("*/build_info.json"))
+    builds = {(p.stem if ledger else p.parent.name): {k: v for k, v in json.loads(p.read_text()).items() if k != "recipe"}
+              for p in build_files}
     return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution, "builds": builds}
 
 
@@ -81,12 +91,14 @@ def _nan_to_null(x):
     return x
 
 
-def write(root, out) -> dict:
+def write(root, out, ledger: bool = False) -> dict:
+    """The report of the study under `root` (a --root, or with `ledger` its ledger) into `out`."""
     root, out = Path(root), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    data = collect(root)
+    data = collect(root, ledger)
     partial = data["finished"] < data["planned"]
-    summary = {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "root": str(root),
+    summary = {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "report_command": f"python scripts/report_v5.py --{'ledger' if ledger else 'root'} {root} --out {out}",
                "status": f"{'PARTIAL: ' if partial else ''}{data['finished']} of {data['planned']} runs finished",
                "command": data["plan"].get("command"), "settings": data["plan"]["settings"],
                "builds": data["builds"], "testbeds": data["testbeds"], "attribution": data["attribution"]}
@@ -127,7 +139,7 @@ def _f(x, digits=2) -> str:
 def markdown(summary: dict, images) -> str:
     s = summary["settings"]
     lines = [f"# Where token-level credit helps: six methods on three testbeds ({summary['status']})", "",
-             f"Generated {summary['generated']} by `python scripts/report_v5.py --root {summary['root']} --out docs/results-v5` "
+             f"Generated {summary['generated']} by `{summary['report_command']}` "
              f"from the runs of `{summary['command']}`.", "",
              "**Settings, fixed before the first run** (scripts/study_v5.py): "
              f"{s['steps']} steps × {s.get('prompts_per_step', 32)} prompts × {s.get('group_size', 8)} rollouts = the same "
@@ -223,7 +235,9 @@ def _attribution_plot(attribution: dict, path: Path) -> Path:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--root", type=Path, default=Path("/work/study-v5"))
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--root", type=Path, default=Path("/work/study-v5"), help="a study's root (its runs, models and attribution)")
+    where.add_argument("--ledger", type=Path, default=None, help="a study's ledger instead: the report from the repository alone")
     p.add_argument("--out", type=Path, default=Path("docs/results-v5"))
     a = p.parse_args()
-    write(a.root, a.out)
+    write(a.ledger or a.root, a.out, ledger=a.ledger is not None)

@@ -61,3 +61,25 @@ def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
     assert "PARTIAL" in (tmp_path / "out" / "README.md").read_text() and (tmp_path / "out" / "accuracy.png").exists()
     strict = json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert strict["testbeds"]["fork"]["tempo"]["std"] is not None
+
+
+def test_report_v5_from_the_ledger_alone(tmp_path):
+    import json
+
+    from scripts import report_v5
+
+    for m, acc in (("grpo", 0.40), ("tempo", 0.45)):
+        d = tmp_path / "runs" / "fork" / f"{m}-s0"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"method": m}))
+        (d / "summary.json").write_text(json.dumps({"steps": 60, "accuracy_before": 0.2, "accuracy_after": acc}))
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 60, "reward/mean": 0.5, "time/step_s": 1.0}) + "\n")
+        (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 8.0}))
+    (tmp_path / "builds").mkdir()
+    build = {"heldout_accuracy": 0.2, "heldout_problems": 500, "build_seconds": 600.0, "build_cpu_seconds": 500.0, "torch_threads": 1}
+    (tmp_path / "builds" / "fork.json").write_text(json.dumps(build | {"recipe": {}, "weights_sha256": "ab"}))
+    summary = report_v5.write(tmp_path, tmp_path / "out", ledger=True)
+    assert summary["status"] == "PARTIAL: 2 of 90 runs finished"  # the study's whole plan, from study_v5.py
+    assert abs(summary["testbeds"]["fork"]["tempo"]["paired_diff_vs_grpo"]["mean"] - 0.05) < 1e-9
+    assert summary["builds"]["fork"] == build | {"weights_sha256": "ab"}
+    assert "--ledger" in (tmp_path / "out" / "README.md").read_text()
