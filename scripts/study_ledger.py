@@ -12,7 +12,9 @@ otherwise the study stops: a report mixing two starting models would be silently
     ledger/models/<testbed>/                  the starting model, as built
     ledger/builds/<testbed>.json              build_info.json + weights_sha256
     ledger/attribution/<testbed>.json
-    ledger/runs/<testbed>/<method>-s<seed>/   the run's four small files
+    ledger/runs/<testbed>/<method>-s<seed>/   the run's four small files + ledger.json (the weights' hash)
+
+Every entry is written under a temporary name and renamed, so a killed study never leaves half of one.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def check_build(ledger: Path, testbed: str, model_dir: Path) -> str:
     built = json.loads((Path(model_dir) / "build_info.json").read_text()) | {"weights_sha256": weights_sha256(model_dir)}
     status = "matches" if path.exists() else "recorded"
     if status == "recorded":
+        if any((Path(ledger) / "runs" / testbed).glob("*")):
+            raise SystemExit(f"study: error: {Path(ledger) / 'runs' / testbed} holds runs but {path} is missing: "
+                             f"which model they started from is unknown; restore the file or use another --ledger.")
         _write(path, built)
     recorded = json.loads(path.read_text())
     if recorded["weights_sha256"] != built["weights_sha256"]:
@@ -71,63 +76,79 @@ def restore_model(ledger: Path, testbed: str, model_dir: Path) -> bool:
 
 def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
     """Copy the ledger's attribution and finished runs of `testbed` into `root` where `root` lacks them
-    (call check_build first: the runs then started from the weights at `model_dir`, whose path their
-    records are given); the number of runs restored."""
+    (after check_build): only complete entries recorded from the build's weights; each restored run's
+    records are given the paths of `model_dir` and its new folder. The number of runs restored."""
     ledger, root = Path(ledger), Path(root)
     attribution = ledger / "attribution" / f"{testbed}.json"
     if attribution.exists() and not (root / "attribution" / f"{testbed}.json").exists():
         (root / "attribution").mkdir(parents=True, exist_ok=True)
         shutil.copy2(attribution, root / "attribution" / attribution.name)
+    weights = json.loads((ledger / "builds" / f"{testbed}.json").read_text())["weights_sha256"]
     restored = 0
-    for kept in sorted((ledger / "runs" / testbed).glob("*")):
+    for kept in sorted(p for p in (ledger / "runs" / testbed).glob("*") if not p.name.startswith(".")):
         out = root / testbed / kept.name
         if (out / "summary.json").exists():
             continue
+        missing = [n for n in (*RUN_FILES, "ledger.json") if not (kept / n).is_file()]
+        if missing or json.loads((kept / "ledger.json").read_text())["weights_sha256"] != weights:
+            raise SystemExit(f"study: error: {kept} is {'incomplete (no ' + ', '.join(missing) + ')' if missing else 'from other weights than the build'}; "
+                             f"delete it and the run is made again.")
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(kept, tmp)
+        (tmp / "ledger.json").unlink()
+        _repoint(tmp, out, model_dir)
         if out.exists():
             shutil.rmtree(out)  # an unfinished attempt here: the ledger holds the finished one
-        out.mkdir(parents=True)
-        for name in RUN_FILES:
-            if (kept / name).exists():
-                shutil.copy2(kept / name, out / name)
-        _repoint(out, model_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(out)
         restored += 1
     return restored
 
 
-def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> None:
-    """Keep a finished run (`root/<testbed>/<run_name>`) in the ledger."""
+def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
+    """Keep a finished run (`root/<testbed>/<run_name>`) in the ledger, with the hash of the weights
+    it started from (the build's); whether it was new to the ledger (a kept run is never rewritten)."""
     src, dst = Path(root) / testbed / run_name, Path(ledger) / "runs" / testbed / run_name
     if not (src / "summary.json").exists():
         raise ValueError(f"{src} is not a finished run (no summary.json)")
-    dst.mkdir(parents=True, exist_ok=True)
+    if dst.exists():
+        return False
+    weights = json.loads((Path(ledger) / "builds" / f"{testbed}.json").read_text())["weights_sha256"]
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     for name in RUN_FILES:
-        if (src / name).exists():
-            shutil.copy2(src / name, dst / name)
+        shutil.copy2(src / name, tmp / name)
+    _write(tmp / "ledger.json", {"weights_sha256": weights})
+    tmp.rename(dst)
+    return True
 
 
 def record_attribution(ledger: Path, root: Path, testbed: str) -> None:
-    src = Path(root) / "attribution" / f"{testbed}.json"
-    if src.exists():
-        (Path(ledger) / "attribution").mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, Path(ledger) / "attribution" / src.name)
+    src, dst = Path(root) / "attribution" / f"{testbed}.json", Path(ledger) / "attribution" / f"{testbed}.json"
+    if src.exists() and not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
 
 
-def _repoint(run: Path, model_dir: Path) -> None:
-    """A restored run's records name the model and output folders of the machine that made it."""
+def _repoint(run: Path, final: Path, model_dir: Path) -> None:
+    """A restored run's records name the model and output folders of the machine that made it; they
+    are given `model_dir` and the run's `final` folder."""
     config = json.loads((run / "config.json").read_text())
-    config |= {"model": str(model_dir), "output_dir": str(run)}
+    config |= {"model": str(model_dir), "output_dir": str(final)}
     (run / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     timing = run / "study_time.json"
-    if timing.exists():
-        t = json.loads(timing.read_text())
-        if isinstance(t.get("model"), str) and Path(t["model"]).name == Path(model_dir).name:
-            timing.write_text(json.dumps(t | {"model": str(model_dir)}) + "\n")
+    t = json.loads(timing.read_text())
+    if isinstance(t.get("model"), str) and Path(t["model"]).name == Path(model_dir).name:
+        timing.write_text(json.dumps(t | {"model": str(model_dir)}) + "\n")
 
 
 def _copy_folder(src: Path, dst: Path) -> None:
     """Copy under a temporary name, then rename: a folder with build_info.json is always complete."""
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(src, tmp)
     tmp.rename(dst)
 

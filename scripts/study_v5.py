@@ -2,7 +2,8 @@
 
     nohup nice -n 19 python scripts/study_v5.py --root /work/study-v5 > /work/study-v5/study.log 2>&1 &
     python scripts/study_v5.py --root /work/study-v5 --dry_run          # the plan, nothing run
-    python scripts/study_v5.py --root /work/study-v5 --only slip         # a second process on a second core
+    python scripts/study_v5.py --root /work/study-v5 --only fork &  python scripts/study_v5.py --root /work/study-v5 --only slip filler
+                                                                         # two processes, two cores, disjoint testbeds
     python scripts/study_v5.py --root /tmp/s --scale tiny                # the whole pipeline at toy size
     python scripts/report_v5.py --root /work/study-v5 --out docs/results-v5   # whatever has finished
 
@@ -97,7 +98,8 @@ def ensure_testbed(root: Path, name: str, scale: str, threads: int) -> Path:
         print(f"[study] built {name}: held-out accuracy {info['heldout_accuracy']:.1%}, {info['build_seconds']:.0f} s "
               f"({info['build_cpu_seconds']:.0f} s CPU)", flush=True)
     built = json.loads((out / "build_info.json").read_text())
-    if built["recipe"] != json.loads(json.dumps(asdict(recipe))):
+    same = lambda r: {k: v for k, v in r.items() if k != "num_threads"}  # noqa: E731 - threads do not change the weights
+    if same(built["recipe"]) != same(json.loads(json.dumps(asdict(recipe)))):
         raise SystemExit(f"study_v5.py: error: {out} was built from another recipe than testbed {name}'s; "
                          f"delete the folder to rebuild it, or use another --root.")
     return out
@@ -157,6 +159,20 @@ def estimate(args, runs) -> str:
     return f"{len(left)} of {len(runs)} runs left, about {total / 3600:.1f} h at the pace so far"
 
 
+def _claim(root: Path, testbed: str):
+    """An exclusive lock on one testbed's runs for this process's lifetime (None: another process has it),
+    so that two processes of one study never train, restore or record the same run."""
+    import fcntl
+
+    handle = open(root / f".lock-{testbed}", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill ends the running train.py too; it resumes
@@ -170,11 +186,17 @@ def main(argv=None) -> int:
     write_json_atomic(args.root / "plan.json", {"scale": args.scale, "settings": TINY if args.scale == "tiny" else SETTINGS,
                                                 "testbeds": {tb: asdict(TESTBEDS[tb]) for tb in args.testbeds}, "runs": runs,
                                                 "command": " ".join(sys.argv)})
-    ok, synced = True, set()
+    ok, synced, locks = True, set(), {}
     print(f"[study] {len(runs)} runs under {args.root}; ledger {args.ledger}; {estimate(args, runs)}", flush=True)
     for r in runs:  # a testbed is built, and its attribution made, when its first run comes
         tb = r["testbed"]
         if args.only is not None and tb not in args.only:
+            continue
+        if tb not in locks:
+            locks[tb] = _claim(args.root, tb)
+            if locks[tb] is None:
+                print(f"[study] testbed {tb}: another process of this study runs it; its runs are skipped here", flush=True)
+        if locks[tb] is None:
             continue
         if args.ledger is not None and tb not in synced:
             if study_ledger.restore_model(args.ledger, tb, model_dir(args.root, tb)):

@@ -1,6 +1,7 @@
 """scripts/study_ledger.py: finished runs move to a new machine only with the weights they started from."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ def _model(path, value: float):
     return path
 
 
-def _finished_run(root, model):
-    run = root / "slip" / "grpo-s0"
+def _finished_run(root, model, name="grpo-s0"):
+    run = root / "slip" / name
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"model": str(model), "output_dir": str(run), "method": "grpo"}))
     (run / "summary.json").write_text(json.dumps({"accuracy_after": 0.7}))
@@ -25,26 +26,40 @@ def _finished_run(root, model):
     return run
 
 
+def _recorded(tmp_path):
+    """A ledger with slip's model and one finished run, made on 'machine a'."""
+    from scripts import study_ledger
+
+    ledger, a = tmp_path / "ledger", tmp_path / "a"
+    model_a = _model(a / "models" / "slip", 1.0)
+    assert study_ledger.check_build(ledger, "slip", model_a) == "recorded"
+    _finished_run(a, model_a)
+    assert study_ledger.record_run(ledger, a, "slip", "grpo-s0")
+    return ledger, a, model_a
+
+
 def test_a_run_recorded_on_one_machine_is_restored_on_another_with_its_paths(tmp_path):
     from scripts import study_ledger
 
-    ledger, a, b = tmp_path / "ledger", tmp_path / "a", tmp_path / "b"
-    model_a = _model(a / "models" / "slip", 1.0)
-    study_ledger.check_build(ledger, "slip", model_a)
-    _finished_run(a, model_a)
-    study_ledger.record_run(ledger, a, "slip", "grpo-s0")
-    assert sorted(p.name for p in (ledger / "runs" / "slip" / "grpo-s0").iterdir()) == sorted(study_ledger.RUN_FILES)
+    ledger, a, model_a = _recorded(tmp_path)
+    kept = ledger / "runs" / "slip" / "grpo-s0"
+    assert sorted(p.name for p in kept.iterdir()) == sorted([*study_ledger.RUN_FILES, "ledger.json"])
+    assert not study_ledger.record_run(ledger, a, "slip", "grpo-s0")  # kept entries are never rewritten
 
+    b = tmp_path / "b"
     model_b = b / "models" / "slip"  # a new machine: the kept model is copied in, not rebuilt
     assert study_ledger.restore_model(ledger, "slip", model_b) and not study_ledger.restore_model(ledger, "slip", model_b)
     assert study_ledger.weights_sha256(model_b) == study_ledger.weights_sha256(model_a)
-    study_ledger.check_build(ledger, "slip", model_b)
+    assert study_ledger.check_build(ledger, "slip", model_b) == "matches"
     (b / "slip" / "grpo-s0").mkdir(parents=True)  # an unfinished attempt: replaced by the finished one
     assert study_ledger.restore(ledger, b, "slip", model_b) == 1
-    config = json.loads((b / "slip" / "grpo-s0" / "config.json").read_text())
-    assert config["model"] == str(model_b) and config["output_dir"] == str(b / "slip" / "grpo-s0")
-    assert json.loads((b / "slip" / "grpo-s0" / "study_time.json").read_text())["model"] == str(model_b)
+    run = b / "slip" / "grpo-s0"
+    config = json.loads((run / "config.json").read_text())
+    assert config["model"] == str(model_b) and config["output_dir"] == str(run)
+    assert json.loads((run / "study_time.json").read_text())["model"] == str(model_b)
+    assert sorted(p.name for p in run.iterdir()) == sorted(study_ledger.RUN_FILES)
     assert study_ledger.restore(ledger, b, "slip", model_b) == 0  # already there
+    assert not list(b.glob("slip/.*")) and not list(ledger.glob("runs/slip/.*"))  # no temporary folder left
 
 
 def test_a_rebuild_with_other_weights_stops_the_study(tmp_path):
@@ -53,7 +68,28 @@ def test_a_rebuild_with_other_weights_stops_the_study(tmp_path):
     ledger = tmp_path / "ledger"
     study_ledger.check_build(ledger, "slip", _model(tmp_path / "a", 1.0))
     with pytest.raises(SystemExit, match="not the model the ledger's runs started from"):
-        study_ledger.check_build(ledger, "slip", _model(tmp_path / "b", 1.0 + 1e-7))
+        study_ledger.check_build(ledger, "slip", _model(tmp_path / "b", 1.5))
+
+
+def test_runs_without_their_build_record_or_incomplete_are_refused(tmp_path):
+    from scripts import study_ledger
+
+    ledger, a, model_a = _recorded(tmp_path)
+    (ledger / "runs" / "slip" / "grpo-s0" / "metrics.jsonl").unlink()
+    with pytest.raises(SystemExit, match=r"incomplete \(no metrics.jsonl\)"):
+        study_ledger.restore(ledger, tmp_path / "b", "slip", model_a)
+    (ledger / "builds" / "slip.json").unlink()  # the runs' starting model is now unknown
+    with pytest.raises(SystemExit, match="holds runs but"):
+        study_ledger.check_build(ledger, "slip", model_a)
+
+
+def test_a_run_from_other_weights_is_refused(tmp_path):
+    from scripts import study_ledger
+
+    ledger, a, model_a = _recorded(tmp_path)
+    (ledger / "runs" / "slip" / "grpo-s0" / "ledger.json").write_text(json.dumps({"weights_sha256": "other"}))
+    with pytest.raises(SystemExit, match="from other weights than the build"):
+        study_ledger.restore(ledger, tmp_path / "b", "slip", model_a)
 
 
 def test_an_unfinished_run_is_not_recorded(tmp_path):
@@ -62,3 +98,17 @@ def test_an_unfinished_run_is_not_recorded(tmp_path):
     (tmp_path / "slip" / "grpo-s0").mkdir(parents=True)
     with pytest.raises(ValueError, match="not a finished run"):
         study_ledger.record_run(tmp_path / "ledger", tmp_path, "slip", "grpo-s0")
+
+
+def test_one_testbed_is_claimed_by_one_process(tmp_path):
+    import subprocess
+    import sys
+
+    from scripts.study_v5 import _claim
+
+    held = _claim(tmp_path, "fork")
+    assert held is not None and _claim(tmp_path, "slip") is not None
+    other = "import sys; sys.path.insert(0, '.'); from pathlib import Path; from scripts.study_v5 import _claim; " \
+            f"print(_claim(Path({str(tmp_path)!r}), 'fork') is None, _claim(Path({str(tmp_path)!r}), 'filler') is None)"
+    repo = Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", other], cwd=repo, capture_output=True, text=True, check=True).stdout.split() == ["True", "False"]
