@@ -19,6 +19,7 @@ Every entry is written under a temporary name and renamed, so a killed study nev
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -79,11 +80,8 @@ def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
     (after check_build): only complete entries recorded from the build's weights; each restored run's
     records are given the paths of `model_dir` and its new folder. The number of runs restored."""
     ledger, root = Path(ledger), Path(root)
-    attribution = ledger / "attribution" / f"{testbed}.json"
-    if attribution.exists() and not (root / "attribution" / f"{testbed}.json").exists():
-        (root / "attribution").mkdir(parents=True, exist_ok=True)
-        shutil.copy2(attribution, root / "attribution" / attribution.name)
-    weights = json.loads((ledger / "builds" / f"{testbed}.json").read_text())["weights_sha256"]
+    _copy_if_absent(ledger / "attribution" / f"{testbed}.json", root / "attribution" / f"{testbed}.json")
+    weights = _build_weights(ledger, testbed)
     restored = 0
     for kept in sorted(p for p in (ledger / "runs" / testbed).glob("*") if not p.name.startswith(".")):
         out = root / testbed / kept.name
@@ -93,15 +91,10 @@ def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
         if missing or json.loads((kept / "ledger.json").read_text())["weights_sha256"] != weights:
             raise SystemExit(f"study: error: {kept} is {'incomplete (no ' + ', '.join(missing) + ')' if missing else 'from other weights than the build'}; "
                              f"delete it and the run is made again.")
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(kept, tmp)
-        (tmp / "ledger.json").unlink()
-        _repoint(tmp, out, model_dir)
-        if out.exists():
-            shutil.rmtree(out)  # an unfinished attempt here: the ledger holds the finished one
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.rename(out)
+        with _staged(out) as tmp:  # replaces an unfinished attempt here: the ledger holds the finished one
+            shutil.copytree(kept, tmp)
+            (tmp / "ledger.json").unlink()
+            _repoint(tmp, out, model_dir)
         restored += 1
     return restored
 
@@ -114,19 +107,23 @@ def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
         raise ValueError(f"{src} is not a finished run (no summary.json)")
     if dst.exists():
         return False
-    weights = json.loads((Path(ledger) / "builds" / f"{testbed}.json").read_text())["weights_sha256"]
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in RUN_FILES:
-        shutil.copy2(src / name, tmp / name)
-    _write(tmp / "ledger.json", {"weights_sha256": weights})
-    tmp.rename(dst)
+    with _staged(dst) as tmp:
+        tmp.mkdir()
+        for name in RUN_FILES:
+            shutil.copy2(src / name, tmp / name)
+        _write(tmp / "ledger.json", {"weights_sha256": _build_weights(ledger, testbed)})
     return True
 
 
 def record_attribution(ledger: Path, root: Path, testbed: str) -> None:
-    src, dst = Path(root) / "attribution" / f"{testbed}.json", Path(ledger) / "attribution" / f"{testbed}.json"
+    _copy_if_absent(Path(root) / "attribution" / f"{testbed}.json", Path(ledger) / "attribution" / f"{testbed}.json")
+
+
+def _build_weights(ledger: Path, testbed: str) -> str:
+    return json.loads((Path(ledger) / "builds" / f"{testbed}.json").read_text())["weights_sha256"]
+
+
+def _copy_if_absent(src: Path, dst: Path) -> None:
     if src.exists() and not dst.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
@@ -144,13 +141,22 @@ def _repoint(run: Path, final: Path, model_dir: Path) -> None:
         timing.write_text(json.dumps(t | {"model": str(model_dir)}) + "\n")
 
 
-def _copy_folder(src: Path, dst: Path) -> None:
-    """Copy under a temporary name, then rename: a folder with build_info.json is always complete."""
+@contextlib.contextmanager
+def _staged(dst: Path):
+    """A temporary path beside `dst` to fill; renamed to `dst` (replacing it) once the block ends
+    without error, so `dst` is never seen half written."""
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src, tmp)
+    yield tmp
+    if dst.exists():
+        shutil.rmtree(dst)
     tmp.rename(dst)
+
+
+def _copy_folder(src: Path, dst: Path) -> None:
+    with _staged(dst) as tmp:
+        shutil.copytree(src, tmp)
 
 
 def _write(path: Path, data: dict) -> None:
