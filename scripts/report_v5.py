@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.report import accuracy_curve, read_run, stats  # noqa: E402
+from scripts.study_ledger import run_entry  # noqa: E402
 
 KINDS = ("fork", "slip", "filler", "other")
 
@@ -46,7 +47,7 @@ def collect(root: Path, ledger: bool = False) -> dict:
     runs, table = plan["runs"], {}
     finished = 0
     for r in runs:
-        run = read_run(root / "runs" / r["testbed"] / f"{r['method']}-s{r['seed']}" if ledger else root / f"{r['name']}-s{r['seed']}")
+        run = read_run(run_entry(root, r["testbed"], f"{r['method']}-s{r['seed']}") if ledger else root / f"{r['name']}-s{r['seed']}")
         if run is not None:
             finished += 1
             table.setdefault(r["testbed"], {}).setdefault(r["method"], {})[r["seed"]] = run

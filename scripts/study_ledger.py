@@ -29,6 +29,11 @@ from pathlib import Path
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "study_time.json")
 
 
+def run_entry(ledger: Path, testbed: str, run_name: str) -> Path:
+    """Where the ledger keeps the run `run_name` (`<method>-s<seed>`) of `testbed`."""
+    return Path(ledger) / "runs" / testbed / run_name
+
+
 def weights_sha256(model_dir: Path) -> str:
     """A hash of the tensors (names, dtypes, shapes, bytes) of a saved model, not of the file's header."""
     from safetensors.numpy import load_file
@@ -102,7 +107,7 @@ def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
 def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
     """Keep a finished run (`root/<testbed>/<run_name>`) in the ledger, with the hash of the weights
     it started from (the build's); whether it was new to the ledger (a kept run is never rewritten)."""
-    src, dst = Path(root) / testbed / run_name, Path(ledger) / "runs" / testbed / run_name
+    src, dst = Path(root) / testbed / run_name, run_entry(ledger, testbed, run_name)
     if not (src / "summary.json").exists():
         raise ValueError(f"{src} is not a finished run (no summary.json)")
     if dst.exists():
