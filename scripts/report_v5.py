@@ -11,7 +11,7 @@ count; the page says how many of the planned runs that is, and labels itself PAR
 Statistics: mean and sample std (ddof = 1) over seeds; a method vs GRPO is compared seed by seed
 (same data order and same first rollouts): mean paired difference and its standard error
 std / sqrt(n), n the seeds both have. Training seconds are the logged step times (evaluation
-excluded); wall and CPU seconds are the whole run's (scripts/study.py's study_time.json).
+excluded); wall and CPU seconds are the whole run's (scripts/study_run.py's study_time.json).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Order: seed 0 of every (testbed, method), then seed 1, ...: an interrupted study
 informative runs. A testbed's model is built (minutes) and its attribution made (minutes) just
 before its first run.
 Resumable: a run with summary.json is skipped, one with a checkpoint resumes from it (train.py
---resume), one with neither restarts (scripts/study.py's run_one, with its timing file).
+--resume), one with neither restarts (scripts/study_run.py's run_one, with its timing file).
 Across machines: every testbed's starting model, build record, attribution and finished run is also
 kept in --ledger (default docs/results-v5/ledger, committed; scripts/study_ledger.py); on a new
 machine the kept models are copied in instead of rebuilt and the finished runs restored.
@@ -45,7 +45,7 @@ from oar.checkpoint import write_json_atomic  # noqa: E402
 from oar.credit import COMPARED, METHODS  # noqa: E402
 from oar.testbeds import TESTBEDS  # noqa: E402
 from scripts import study_ledger  # noqa: E402
-from scripts.study import run_dir, run_one  # noqa: E402
+from scripts.study_run import run_dir, run_one  # noqa: E402
 
 SETTINGS = {"steps": 60, "eval_every": 20, "eval_size": 500, "save_every": 20}
 TINY = {"steps": 2, "prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8, "eval_size": 16, "eval_every": 1, "save_every": 1}

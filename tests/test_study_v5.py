@@ -83,3 +83,21 @@ def test_report_v5_from_the_ledger_alone(tmp_path):
     assert abs(summary["testbeds"]["fork"]["tempo"]["paired_diff_vs_grpo"]["mean"] - 0.05) < 1e-9
     assert summary["builds"]["fork"] == build | {"weights_sha256": "ab"}
     assert "--ledger" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
+    """The whole pipeline at --scale tiny (one testbed, GRPO, seed 0): build, attribution, one run; run
+    again: skipped; with its summary gone (stopped after its last checkpoint): resumed, not restarted."""
+    import json
+
+    from scripts.study_v5 import main
+
+    argv = ["--root", str(tmp_path), "--scale", "tiny", "--testbeds", "fork", "--methods", "grpo", "--seeds", "0"]
+    run = tmp_path / "fork" / "grpo-s0"
+    assert main(argv) == 0 and (run / "summary.json").exists() and (tmp_path / "attribution" / "fork.json").exists()
+    timing = lambda: json.loads((run / "study_time.json").read_text())  # noqa: E731
+    assert timing()["invocations"] == 1 and timing()["cpu_seconds"] > 0
+    assert main(argv) == 0 and timing()["invocations"] == 1  # finished: skipped
+    (run / "summary.json").unlink()
+    assert main(argv) == 0 and (run / "summary.json").exists() and timing()["invocations"] == 2
+    assert "resume grpo-s0" in capsys.readouterr().out
