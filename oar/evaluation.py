@@ -14,7 +14,8 @@ from math import comb
 
 import torch
 
-from oar.rewards import extract_answer, reward
+from oar.answers import extract_answer
+from oar.rewards import reward
 from oar.sampler import format_prompt, sample
 
 

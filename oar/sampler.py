@@ -7,7 +7,7 @@ Layout of every sequence: [left padding | prompt | completion | right padding], 
 starts at column Lp in every row. The completion is the generated tokens up to and including the
 EOS that ends it (EOS is inside `completion_mask`: stopping earns credit); a rollout that hits
 `max_new_tokens` without EOS is `truncated`. The completion text is split with
-`rewards.find_answer` into reasoning (before the final-answer marker) and answer (the extracted
+`answers.find_answer` into reasoning (before the final-answer marker) and answer (the extracted
 answer's characters) and mapped back to tokens:
   reasoning_mask  tokens that end before the marker starts
   answer_mask     tokens that overlap the answer's character span
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from oar.models import position_ids
-from oar.rewards import find_answer
+from oar.answers import find_answer
 
 
 @dataclass

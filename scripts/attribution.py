@@ -43,7 +43,8 @@ from oar.arith import ArithConfig, arith_problems, arith_solution
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
 from oar.probes import PROBES
-from oar.rewards import find_answer, reward
+from oar.answers import find_answer
+from oar.rewards import reward
 from oar.sampler import char_offsets, build_rollout, encode_prompts, format_prompt, sample, stop_token_ids
 
 SCORERS = ("oar-p", "oar-g", "random")

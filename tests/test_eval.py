@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from oar.rewards import extract_answer, reward
+from oar.answers import extract_answer
+from oar.rewards import reward
 from tinyrun import EVAL, check_ok, launch, run_script
 
 

@@ -1,4 +1,4 @@
-"""`oar.rewards`: hand-checked cases, adversarial inputs, fuzzing, and every real gold answer."""
+"""`oar.answers` and `oar.rewards`: hand-checked cases, adversarial inputs, fuzzing, and every real gold answer."""
 
 import json
 import signal
@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oar.rewards import AnswerSpan, _deadline, _Timeout, answers_match, extract_answer, find_answer, reward
+from oar.answers import AnswerSpan, extract_answer, find_answer
+from oar.rewards import _deadline, _Timeout, answers_match, reward
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TIME_LIMIT = 2.0  # seconds any one call may take, whatever the input
