@@ -184,9 +184,11 @@ def main(cfg: Config) -> dict:
         scored = ((advantages != 0) & completion.any(1) | cfg.score_all) & (cfg.method != "grpo")  # (B,)
         probe = "last" if step < cfg.probe_warmup else cfg.probe
         # Token credit (oar/credit.py): what a method needs of the whole step is computed here, before
-        # the micro-batches, so its weights do not depend on micro-batching or on the processes.
-        credit = step_credit(CreditSettings(**{f.name: getattr(cfg, f.name) for f in fields(CreditSettings)}), policy, tokenizer,
-                             ro, rewards, advantages, scored, seeds, golds, probe, gather=lambda x: gather_ragged(accelerator, x))
+        # the micro-batches, so its weights do not depend on micro-batching or on the processes; in the
+        # update forward's mixed precision (entropy-mask's entropies are that forward's).
+        with accelerator.autocast():
+            credit = step_credit(CreditSettings(**{f.name: getattr(cfg, f.name) for f in fields(CreditSettings)}), policy, tokenizer,
+                                 ro, rewards, advantages, scored, seeds, golds, probe, gather=lambda x: gather_ragged(accelerator, x))
         model.train()
         w_all, old_all, ref_all, passes, norms = [], [], [], [], []  # per micro-batch (w, old, ref); per pass
         oar_seconds, n_nonfinite, skipped = 0.0, 0, 0

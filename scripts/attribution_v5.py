@@ -6,15 +6,21 @@ The starting model of a testbed samples G rollouts for each of P train-split pro
 the fork sits on the third line), exactly as train.py's step 1-3 would (seeded sampler, rewards,
 group advantages). Every method of oar/credit.py then weighs the SAME rollouts through the same
 code path train.py uses (credit.step_credit; the update forward's logits for the entropy methods).
-Rollouts with advantage 0 carry no update and are left out; metrics are over each rollout's
-reasoning tokens, then averaged over rollouts (mean and standard error):
+Rollouts with advantage 0 carry no update and are left out. Metrics are over each rollout's scope,
+its reasoning tokens plus its fork token (a rollout that answers one line early forks on the first
+`#` of its `####` marker, which is not reasoning: OAR's gate leaves it at 1 by SPEC §5), then
+averaged over rollouts; the standard errors are clustered by prompt (a group's rollouts share a
+prompt and are often the same text, so they are not independent draws):
 
   pivotal        the digits of each computed result (scripts/attribution.py), the fork and the slips
+  planted        the fork and the slips only: the tokens the testbed's teacher decided
   precision@k, ROC-AUC   of |w| (the share of |A_i| the token gets) against the pivotal tokens
                  (ties shared, scripts/attribution.py); all-ones GRPO gets the base rate and 0.5
+  roc_auc_planted        the same against the planted tokens, on rollouts that have one
   w_fork, w_slip, w_filler, w_other   the mean weight (signed) on the fork tokens, the slip tokens,
                  the filler tokens and the remaining reasoning tokens (oar/teacher.py finds them on
-                 each rollout's own text)
+                 each rollout's own text); w_fork_stop / w_fork_go split the fork by what the
+                 rollout did there (answered early: `#`; went on: a digit)
 
 Nothing is trained and nothing held out is touched.
 """
@@ -36,6 +42,23 @@ from oar.teacher import filler_spans, fork_spans, slip_spans
 from scripts.attribution import pivotal_char_spans, precision_at_k, roc_auc, token_labels
 
 KINDS = ("pivotal", "fork", "slip", "filler")
+METRICS = ("precision_at_k", "roc_auc", "roc_auc_planted", "w_fork", "w_fork_stop", "w_fork_go", "w_slip", "w_filler", "w_other", "frac_negative")
+
+
+def clustered_mean(values: list[float], clusters: list[int], key: str) -> dict:
+    """Mean of the non-NaN `values`, its standard error clustered by `clusters` (the usual sandwich
+    estimator of a mean, with the G/(G-1) small-sample factor), and n; {} when nothing is left."""
+    v, c = np.array(values, dtype=np.float64), np.array(clusters)
+    keep = ~np.isnan(v)
+    v, c = v[keep], c[keep]
+    if not len(v):
+        return {f"{key}_n": 0}
+    out = {key: float(v.mean()), f"{key}_n": len(v)}
+    groups = np.unique(c)
+    if len(groups) > 1:
+        sums = np.array([(v[c == g] - v.mean()).sum() for g in groups])
+        out[f"{key}_se"] = float(math.sqrt((sums**2).sum() * len(groups) / (len(groups) - 1)) / len(v))
+    return out
 
 
 def labels(tokenizer, ro, testbed) -> dict[str, torch.Tensor]:
@@ -53,11 +76,12 @@ def labels(tokenizer, ro, testbed) -> dict[str, torch.Tensor]:
     return out
 
 
-def method_weights(method: str, model, tokenizer, ro, rewards, advantages, seeds, golds, *, micro_batch_size: int = 64) -> torch.Tensor:
+def method_weights(method: str, model, tokenizer, ro, rewards, advantages, seeds, golds, *, group_size: int,
+                   micro_batch_size: int = 64) -> torch.Tensor:
     """Weights (B, L) of `method` on these rollouts, through train.py's interface (defaults of Config)."""
     from oar.config import Config
 
-    cfg = Config(method=method, micro_batch_size=micro_batch_size)
+    cfg = Config(method=method, group_size=group_size, micro_batch_size=micro_batch_size)
     settings = CreditSettings(**{k: getattr(cfg, k) for k in CreditSettings.__dataclass_fields__})
     scored = (advantages != 0) & ro.completion_mask.any(1)
     weigh = step_credit(settings, model, tokenizer, ro, rewards, advantages, scored, seeds, golds, cfg.probe)
@@ -87,24 +111,23 @@ def run(model, tokenizer, testbed, *, prompts: int = 48, group_size: int = 8, se
     used = [i for i in range(len(ro)) if advantages[i] != 0 and reasoning[i].any()]
     rows = []
     for method in methods:
-        w = method_weights(method, model, tokenizer, ro, rewards, advantages, seeds, golds)
-        row = {"method": method, "rollouts": len(used)}
-        per = {"precision_at_k": [], "roc_auc": []} | {f"w_{k}": [] for k in KINDS[1:]} | {"w_other": [], "frac_negative": []}
+        w = method_weights(method, model, tokenizer, ro, rewards, advantages, seeds, golds, group_size=group_size)
+        per = {k: [] for k in METRICS}
         for i in used:
-            r = reasoning[i]
-            score, piv = w[i][r].abs().numpy(), known["pivotal"][i][r].numpy()
-            per["precision_at_k"].append(precision_at_k(score, piv))
-            per["roc_auc"].append(roc_auc(score, piv))
-            other = r & ~known["pivotal"][i] & ~known["filler"][i]
-            for kind, mask in [("fork", known["fork"][i] & r), ("slip", known["slip"][i] & r),
-                               ("filler", known["filler"][i] & r), ("other", other)]:
+            scope = reasoning[i] | known["fork"][i]
+            score = w[i][scope].abs().numpy()
+            per["precision_at_k"].append(precision_at_k(score, known["pivotal"][i][scope].numpy()))
+            per["roc_auc"].append(roc_auc(score, known["pivotal"][i][scope].numpy()))
+            per["roc_auc_planted"].append(roc_auc(score, (known["fork"][i] | known["slip"][i])[scope].numpy()))
+            other = reasoning[i] & ~known["pivotal"][i] & ~known["filler"][i]
+            for kind, mask in [("fork", known["fork"][i]), ("fork_stop", known["fork"][i] & ~reasoning[i]),
+                               ("fork_go", known["fork"][i] & reasoning[i]), ("slip", known["slip"][i] & scope),
+                               ("filler", known["filler"][i] & scope), ("other", other)]:
                 per[f"w_{kind}"].append(float(w[i][mask].mean()) if mask.any() else math.nan)
-            per["frac_negative"].append(float((w[i][r] < 0).float().mean()))
+            per["frac_negative"].append(float((w[i][scope] < 0).float().mean()))
+        row = {"method": method, "rollouts": len(used)}
         for key, values in per.items():
-            v = np.array([x for x in values if not math.isnan(x)])
-            row[key] = float(v.mean()) if len(v) else math.nan
-            row[f"{key}_se"] = float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
-            row[f"{key}_n"] = len(v)
+            row |= {key: math.nan, f"{key}_se": math.nan} | clustered_mean(values, [i // group_size for i in used], key)
         rows.append(row)
     return {"testbed": testbed.name, "prompts": prompts, "group_size": group_size, "seed": seed,
             "sample_accuracy": float(rewards.mean()), "pivotal_frac": float(np.mean([known["pivotal"][i][reasoning[i]].float().mean() for i in used])) if used else math.nan,

@@ -167,20 +167,26 @@ def markdown(summary: dict, images) -> str:
     if summary["attribution"]:
         lines += ["## Where each method puts the advantage (starting models, known tokens)", "",
                   "Each testbed's starting model samples 8 rollouts for each of 48 train-split 3-operation problems; every method "
-                  "weighs the same rollouts through train.py's credit interface. Over the reasoning tokens of the rollouts with "
-                  "advantage ≠ 0: precision@k and ROC-AUC of |w| against the pivotal tokens (result digits, the fork, the slips), and "
-                  "the mean weight w (signed: TEMPO's can be negative) on the fork, slip and filler tokens and on the other tokens. "
-                  "GRPO's all-ones weights give the base rate and 0.5.", "",
-                  "| testbed | method | rollouts | precision@k | ROC-AUC | w fork | w slip | w filler | w other | share w < 0 |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "weighs the same rollouts through train.py's credit interface. Over the scope of each rollout with advantage ≠ 0 "
+                  "(its reasoning tokens and its fork token: a rollout that answers early forks on the first `#` of its `####` marker, "
+                  "which OAR's gate leaves at 1): precision@k and ROC-AUC of |w| against the pivotal tokens (result digits, the fork, "
+                  "the slips), ROC-AUC against the planted tokens alone (the fork and the slips), and the mean weight w (signed: "
+                  "TEMPO's can be negative) on the fork (all; where the rollout stopped; where it went on), slip and filler tokens and "
+                  "on the other reasoning tokens. ± is a standard error clustered by prompt. GRPO's all-ones weights give the base "
+                  "rate and 0.5.", "",
+                  "| testbed | method | rollouts | precision@k | ROC-AUC | ROC-AUC planted | w fork | w fork stop / go | w slip | w filler | w other | share w < 0 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for tb, a in summary["attribution"].items():
             for r in a["table"]:
                 cell = lambda k: f"{_f(r[k])} ± {_f(r[k + '_se'])}" if r.get(k + "_n", 0) > 1 else _f(r.get(k))  # noqa: E731
-                lines.append(f"| {tb} | {r['method']} | {r['rollouts']} | {cell('precision_at_k')} | {cell('roc_auc')} | {cell('w_fork')} | "
-                             f"{cell('w_slip')} | {cell('w_filler')} | {cell('w_other')} | {_f(r['frac_negative'], 3)} |")
+                split = f"{_f(r.get('w_fork_stop'))} / {_f(r.get('w_fork_go'))}"
+                lines.append(f"| {tb} | {r['method']} | {r['rollouts']} | {cell('precision_at_k')} | {cell('roc_auc')} | {cell('roc_auc_planted')} | "
+                             f"{cell('w_fork')} | {split} | {cell('w_slip')} | {cell('w_filler')} | {cell('w_other')} | {_f(r['frac_negative'], 3)} |")
         lines += ["", "Rollouts with a fork / slip token, and the starting model's sample accuracy: " + "; ".join(
             f"{tb}: {a['rollouts_with_fork']} / {a['rollouts_with_slip']} of {a['prompts'] * a['group_size']}, {_pct(a['sample_accuracy'])}%"
-            for tb, a in summary["attribution"].items()) + ".", ""]
+            for tb, a in summary["attribution"].items()) + ". Of the rollouts scored, the fork stopped / went on in: " + "; ".join(
+            f"{tb} {a['table'][0].get('w_fork_stop_n', 'n/a')} / {a['table'][0].get('w_fork_go_n', 'n/a')}"
+            for tb, a in summary["attribution"].items() if a["rollouts_with_fork"]) + ".", ""]
     lines += [f"![{p.stem}]({p.name})" for p in images] + [""]
     return "\n".join(lines)
 

@@ -40,12 +40,18 @@ def test_tempo_can_flip_the_sign_of_a_rewarded_token():
 
 
 def test_tempo_padding_tied_groups_and_ended_rollouts():
-    ids = torch.tensor([[1, 2, 0], [1, 3, 4], [5, 6, 7], [5, 6, 7]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
-    w = tempo_weights(ids, mask, torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2)
-    # group 1: rollout 0 ends (EOS at t=1) where rollout 1 continues: both branch at t=1 only.
+    ids = torch.tensor([[1, 2, 0], [1, 3, 4], [5, 6, 7], [5, 6, 7], [1, 2, 0], [1, 2, 4]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    w = tempo_weights(ids, mask, torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 0.0]), group_size=2)
+    # group 1: the rollouts branch on their tokens at t=1 (2 vs 3); each child is worth its own
+    # reward against the root's 1/2: delta = +-1/2 over r_i - mean = +-1/2, w = 2; rollout 0's
+    # padding at t=2 keeps 1, and rollout 1's t=2 is no branch (it is alone below t=1).
     assert w[0].tolist() == [1.0, 2.0, 1.0] and w[1].tolist() == [1.0, 2.0, 1.0]
-    assert w[2:].eq(1).all()  # group 2: identical rollouts, equal rewards: no branch, A = 0
+    assert w[2:4].eq(1).all()  # group 2: identical rollouts, equal rewards: no branch, A = 0
+    # group 3: rollout 4 stops after t=1 without a token of its own where rollout 5 goes on: a branch
+    # at t=2 whose only child is rollout 5 (V 0 against the node's 1/2: w = 1 + (-1/2)/(-1/2) = 2);
+    # rollout 4's TD term has no token to sit on (tempo.py's docstring), so it keeps 1.
+    assert w[4].tolist() == [1.0, 1.0, 1.0] and w[5].tolist() == [1.0, 1.0, 2.0]
 
 
 @st.composite
@@ -107,8 +113,14 @@ def test_top_entropy_mask_properties(values, top, split):
     # the threshold is the whole step's: "processes" holding any split of the tokens agree
     cut = min(split, len(values))
     parts = [ent[:, :cut], ent[:, cut:]]
-    gather = lambda _: x  # every process sees all tokens after the gather  # noqa: E731
-    got = torch.cat([top_entropy_mask(p, torch.ones_like(p, dtype=torch.bool), top=top, gather=gather) for p in parts], 1)
+
+    def gather_on(rank):  # what all_gather gives process `rank`: every process's valid tokens, in rank order
+        def gather(mine):
+            assert mine.equal(parts[rank].flatten())  # each process offers its own tokens only
+            return torch.cat([p.flatten() for p in parts])
+        return gather
+
+    got = torch.cat([top_entropy_mask(p, torch.ones_like(p, dtype=torch.bool), top=top, gather=gather_on(k)) for k, p in enumerate(parts)], 1)
     assert got.equal(m)
 
 
@@ -154,3 +166,23 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
                            "answer_mean")(slice(0, 8), ro, logits)[0] for m in ("oar-g", "tempo", "oar-g+tempo")}
     torch.testing.assert_close(both["oar-g+tempo"], both["oar-g"] + both["tempo"] - 1)
     assert (both["tempo"] != 1).any()  # some token branched
+
+
+def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_from(tiny_model):
+    """Against the definition, one prefix at a time: the entropy at completion position t is that of
+    the model's next-token distribution after the tokens before t (no slicing shared with the code)."""
+    from oar.credit import step_entropies
+    from oar.grpo import token_entropy
+    from oar.models import load_model
+    from oar.sampler import format_prompt, sample
+
+    model, tok = load_model(str(tiny_model))
+    ro = sample(model, tok, [format_prompt(tok, "Compute 3 + 4."), format_prompt(tok, "Compute 12 - 5.")], group_size=2,
+                seeds=[0, 1, 2, 3], max_new_tokens=10, temperature=0.7)
+    got = step_entropies(model, ro, micro_batch_size=3, temperature=0.7)
+    assert got[:, :ro.prompt_width].eq(0).all()
+    for i in range(len(ro)):
+        for t in ro.completion_mask[i].nonzero().flatten().tolist():
+            with torch.no_grad():
+                last = model(input_ids=ro.input_ids[i:i + 1, :t], attention_mask=ro.attention_mask[i:i + 1, :t]).logits[0, -1]
+            torch.testing.assert_close(got[i, t], token_entropy(last[None, None] / 0.7)[0, 0], atol=1e-5, rtol=1e-5)

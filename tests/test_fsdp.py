@@ -5,7 +5,8 @@ the same gather/reshard code on a model accelerate shards, and cannot be launche
 
 Each run must leave the 1-process run's parameters (within 1e-5) in a final/ folder that
 from_pretrained loads: GRPO, OAR-P with --num_iterations 2 (rollout reuse on the sharded model),
-and OAR-G stopped after step 1 and resumed from its sharded checkpoint. Each process holds about
+OAR-G stopped after step 1 and resumed from its sharded checkpoint, and entropy-mask (a forward of
+the sharded model before the update, and a threshold gathered over both processes). Each process holds about
 half of the parameters and AdamW states an unsharded (DDP) process holds.
 """
 
@@ -16,7 +17,8 @@ import torch
 
 from tinyrun import TINY, check_ok, final_params, initial_params, launch, max_abs_diff, run_inprocess
 
-RUNS = {"grpo": ["--method", "grpo"], "oar-p/mu2": ["--method", "oar-p", "--num_iterations", "2"], "oar-g/resumed": ["--method", "oar-g"]}
+RUNS = {"grpo": ["--method", "grpo"], "oar-p/mu2": ["--method", "oar-p", "--num_iterations", "2"], "oar-g/resumed": ["--method", "oar-g"],
+        "entropy-mask": ["--method", "entropy-mask"]}  # its own no-grad forward of the sharded model, and a gather
 
 
 def _args(model, out, setting, *extra):

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 import torch
@@ -32,8 +33,22 @@ def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model):
     used = table["grpo"]["rollouts"]
     assert used > 0 and all(r["rollouts"] == used for r in table.values())
     assert table["grpo"]["roc_auc"] == 0.5 and table["grpo"]["w_other"] == 1.0  # all ones: chance, weight 1
-    assert table["entropy-mask"]["w_other"] <= 1.0 and table["tempo"]["frac_negative"] >= 0
-    assert all(math.isnan(r["w_fork"]) for r in table.values())  # slip plants no fork
+    assert table["entropy-mask"]["w_other"] <= 1.0 and table["grpo"]["frac_negative"] == 0
+    assert all(math.isnan(r["w_fork"]) and r["w_fork_n"] == 0 for r in table.values())  # slip plants no fork
+    for r in table.values():  # standard errors clustered by prompt: at most 6 clusters behind each
+        assert r["w_other_n"] == used and (r["w_other_se"] >= 0 or math.isnan(r["w_other_se"]))
+
+
+def test_clustered_standard_error_by_hand():
+    from scripts.attribution_v5 import clustered_mean
+
+    # mean 2.5; cluster sums of deviations -2 and +2: sqrt((4 + 4) * 2 / 1) / 4 = 1
+    assert clustered_mean([1.0, 2.0, 3.0, 4.0], [0, 0, 1, 1], "x") == {"x": 2.5, "x_n": 4, "x_se": 1.0}
+    # the same values as independent clusters: the usual s.e. times sqrt((G-1)/G * G/(G-1)) = std/sqrt(n) * sqrt(3/4 * 4/3)
+    independent = clustered_mean([1.0, 2.0, 3.0, 4.0], [0, 1, 2, 3], "x")["x_se"]
+    assert math.isclose(independent, float(np.std([1, 2, 3, 4], ddof=1) / 2))
+    assert clustered_mean([math.nan, 1.0], [0, 1], "x") == {"x": 1.0, "x_n": 1}  # one value: no s.e.
+    assert clustered_mean([math.nan], [0], "x") == {"x_n": 0}
 
 
 def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
