@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from oar.credit import METHODS  # noqa: E402
 from scripts.report import accuracy_curve, read_run, stats  # noqa: E402
 from scripts.study_ledger import run_entry  # noqa: E402
 
@@ -45,12 +46,22 @@ def collect(root: Path, ledger: bool = False) -> dict:
     else:
         plan = json.loads((root / "plan.json").read_text())
     runs, table = plan["runs"], {}
+    where = lambda tb, name: run_entry(root, tb, name) if ledger else root / tb / name  # noqa: E731
     finished = 0
     for r in runs:
-        run = read_run(run_entry(root, r["testbed"], f"{r['method']}-s{r['seed']}") if ledger else root / f"{r['name']}-s{r['seed']}")
+        run = read_run(where(r["testbed"], f"{r['method']}-s{r['seed']}"))
         if run is not None:
             finished += 1
             table.setdefault(r["testbed"], {}).setdefault(r["method"], {})[r["seed"]] = run
+    # Finished runs of methods beyond the plan (study_v5.py --methods oar-g+tempo): reported beside
+    # the plan's with the same statistics, and counted apart.
+    planned, beyond = {(r["testbed"], r["method"]) for r in runs}, set()
+    for tb in sorted({r["testbed"] for r in runs}):
+        for d in sorted(where(tb, "").glob("*-s*")):
+            method, _, seed = d.name.rpartition("-s")
+            if method in METHODS and (tb, method) not in planned and seed.isdigit() and (run := read_run(d)) is not None:
+                table.setdefault(tb, {}).setdefault(method, {})[int(seed)] = run
+                beyond.add(method)
     out = {}
     for tb, methods in table.items():
         grpo = methods.get("grpo", {})
@@ -78,7 +89,8 @@ def collect(root: Path, ledger: bool = False) -> dict:
     build_files = sorted((root / "builds").glob("*.json")) if ledger else sorted((root / "models").glob("*/build_info.json"))
     builds = {(p.stem if ledger else p.parent.name): {k: v for k, v in json.loads(p.read_text()).items() if k != "recipe"}
               for p in build_files}
-    return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution, "builds": builds}
+    return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution, "builds": builds,
+            "beyond_plan": sorted(beyond)}
 
 
 def _nan_to_null(x):
@@ -102,7 +114,8 @@ def write(root, out, ledger: bool = False) -> dict:
                "report_command": f"python scripts/report_v5.py --{'ledger' if ledger else 'root'} {root} --out {out}",
                "status": f"{'PARTIAL: ' if partial else ''}{data['finished']} of {data['planned']} runs finished",
                "command": data["plan"].get("command"), "settings": data["plan"]["settings"],
-               "builds": data["builds"], "testbeds": data["testbeds"], "attribution": data["attribution"]}
+               "builds": data["builds"], "testbeds": data["testbeds"], "attribution": data["attribution"],
+               "beyond_plan": data["beyond_plan"]}
     (out / "summary.json").write_text(json.dumps(_nan_to_null(summary), indent=2, allow_nan=False) + "\n")
     run_rows, curve_rows, attr_rows = [], [], []
     for tb, methods in data["testbeds"].items():
@@ -150,6 +163,9 @@ def markdown(summary: dict, images) -> str:
              f"{s.get('eval_size', 500)} problems of arith's test split, greedy, every {s['eval_every']} steps and at the end; "
              "completion budget 64 tokens (filler: 96); seeds 0-4; each testbed's starting model built once (seed 0). "
              "Nothing was chosen on the held-out split.", ""]
+    if summary.get("beyond_plan"):
+        lines += [f"Beyond the plan: {', '.join(f'`{m}`' for m in summary['beyond_plan'])} (not in the paper; named after the plan was "
+                  "fixed, same settings and seeds, run with `study_v5.py --methods`), in the tables below and not in the run count.", ""]
     if summary["builds"]:
         lines += ["Starting models (built by the study, seed 0, oar/testbeds.py's recipes): " + "; ".join(
             f"`{tb}` {_pct(b['heldout_accuracy'])}% held-out (greedy, build's own 500 problems), {b['build_seconds'] / 60:.0f} min "
@@ -191,7 +207,7 @@ def markdown(summary: dict, images) -> str:
     return "\n".join(lines)
 
 
-COLORS = {"grpo": "#555555", "oar-g": "#1f77b4", "oar-p": "#d62728", "entropy": "#2ca02c", "entropy-mask": "#98df8a", "tempo": "#9467bd"}
+COLORS = {"grpo": "#555555", "oar-g": "#1f77b4", "oar-p": "#d62728", "entropy": "#2ca02c", "entropy-mask": "#98df8a", "tempo": "#9467bd", "oar-g+tempo": "#ff7f0e"}
 
 
 def _accuracy_plot(testbeds: dict, path: Path) -> Path:

@@ -83,7 +83,7 @@ def test_report_v5_from_the_ledger_alone(tmp_path):
 
     from scripts import report_v5
 
-    for m, acc in (("grpo", 0.40), ("tempo", 0.45)):
+    for m, acc in (("grpo", 0.40), ("tempo", 0.45), ("oar-g+tempo", 0.47)):  # the last is beyond the plan
         d = tmp_path / "runs" / "fork" / f"{m}-s0"
         d.mkdir(parents=True)
         (d / "config.json").write_text(json.dumps({"method": m}))
@@ -96,6 +96,10 @@ def test_report_v5_from_the_ledger_alone(tmp_path):
     summary = report_v5.write(tmp_path, tmp_path / "out", ledger=True)
     assert summary["status"] == "PARTIAL: 2 of 90 runs finished"  # the study's whole plan, from study_v5.py
     assert abs(summary["testbeds"]["fork"]["tempo"]["paired_diff_vs_grpo"]["mean"] - 0.05) < 1e-9
+    # a run beyond the plan is reported, paired with GRPO, labelled, and not counted in the plan's runs
+    assert summary["beyond_plan"] == ["oar-g+tempo"]
+    assert abs(summary["testbeds"]["fork"]["oar-g+tempo"]["paired_diff_vs_grpo"]["mean"] - 0.07) < 1e-9
+    assert "Beyond the plan: `oar-g+tempo`" in (tmp_path / "out" / "README.md").read_text()
     assert summary["builds"]["fork"] == build | {"weights_sha256": "ab"}
     assert "--ledger" in (tmp_path / "out" / "README.md").read_text()
 
