@@ -69,15 +69,20 @@ def collect(root: Path, ledger: bool = False) -> dict:
         for m, by_seed in methods.items():
             seeds = sorted(by_seed)
             after = [by_seed[s]["summary"]["accuracy_after"] for s in seeds]
-            paired = stats([by_seed[s]["summary"]["accuracy_after"] - grpo[s]["summary"]["accuracy_after"] for s in seeds if s in grpo])
             curves: dict[int, list[float]] = {}
+            diffs: dict[int, list[float]] = {}  # step -> this method's accuracy minus GRPO's, seed by seed
             for s in seeds:
-                for step, acc in accuracy_curve(by_seed[s]):
+                mine, base = dict(accuracy_curve(by_seed[s])), dict(accuracy_curve(grpo[s])) if s in grpo else {}
+                for step, acc in mine.items():
                     curves.setdefault(step, []).append(acc)
+                    if step in base:
+                        diffs.setdefault(step, []).append(acc - base[step])
             out[tb][m] = {
                 "seeds": seeds, "accuracy_after": after, "accuracy_before": [by_seed[s]["summary"]["accuracy_before"] for s in seeds],
                 **{k: v for k, v in stats(after).items() if k != "n"},
-                "paired_diff_vs_grpo": {"mean": paired["mean"], "se": paired["std"] / math.sqrt(paired["n"]) if paired["n"] > 1 else math.nan, "n": paired["n"]},
+                "paired_diff_vs_grpo": _paired([by_seed[s]["summary"]["accuracy_after"] - grpo[s]["summary"]["accuracy_after"]
+                                                for s in seeds if s in grpo]),
+                "paired_curve_vs_grpo": {str(st): _paired(v) for st, v in sorted(diffs.items()) if st > 0},
                 "curve": {str(st): {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else math.nan, "n": len(v)}
                           for st, v in sorted(curves.items())},
                 "final_train_reward": stats([np.mean([x["reward/mean"] for x in by_seed[s]["rows"][-5:]]) for s in seeds])["mean"],
@@ -91,6 +96,12 @@ def collect(root: Path, ledger: bool = False) -> dict:
               for p in build_files}
     return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution, "builds": builds,
             "beyond_plan": sorted(beyond)}
+
+
+def _paired(diffs: list[float]) -> dict:
+    """Mean of paired differences (method - GRPO, same seed), its standard error, and n."""
+    st = stats(diffs)
+    return {"mean": st["mean"], "se": st["std"] / math.sqrt(st["n"]) if st["n"] > 1 else math.nan, "n": st["n"]}
 
 
 def _nan_to_null(x):
@@ -179,6 +190,14 @@ def markdown(summary: dict, images) -> str:
             lines.append(f"| {m} | {', '.join(map(str, v['seeds']))} | {_pct(np.mean(v['accuracy_before']))} | {_pct(v['mean'])} ± {_pct(v['std'])} | "
                          f"{', '.join(_pct(a) for a in v['accuracy_after'])} | {delta} | {_pct(v['final_train_reward'])} | "
                          f"{np.mean(v['train_seconds']) / 60:.1f} min | {np.mean(v['cpu_seconds']) / 60:.1f} min |")
+        steps = sorted({int(st) for v in methods.values() for st in v["paired_curve_vs_grpo"]})
+        lines += ["", "Paired Δ vs GRPO at each evaluation (points; ± s.e. over the seeds both have, n):", "",
+                  "| method | " + " | ".join(f"step {st}" for st in steps) + " |", "|---|" + "---|" * len(steps)]
+        for m, v in methods.items():
+            if m != "grpo":
+                cells = [v["paired_curve_vs_grpo"].get(str(st)) for st in steps]
+                lines.append(f"| {m} | " + " | ".join("n/a" if c is None or not c["n"] else f"{100 * c['mean']:+.1f} ± {_pct(c['se'])} ({c['n']})"
+                                                     for c in cells) + " |")
         lines.append("")
     if summary["attribution"]:
         lines += ["## Where each method puts the advantage (starting models, known tokens)", "",

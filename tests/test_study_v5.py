@@ -64,7 +64,8 @@ def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
         d.mkdir(parents=True)
         (d / "config.json").write_text(json.dumps({"method": m}))
         (d / "summary.json").write_text(json.dumps({"steps": 2, "accuracy_before": 0.2, "accuracy_after": acc}))
-        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward/mean": 0.5, "time/step_s": 1.0}) + "\n" for k in (1, 2)))
+        evals = {1: {"eval/accuracy": acc / 2}, 2: {}}  # an evaluation at step 1
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward/mean": 0.5, "time/step_s": 1.0} | evals[k]) + "\n" for k in (1, 2)))
         (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 8.0}))
     summary = report_v5.write(tmp_path, tmp_path / "out")
     assert summary["status"] == "PARTIAL: 5 of 6 runs finished"
@@ -73,6 +74,10 @@ def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
     assert tempo["paired_diff_vs_grpo"]["n"] == 2
     assert abs(tempo["paired_diff_vs_grpo"]["mean"] - 0.035) < 1e-9 and abs(tempo["paired_diff_vs_grpo"]["se"] - 0.015) < 1e-9
     assert summary["testbeds"]["fork"]["grpo"]["seeds"] == [0, 1, 2]
+    # the same pairing at every evaluation: step 2 is the final; at step 1 +0.025, +0.01 -> 0.0175 ± 0.0075
+    curve = tempo["paired_curve_vs_grpo"]
+    assert curve["2"] == tempo["paired_diff_vs_grpo"] and curve["1"]["n"] == 2
+    assert abs(curve["1"]["mean"] - 0.0175) < 1e-9 and abs(curve["1"]["se"] - 0.0075) < 1e-9
     assert "PARTIAL" in (tmp_path / "out" / "README.md").read_text() and (tmp_path / "out" / "accuracy.png").exists()
     strict = json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert strict["testbeds"]["fork"]["tempo"]["std"] is not None
