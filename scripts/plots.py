@@ -14,7 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-COLORS = {"grpo": "#555555", "oar-g": "#1f77b4", "oar-p": "#d62728", "random": "#bbbbbb"}
+COLORS = {"grpo": "#555555", "oar-g": "#1f77b4", "oar-p": "#d62728", "random": "#bbbbbb", "entropy": "#2ca02c", "entropy-mask": "#98df8a",
+          "tempo": "#9467bd", "oar-g+tempo": "#ff7f0e"}
 
 
 def _by_method(rows: list[dict], key: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -120,6 +121,41 @@ def attribution_bars(rows: list[dict], path: Path) -> Path:
         ax.set(ylim=(min(0, *(r["spearman"] for r in by_probe)) - 0.05, 1), title=f"OAR-G vs OAR-P agreement: {source} rollouts")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def testbed_accuracy(testbeds: dict, path: Path) -> Path:
+    """Issue 14's study: held-out accuracy over training, one panel per testbed (summary.json's
+    testbeds: method -> curve {step: {mean, std}}), mean ± 1 std over seeds."""
+    fig, axes = plt.subplots(1, len(testbeds), figsize=(5 * len(testbeds), 3.8), dpi=120, squeeze=False)
+    for ax, (tb, methods) in zip(axes[0], testbeds.items()):
+        for m, v in methods.items():
+            steps = [int(s) for s in v["curve"]]
+            mean = np.array([c["mean"] for c in v["curve"].values()]) * 100
+            std = np.nan_to_num(np.array([c["std"] for c in v["curve"].values()], dtype=float) * 100)
+            ax.plot(steps, mean, color=COLORS.get(m), label=f"{m} (n={len(v['seeds'])})", lw=1.6)
+            ax.fill_between(steps, mean - std, mean + std, color=COLORS.get(m), alpha=0.12, lw=0)
+        ax.set(title=f"testbed {tb}", xlabel="step", ylabel="held-out accuracy (%, greedy)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def known_token_weights(attribution: dict, path: Path) -> Path:
+    """Issue 14's attribution: each method's mean weight on each kind of known token, one panel per
+    testbed (the fork split by what the rollout did there: stopped / went on); 1 is GRPO's."""
+    kinds = ("fork_stop", "fork_go", "slip", "filler", "other")
+    fig, axes = plt.subplots(1, len(attribution), figsize=(5 * len(attribution), 3.8), dpi=120, squeeze=False)
+    for ax, (tb, a) in zip(axes[0], attribution.items()):
+        methods = [r["method"] for r in a["table"]]
+        x = np.arange(len(methods))
+        for k, kind in enumerate(kinds):
+            vals = [r.get(f"w_{kind}", np.nan) for r in a["table"]]
+            ax.bar(x + (k - 2) * 0.16, np.nan_to_num(np.array(vals, dtype=float)), width=0.16, label=kind.replace("_", " "))
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(x, methods, rotation=30, fontsize=8)
+        ax.set(title=f"{tb}: mean weight on known tokens", ylabel="mean w")
+        ax.legend(fontsize=7)
     return _save(fig, path)
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,10 +31,29 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oar.credit import METHODS  # noqa: E402
+from oar.teacher import fork_spans, slip_spans  # noqa: E402
 from scripts.report import accuracy_curve, read_run, stats  # noqa: E402
 from scripts.study_ledger import run_entry  # noqa: E402
 
-KINDS = ("fork", "slip", "filler", "other")
+
+
+OPERATOR = re.compile(r" [-+*] ")  # between operands in arith's problem text ("Compute (75 - 1) - 3.")
+
+
+def flaw_rates(run_dir: Path) -> dict | None:
+    """The planted flaws in a run's final held-out completions (greedy; eval_final.jsonl, or the
+    ledger's .gz): the share of 3-operation problems answered one line early (the fork: `#` opens
+    line 3) and the share of completions with a slip (a written result that is not `a op b`; the
+    model's own arithmetic errors count too). None when the run kept no completions."""
+    for name, opener in (("eval_final.jsonl", open), ("eval_final.jsonl.gz", gzip.open), ("eval.jsonl", open)):  # the last: eval.py's
+        if (run_dir / name).is_file():
+            with opener(run_dir / name, "rt") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            three = [r["completion"] for r in rows if len(OPERATOR.findall(r["problem"])) == 3]
+            early = [any(text[a] == "#" for a, _ in fork_spans(text)) for text in three]
+            return {"early_answers_3op": float(np.mean(early)) if early else math.nan,
+                    "with_slip": float(np.mean([bool(slip_spans(r["completion"])) for r in rows])), "completions": len(rows)}
+    return None
 
 
 def collect(root: Path, ledger: bool = False) -> dict:
@@ -69,6 +90,7 @@ def collect(root: Path, ledger: bool = False) -> dict:
         for m, by_seed in methods.items():
             seeds = sorted(by_seed)
             after = [by_seed[s]["summary"]["accuracy_after"] for s in seeds]
+            flaws = [flaw_rates(by_seed[s]["dir"]) for s in seeds]
             curves: dict[int, list[float]] = {}
             diffs: dict[int, list[float]] = {}  # step -> this method's accuracy minus GRPO's, seed by seed
             for s in seeds:
@@ -89,6 +111,7 @@ def collect(root: Path, ledger: bool = False) -> dict:
                 "train_seconds": [sum(x["time/step_s"] for x in by_seed[s]["rows"]) for s in seeds],
                 "wall_seconds": [by_seed[s]["wall_seconds"] for s in seeds], "cpu_seconds": [by_seed[s]["cpu_seconds"] for s in seeds],
                 "code": sorted({c for s in seeds for c in by_seed[s]["code"]}),
+                "flaws": {k: stats([f[k] for f in flaws if f is not None]) for k in ("early_answers_3op", "with_slip")},
             }
     attribution = {p.stem: json.loads(p.read_text()) for p in sorted((root / "attribution").glob("*.json"))}
     build_files = sorted((root / "builds").glob("*.json")) if ledger else sorted((root / "models").glob("*/build_info.json"))
@@ -143,11 +166,13 @@ def write(root, out, ledger: bool = False) -> dict:
                 w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
                 w.writeheader()
                 w.writerows(rows)
+    from scripts import plots
+
     images = []
     if curve_rows:
-        images.append(_accuracy_plot(data["testbeds"], out / "accuracy.png"))
+        images.append(plots.testbed_accuracy(data["testbeds"], out / "accuracy.png"))
     if attr_rows:
-        images.append(_attribution_plot(data["attribution"], out / "attribution.png"))
+        images.append(plots.known_token_weights(data["attribution"], out / "attribution.png"))
     (out / "README.md").write_text(markdown(summary, images))
     print(f"[report] {out}/: {summary['status']}; {len(images)} plots", flush=True)
     return summary
@@ -198,6 +223,14 @@ def markdown(summary: dict, images) -> str:
                 cells = [v["paired_curve_vs_grpo"].get(str(st)) for st in steps]
                 lines.append(f"| {m} | " + " | ".join("n/a" if c is None or not c["n"] else f"{100 * c['mean']:+.1f} ± {_pct(c['se'])} ({c['n']})"
                                                      for c in cells) + " |")
+        lines += ["", "The planted flaws in the final models' held-out completions (greedy; %, mean ± std over the seeds whose "
+                  "completions were kept, n): 3-operation problems answered one line early (the fork), completions with a written "
+                  "result that is not `a op b` (a slip, the model's own errors included):", "",
+                  "| method | answered early (3-op) | with a slip |", "|---|---|---|"]
+        for m, v in methods.items():
+            f = v["flaws"]
+            lines.append(f"| {m} | " + " | ".join("n/a" if not f[k]["n"] else f"{_pct(f[k]['mean'])} ± {_pct(f[k]['std'])} ({f[k]['n']})"
+                                                 for k in ("early_answers_3op", "with_slip")) + " |")
         lines.append("")
     if summary["attribution"]:
         lines += ["## Where each method puts the advantage (starting models, known tokens)", "",
@@ -224,55 +257,6 @@ def markdown(summary: dict, images) -> str:
             for tb, a in summary["attribution"].items() if a["rollouts_with_fork"]) + ".", ""]
     lines += [f"![{p.stem}]({p.name})" for p in images] + [""]
     return "\n".join(lines)
-
-
-COLORS = {"grpo": "#555555", "oar-g": "#1f77b4", "oar-p": "#d62728", "entropy": "#2ca02c", "entropy-mask": "#98df8a", "tempo": "#9467bd", "oar-g+tempo": "#ff7f0e"}
-
-
-def _accuracy_plot(testbeds: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(testbeds), figsize=(5 * len(testbeds), 3.8), dpi=120, squeeze=False)
-    for ax, (tb, methods) in zip(axes[0], testbeds.items()):
-        for m, v in methods.items():
-            steps = [int(s) for s in v["curve"]]
-            mean = np.array([c["mean"] for c in v["curve"].values()]) * 100
-            std = np.nan_to_num(np.array([c["std"] for c in v["curve"].values()]) * 100)
-            ax.plot(steps, mean, color=COLORS.get(m), label=f"{m} (n={len(v['seeds'])})", lw=1.6)
-            ax.fill_between(steps, mean - std, mean + std, color=COLORS.get(m), alpha=0.12, lw=0)
-        ax.set(title=f"testbed {tb}", xlabel="step", ylabel="held-out accuracy (%, greedy)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _attribution_plot(attribution: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(attribution), figsize=(5 * len(attribution), 3.8), dpi=120, squeeze=False)
-    for ax, (tb, a) in zip(axes[0], attribution.items()):
-        methods = [r["method"] for r in a["table"]]
-        x = np.arange(len(methods))
-        for k, kind in enumerate(KINDS):
-            vals = [r[f"w_{kind}"] for r in a["table"]]
-            ax.bar(x + (k - 1.5) * 0.2, np.nan_to_num(vals), width=0.2, label=kind)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(x, methods, rotation=30, fontsize=8)
-        ax.set(title=f"{tb}: mean weight on known tokens", ylabel="mean w")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ otherwise the study stops: a report mixing two starting models would be silently
     ledger/builds/<testbed>.json              build_info.json + weights_sha256
     ledger/attribution/<testbed>.json
     ledger/runs/<testbed>/<method>-s<seed>/   the run's four small files + ledger.json (the weights' hash)
+                                              + eval_final.jsonl.gz (its held-out completions, ~20 kB)
 
 Every entry is written under a temporary name and renamed, so a killed study never leaves half of one.
 """
@@ -20,6 +21,7 @@ Every entry is written under a temporary name and renamed, so a killed study nev
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import json
 import os
@@ -106,17 +108,33 @@ def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
 
 def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
     """Keep a finished run (`root/<testbed>/<run_name>`) in the ledger, with the hash of the weights
-    it started from (the build's); whether it was new to the ledger (a kept run is never rewritten)."""
+    it started from (the build's), and its held-out completions; whether it was new to the ledger (a
+    kept run is never rewritten; one kept without its completions gets them)."""
     src, dst = Path(root) / testbed / run_name, run_entry(ledger, testbed, run_name)
     if not (src / "summary.json").exists():
         raise ValueError(f"{src} is not a finished run (no summary.json)")
-    if dst.exists():
+    new = not dst.exists()
+    if new:
+        with _staged(dst) as tmp:
+            tmp.mkdir()
+            for name in RUN_FILES:
+                shutil.copy2(src / name, tmp / name)
+            _write(tmp / "ledger.json", {"weights_sha256": _build_weights(ledger, testbed)})
+    record_completions(ledger, root, testbed, run_name)
+    return new
+
+
+def record_completions(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
+    """Add a kept run's final held-out completions (eval_final.jsonl, gzipped) to its ledger entry
+    when the entry lacks them and the run folder has them (entries kept before completions were);
+    whether it added them. The report reads each run's flaw rates from them."""
+    src, dst = Path(root) / testbed / run_name / "eval_final.jsonl", run_entry(ledger, testbed, run_name) / "eval_final.jsonl.gz"
+    if not src.is_file() or dst.exists() or not dst.parent.is_dir():
         return False
-    with _staged(dst) as tmp:
-        tmp.mkdir()
-        for name in RUN_FILES:
-            shutil.copy2(src / name, tmp / name)
-        _write(tmp / "ledger.json", {"weights_sha256": _build_weights(ledger, testbed)})
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    with open(src, "rb") as f, gzip.GzipFile(tmp, "wb", mtime=0) as g:  # mtime 0: the same bytes on every machine
+        shutil.copyfileobj(f, g)
+    tmp.rename(dst)
     return True
 
 

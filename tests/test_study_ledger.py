@@ -112,3 +112,26 @@ def test_one_testbed_is_claimed_by_one_process(tmp_path):
             f"print(_claim(Path({str(tmp_path)!r}), 'fork') is None, _claim(Path({str(tmp_path)!r}), 'filler') is None)"
     repo = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", other], cwd=repo, capture_output=True, text=True, check=True).stdout.split() == ["True", "False"]
+
+
+def test_held_out_completions_are_added_to_a_kept_run_once_and_gzipped(tmp_path):
+    """An entry kept before completions were gets them from the run folder, byte-identical after
+    gunzip and the same bytes from any machine; the entry's other files are not touched."""
+    import gzip
+
+    from scripts import study_ledger
+
+    ledger, a, _ = _recorded(tmp_path)  # recorded without eval_final.jsonl
+    kept = ledger / "runs" / "slip" / "grpo-s0"
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    lines = "".join(json.dumps({"index": i, "completion": f"{i} + 1 = {i + 1}\n#### {i + 1}", "correct": True}) + "\n" for i in range(50))
+    (a / "slip" / "grpo-s0" / "eval_final.jsonl").write_text(lines)
+    assert not study_ledger.record_run(ledger, a, "slip", "grpo-s0")  # not new, but completed
+    packed = kept / "eval_final.jsonl.gz"
+    assert gzip.decompress(packed.read_bytes()).decode() == lines
+    assert {p.name: p.read_bytes() for p in kept.iterdir() if p.name != packed.name} == before
+    first = packed.read_bytes()
+    packed.unlink()
+    assert study_ledger.record_completions(ledger, a, "slip", "grpo-s0") and packed.read_bytes() == first  # deterministic bytes
+    assert not study_ledger.record_completions(ledger, a, "slip", "grpo-s0")  # once
+    assert not study_ledger.record_completions(ledger, a, "slip", "oar-g-s0")  # no such entry: nothing made

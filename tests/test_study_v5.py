@@ -67,8 +67,17 @@ def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
         evals = {1: {"eval/accuracy": acc / 2}, 2: {}}  # an evaluation at step 1
         (d / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward/mean": 0.5, "time/step_s": 1.0} | evals[k]) + "\n" for k in (1, 2)))
         (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 8.0}))
+    evals = [("Compute ((1 + 2) + 3) + 4.", "1 + 2 = 3\n3 + 3 = 6\n#### 6"),  # 3 operations, answered one line early
+             ("Compute ((1 + 2) + 3) + 4.", "1 + 2 = 3\n3 + 3 = 6\n6 + 4 = 10\n#### 10"),  # 3 operations, went on
+             ("Compute 2 * 3.", "2 * 3 = 7\n#### 7"),  # a slip
+             ("Compute (5 - 1) - 1.", "5 - 1 = 4\n4 - 1 = 3\n#### 3")]
+    (tmp_path / "fork" / "grpo-s0" / "eval_final.jsonl").write_text(
+        "".join(json.dumps({"problem": q, "completion": c}) + "\n" for q, c in evals))
     summary = report_v5.write(tmp_path, tmp_path / "out")
     assert summary["status"] == "PARTIAL: 5 of 6 runs finished"
+    flaws = summary["testbeds"]["fork"]["grpo"]["flaws"]  # seed 0 kept its completions, seeds 1-2 did not
+    assert flaws["early_answers_3op"]["mean"] == 0.5 and flaws["with_slip"]["mean"] == 0.25 and flaws["with_slip"]["n"] == 1
+    assert summary["testbeds"]["fork"]["tempo"]["flaws"]["with_slip"]["n"] == 0
     tempo = summary["testbeds"]["fork"]["tempo"]
     # paired over seeds 0 and 1 only (tempo has no seed 2): +0.05, +0.02 -> mean 0.035, se 0.015
     assert tempo["paired_diff_vs_grpo"]["n"] == 2
