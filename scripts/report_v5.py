@@ -30,13 +30,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oar.credit import METHODS  # noqa: E402
+from oar.credit import COMPARED, METHODS  # noqa: E402
 from oar.teacher import fork_spans, slip_spans  # noqa: E402
 from scripts.report import accuracy_curve, read_run, stats  # noqa: E402
 from scripts.study_ledger import run_entry  # noqa: E402
 
 
 
+BEYOND = [m for m in METHODS if m not in COMPARED]  # methods named after the plan was fixed (oar-g+tempo)
 OPERATOR = re.compile(r" [-+*] ")  # between operands in arith's problem text ("Compute (75 - 1) - 3.")
 
 
@@ -76,11 +77,11 @@ def collect(root: Path, ledger: bool = False) -> dict:
             table.setdefault(r["testbed"], {}).setdefault(r["method"], {})[r["seed"]] = run
     # Finished runs of methods beyond the plan (study_v5.py --methods oar-g+tempo): reported beside
     # the plan's with the same statistics, and counted apart.
-    planned, beyond = {(r["testbed"], r["method"]) for r in runs}, set()
+    beyond = set()
     for tb in sorted({r["testbed"] for r in runs}):
         for d in sorted(where(tb, "").glob("*-s*")):
             method, _, seed = d.name.rpartition("-s")
-            if method in METHODS and (tb, method) not in planned and seed.isdigit() and (run := read_run(d)) is not None:
+            if method in BEYOND and seed.isdigit() and (run := read_run(d)) is not None:
                 table.setdefault(tb, {}).setdefault(method, {})[int(seed)] = run
                 beyond.add(method)
     out = {}

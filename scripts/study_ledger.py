@@ -99,7 +99,7 @@ def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
             raise SystemExit(f"study: error: {kept} is {'incomplete (no ' + ', '.join(missing) + ')' if missing else 'from other weights than the build'}; "
                              f"delete it and the run is made again.")
         with _staged(out) as tmp:  # replaces an unfinished attempt here: the ledger holds the finished one
-            shutil.copytree(kept, tmp)
+            shutil.copytree(kept, tmp, ignore=shutil.ignore_patterns(".*"))  # not a write cut short
             (tmp / "ledger.json").unlink()
             _repoint(tmp, out, model_dir)
         restored += 1
@@ -126,14 +126,17 @@ def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
 
 def record_completions(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
     """Add a kept run's final held-out completions (eval_final.jsonl, gzipped) to its ledger entry
-    when the entry lacks them and the run folder has them (entries kept before completions were);
-    whether it added them. The report reads each run's flaw rates from them."""
-    src, dst = Path(root) / testbed / run_name / "eval_final.jsonl", run_entry(ledger, testbed, run_name) / "eval_final.jsonl.gz"
-    if not src.is_file() or dst.exists() or not dst.parent.is_dir():
+    when the entry lacks them and the run folder has them and is the entry's run (the same
+    summary.json: another machine's run of the same name is not); whether it added them. The
+    report reads each run's flaw rates from them."""
+    src, entry = Path(root) / testbed / run_name, run_entry(ledger, testbed, run_name)
+    dst = entry / "eval_final.jsonl.gz"
+    if not (src / "eval_final.jsonl").is_file() or dst.exists() or not (entry / "summary.json").is_file():
+        return False
+    if (src / "summary.json").read_bytes() != (entry / "summary.json").read_bytes():
         return False
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    with open(src, "rb") as f, gzip.GzipFile(tmp, "wb", mtime=0) as g:  # mtime 0: the same bytes on every machine
-        shutil.copyfileobj(f, g)
+    tmp.write_bytes(gzip.compress((src / "eval_final.jsonl").read_bytes(), mtime=0))  # no name, no time: the same bytes anywhere
     tmp.rename(dst)
     return True
 

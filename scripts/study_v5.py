@@ -183,11 +183,12 @@ def main(argv=None) -> int:
             print(f"  {r['name']} seed {r['seed']}: {r['settings']}")
         return 0
     args.root.mkdir(parents=True, exist_ok=True)
-    # plan.json is the fixed plan's (report_v5.py counts against it); a worker for methods beyond it keeps its own
-    name = "plan.json" if set(args.methods) <= set(COMPARED) else "plan-beyond.json"
-    write_json_atomic(args.root / name, {"scale": args.scale, "settings": TINY if args.scale == "tiny" else SETTINGS,
-                                         "testbeds": {tb: asdict(TESTBEDS[tb]) for tb in args.testbeds}, "runs": runs,
-                                         "command": " ".join(sys.argv)})
+    # plan.json is always the fixed plan (report_v5.py counts against it), whichever part of it, or
+    # which methods beyond it, this worker runs
+    fixed = parse_args(["--root", str(args.root), "--scale", args.scale])
+    write_json_atomic(args.root / "plan.json", {"scale": args.scale, "settings": TINY if args.scale == "tiny" else SETTINGS,
+                                                "testbeds": {tb: asdict(TESTBEDS[tb]) for tb in fixed.testbeds}, "runs": plan(fixed),
+                                                "command": " ".join(sys.argv)})
     ok, synced, locks = True, set(), {}
     print(f"[study] {len(runs)} runs under {args.root}; ledger {args.ledger}; {estimate(args, runs)}", flush=True)
     for r in runs:  # a testbed is built, and its attribution made, when its first run comes

@@ -115,8 +115,8 @@ def test_one_testbed_is_claimed_by_one_process(tmp_path):
 
 
 def test_held_out_completions_are_added_to_a_kept_run_once_and_gzipped(tmp_path):
-    """An entry kept before completions were gets them from the run folder, byte-identical after
-    gunzip and the same bytes from any machine; the entry's other files are not touched."""
+    """An entry kept before completions were gets them from its own run's folder, byte-identical
+    after gunzip and the same bytes from any machine; the entry's other files are not touched."""
     import gzip
 
     from scripts import study_ledger
@@ -130,8 +130,10 @@ def test_held_out_completions_are_added_to_a_kept_run_once_and_gzipped(tmp_path)
     packed = kept / "eval_final.jsonl.gz"
     assert gzip.decompress(packed.read_bytes()).decode() == lines
     assert {p.name: p.read_bytes() for p in kept.iterdir() if p.name != packed.name} == before
-    first = packed.read_bytes()
-    packed.unlink()
-    assert study_ledger.record_completions(ledger, a, "slip", "grpo-s0") and packed.read_bytes() == first  # deterministic bytes
+    assert packed.read_bytes() == gzip.compress(lines.encode(), mtime=0)  # no file name or time in the header: any machine's bytes
     assert not study_ledger.record_completions(ledger, a, "slip", "grpo-s0")  # once
     assert not study_ledger.record_completions(ledger, a, "slip", "oar-g-s0")  # no such entry: nothing made
+    # another machine's run of the same name (another summary) does not lend the entry its completions
+    packed.unlink()
+    (a / "slip" / "grpo-s0" / "summary.json").write_text(json.dumps({"accuracy_after": 0.9}))
+    assert not study_ledger.record_completions(ledger, a, "slip", "grpo-s0") and not packed.exists()

@@ -129,6 +129,7 @@ def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
     run = tmp_path / "fork" / "grpo-s0"
     assert main(argv) == 0 and (run / "summary.json").exists() and (tmp_path / "attribution" / "fork.json").exists()
     timing = lambda: json.loads((run / "study_time.json").read_text())  # noqa: E731
+    assert len(json.loads((tmp_path / "plan.json").read_text())["runs"]) == 90  # the fixed plan, whatever part a worker runs
     assert timing()["invocations"] == 1 and timing()["cpu_seconds"] > 0
     assert main(argv) == 0 and timing()["invocations"] == 1  # finished: skipped
     (run / "summary.json").unlink()
