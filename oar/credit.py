@@ -16,6 +16,8 @@ a method is only a way to fill w. `train.py --method NAME` picks one from METHOD
                 A_it = A_i w^OAR_it + (V(child) - V(node)) / d, i.e. w = w^OAR + (w^TEMPO - 1): OAR keeps
                 its gate on the written computation, the forks it under-weights get their group's
                 credit. Mass: OAR's (preserved) plus one token's worth; sign: can flip, as TEMPO's.
+  random-gate   BEYOND THE PAPER, a control: uniform random scores (from each rollout's seed) through
+                the same gate: what the gate does to learning when its scores carry no information.
 
 Two calls per step, both in train.py's step 4: `step_credit(...)` before the micro-batch loop, with
 everything the step has (what a method needs of the whole step is computed there: TEMPO's trees,
@@ -43,7 +45,7 @@ from oar.sampler import Rollout, with_reference_answer
 from oar.tempo import tempo_weights
 
 COMPARED = ("grpo", "oar-g", "oar-p", "entropy", "entropy-mask", "tempo")  # the paper's methods and the comparators
-METHODS = COMPARED + ("oar-g+tempo",)  # plus ours, beyond the paper
+METHODS = COMPARED + ("oar-g+tempo", "random-gate")  # plus ours, beyond the paper: a candidate and a control
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,14 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
             w = bilevel_weights(full, mb.reasoning_mask & scored[rows, None], quantile=s.gate_quantile,
                                 boost=s.gate_boost, floor=s.gate_floor, preserve_mass=s.preserve_mass)
             return w, time.perf_counter() - start, 0
+        return weigh
+    if s.method == "random-gate":
+        def weigh(rows, mb, logits, clean=None, clean_kv=None):  # rollout i's scores come from its own seed
+            full = torch.stack([torch.rand(mb.input_ids.shape[1], generator=torch.Generator().manual_seed(seed + 104_729))
+                                for seed in seeds[rows]]).to(mb.input_ids.device)
+            w = bilevel_weights(full, mb.reasoning_mask & scored[rows, None], quantile=s.gate_quantile,
+                                boost=s.gate_boost, floor=s.gate_floor, preserve_mass=s.preserve_mass)
+            return w, 0.0, 0
         return weigh
     if s.method == "oar-g+tempo":
         start = time.perf_counter()

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 COLORS = {"grpo": "#555555", "oar-g": "#1f77b4", "oar-p": "#d62728", "random": "#bbbbbb", "entropy": "#2ca02c", "entropy-mask": "#98df8a",
-          "tempo": "#9467bd", "oar-g+tempo": "#ff7f0e"}
+          "tempo": "#9467bd", "oar-g+tempo": "#ff7f0e", "random-gate": "#e377c2"}
 
 
 def _by_method(rows: list[dict], key: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:

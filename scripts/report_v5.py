@@ -37,7 +37,7 @@ from scripts.study_ledger import run_entry  # noqa: E402
 
 
 
-BEYOND = [m for m in METHODS if m not in COMPARED]  # methods named after the plan was fixed (oar-g+tempo)
+BEYOND = [m for m in METHODS if m not in COMPARED]  # methods named after the plan was fixed (oar-g+tempo, random-gate)
 OPERATOR = re.compile(r" [-+*] ")  # between operands in arith's problem text ("Compute (75 - 1) - 3.")
 
 

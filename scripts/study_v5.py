@@ -9,7 +9,8 @@
 
 Testbeds (oar/testbeds.py): fork (tiny-arith v4), slip, filler; each built once under <root>/models/
 (seed 0, its recipe; a folder built from another recipe stops the study). Methods: oar/credit.py's
-COMPARED (grpo, oar-g, oar-p, entropy, entropy-mask, tempo; oar-g+tempo, beyond the paper, only when named).
+COMPARED (grpo, oar-g, oar-p, entropy, entropy-mask, tempo); beyond the paper, only when named: oar-g+tempo
+(a candidate) and random-gate (a control: the gate with uninformative scores).
 
 Settings, fixed before any run (docs/results-v5/README.md repeats them): train.py's defaults (32
 prompts x 8 rollouts per step, lr 5e-5, OAR q = 0.4, beta = 2, floor 0.1, probe answer_mean,
@@ -49,7 +50,7 @@ from scripts.study_run import run_dir, run_one  # noqa: E402
 
 SETTINGS = {"steps": 60, "eval_every": 20, "eval_size": 500, "save_every": 20}
 TINY = {"steps": 2, "prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8, "eval_size": 16, "eval_every": 1, "save_every": 1}
-COST = {"grpo": 1.0, "oar-g": 1.2, "oar-p": 2.6, "entropy": 1.05, "entropy-mask": 1.2, "tempo": 1.05, "oar-g+tempo": 1.25}  # guesses until timed
+COST = {"grpo": 1.0, "oar-g": 1.2, "oar-p": 2.6, "entropy": 1.05, "entropy-mask": 1.2, "tempo": 1.05, "oar-g+tempo": 1.25, "random-gate": 1.05}  # guesses until timed
 
 
 def parse_args(argv=None):
@@ -58,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--testbeds", nargs="+", default=list(TESTBEDS), choices=list(TESTBEDS))
     p.add_argument("--methods", nargs="+", default=list(COMPARED), choices=list(METHODS),
-                   help="default: the six of the fixed plan; oar-g+tempo (beyond the paper) only when named")
+                   help="default: the six of the fixed plan; oar-g+tempo and random-gate (beyond the paper) only when named")
     p.add_argument("--only", nargs="+", default=None, choices=list(TESTBEDS), metavar="TESTBED",
                    help="run only these testbeds' runs (the plan, ledger and report still cover --testbeds): "
                         "one process per testbed uses more cores, and no two processes touch one run")

@@ -166,6 +166,14 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
                            "answer_mean")(slice(0, 8), ro, logits)[0] for m in ("oar-g", "tempo", "oar-g+tempo")}
     torch.testing.assert_close(both["oar-g+tempo"], both["oar-g"] + both["tempo"] - 1)
     assert (both["tempo"] != 1).any()  # some token branched
+    # random-gate (a control) is the gate of uniform scores drawn from each rollout's own seed
+    seeds = [11, 12, 13, 14, 15, 16, 17, 18]
+    rand = step_credit(CreditSettings(method="random-gate", group_size=4), model, tok, ro, rewards, adv, scored, seeds, golds,
+                       "answer_mean")(slice(0, 8), ro, logits)[0]
+    uniform = torch.stack([torch.rand(ro.input_ids.shape[1], generator=torch.Generator().manual_seed(s + 104_729)) for s in seeds])
+    torch.testing.assert_close(rand, bilevel_weights(uniform, ro.reasoning_mask & scored[:, None]))
+    moved = (rand != 1).any(1)
+    assert moved.any() and not (rand[~(ro.reasoning_mask & scored[:, None])] != 1).any()  # only scored reasoning tokens move
 
 
 def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_from(tiny_model):

@@ -24,6 +24,7 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
     "entropy-mask/token_mean": ["--method", "entropy-mask", "--aggregation", "token_mean"],
     "tempo/seq_mean": ["--method", "tempo", "--aggregation", "seq_mean"],
     "oar-g+tempo/token_mean": ["--method", "oar-g+tempo", "--aggregation", "token_mean"],  # beyond the paper
+    "random-gate/seq_mean": ["--method", "random-gate", "--aggregation", "seq_mean"],  # beyond the paper: a control
 }
 SAME_FOR_ANY_SPLIT = ("optim/grad_norm", "optim/lr", "reward/mean", "reward/frac_zero_std_groups",
                       "completion/frac_truncated", "oar/frac_no_answer")
