@@ -15,7 +15,9 @@ so elsewhere A_it = A_i (GRPO). As a weight on A_i (the interface: A_it = A_i w_
 
 which is the same whatever the advantage scale (group, batch or none): d cancels. Rollouts with
 r_i = r̄ (A_i = 0; with 0/1 rewards only in groups whose rewards are all equal, where every TD term is
-0 too) get w = 1.
+0 too) get w = 1. With other rewards (a format bonus: 0, b, 1 + b) a rollout can sit at its group's
+mean while its branches move V: TEMPO would give those tokens their TD term, A_i w_it cannot (A_i =
+0), so they get none; tempo_weights warns when that happens.
 
 What it preserves and what it does not:
   * mass: along rollout i the TD terms telescope from V(root) = r̄ to V(leaf) = r_i (identical
@@ -36,6 +38,8 @@ its last TD term (it still counts in V of the prefix it stops at).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -48,6 +52,7 @@ def tempo_weights(completion_ids: torch.Tensor, completion_mask: torch.Tensor, r
     assert group_size >= 2 and len(rewards) % group_size == 0, (len(rewards), group_size)
     ids, mask, r = completion_ids.cpu().tolist(), completion_mask.bool().cpu().tolist(), rewards.double().cpu().tolist()
     w = [[1.0] * completion_ids.shape[1] for _ in ids]
+    lost = 0  # branch tokens of rollouts at their group's mean: a TD term the weights cannot carry
     for g0 in range(0, len(ids), group_size):
         rows = range(g0, g0 + group_size)
         mean = sum(r[i] for i in rows) / group_size
@@ -66,8 +71,13 @@ def tempo_weights(completion_ids: torch.Tensor, completion_mask: torch.Tensor, r
                         delta = sum(r[i] for i in child) / len(child) - v_node
                         for i in child:
                             w[i][t] = 1.0 + delta / (r[i] - mean) if r[i] != mean else 1.0
+                            lost += r[i] == mean and delta != 0
                 nxt += [c for c in children.values()]
             classes = nxt
             if not classes:
                 break
+    if lost:
+        # one message whatever the count: Python shows it once, not every step
+        warnings.warn("tempo: branch tokens of rollouts whose reward equals their group's mean get no TD term "
+                      "(A_i = 0; rewards other than 0/1, e.g. a format bonus): TEMPO would credit them", stacklevel=2)
     return torch.tensor(w, dtype=torch.float32, device=completion_ids.device)

@@ -1,6 +1,8 @@
 """Token credit methods (oar/credit.py, oar/tempo.py, oar/entropy_credit.py): hand-computed cases,
 properties, and the interface's invariance to micro-batching (train.py end to end: test_distributed.py)."""
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -52,6 +54,19 @@ def test_tempo_padding_tied_groups_and_ended_rollouts():
     # at t=2 whose only child is rollout 5 (V 0 against the node's 1/2: w = 1 + (-1/2)/(-1/2) = 2);
     # rollout 4's TD term has no token to sit on (tempo.py's docstring), so it keeps 1.
     assert w[4].tolist() == [1.0, 1.0, 1.0] and w[5].tolist() == [1.0, 1.0, 2.0]
+
+
+def test_tempo_warns_when_a_rollout_at_its_group_mean_loses_a_td_term():
+    # rewards 0, 0.5, 1 (a format bonus): rollout 1 sits at the mean 0.5, A_1 = 0, yet both its tokens
+    # branch: into a child worth 0.25 (TD -0.25 against the root's 0.5), then into its own leaf (TD
+    # +0.25 against that child): TEMPO's terms have no weight to ride on.
+    ids, mask = torch.tensor([[1, 2], [1, 3], [4, 5]]), torch.ones(3, 2, dtype=torch.bool)
+    with pytest.warns(UserWarning, match="get no TD term"):
+        w = tempo_weights(ids, mask, torch.tensor([0.0, 0.5, 1.0]), group_size=3)
+    assert w[1].tolist() == [1.0, 1.0]
+    with warnings.catch_warnings():  # 0/1 rewards: a rollout at the mean means a tied group, nothing lost
+        warnings.simplefilter("error")
+        tempo_weights(ids, mask, torch.tensor([0.0, 0.0, 1.0]), group_size=3)
 
 
 @st.composite
