@@ -94,18 +94,23 @@ def collect(root: Path, ledger: bool = False) -> dict:
             flaws = [flaw_rates(by_seed[s]["dir"]) for s in seeds]
             curves: dict[int, list[float]] = {}
             diffs: dict[int, list[float]] = {}  # step -> this method's accuracy minus GRPO's, seed by seed
+            rewards: dict[str, list[float]] = {}  # "a-b" -> this method's mean train reward over steps a..b minus GRPO's
             for s in seeds:
                 mine, base = dict(accuracy_curve(by_seed[s])), dict(accuracy_curve(grpo[s])) if s in grpo else {}
                 for step, acc in mine.items():
                     curves.setdefault(step, []).append(acc)
                     if step in base:
                         diffs.setdefault(step, []).append(acc - base[step])
+                if s in grpo:  # the same seed draws the same problems at every step, whatever the method
+                    for window, mean in _reward_windows(by_seed[s], sorted(mine)).items():
+                        rewards.setdefault(window, []).append(mean - _reward_windows(grpo[s], sorted(mine))[window])
             out[tb][m] = {
                 "seeds": seeds, "accuracy_after": after, "accuracy_before": [by_seed[s]["summary"]["accuracy_before"] for s in seeds],
                 **{k: v for k, v in stats(after).items() if k != "n"},
                 "paired_diff_vs_grpo": _paired([by_seed[s]["summary"]["accuracy_after"] - grpo[s]["summary"]["accuracy_after"]
                                                 for s in seeds if s in grpo]),
                 "paired_curve_vs_grpo": {str(st): _paired(v) for st, v in sorted(diffs.items()) if st > 0},
+                "paired_train_reward_vs_grpo": {w: _paired(v) for w, v in rewards.items()},
                 "curve": {str(st): {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else math.nan, "n": len(v)}
                           for st, v in sorted(curves.items())},
                 "final_train_reward": stats([np.mean([x["reward/mean"] for x in by_seed[s]["rows"][-5:]]) for s in seeds])["mean"],
@@ -120,6 +125,14 @@ def collect(root: Path, ledger: bool = False) -> dict:
               for p in build_files}
     return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution, "builds": builds,
             "beyond_plan": sorted(beyond)}
+
+
+def _reward_windows(run: dict, evals: list[int]) -> dict[str, float]:
+    """Mean sampled train reward over the steps between evaluations ("1-20", "21-40", ...)."""
+    by_step = {r["step"]: r["reward/mean"] for r in run["rows"]}  # a resumed run may repeat a step: the last counts
+    bounds = [e for e in evals if e > 0]
+    return {f"{a + 1}-{b}": float(np.mean([by_step[t] for t in range(a + 1, b + 1) if t in by_step]))
+            for a, b in zip([0] + bounds, bounds) if any(t in by_step for t in range(a + 1, b + 1))}
 
 
 def _paired(diffs: list[float]) -> dict:
@@ -217,11 +230,14 @@ def markdown(summary: dict, images) -> str:
                          f"{', '.join(_pct(a) for a in v['accuracy_after'])} | {delta} | {_pct(v['final_train_reward'])} | "
                          f"{np.mean(v['train_seconds']) / 60:.1f} min | {np.mean(v['cpu_seconds']) / 60:.1f} min |")
         steps = sorted({int(st) for v in methods.values() for st in v["paired_curve_vs_grpo"]})
-        lines += ["", "Paired Δ vs GRPO at each evaluation (points; ± s.e. over the seeds both have, n):", "",
-                  "| method | " + " | ".join(f"step {st}" for st in steps) + " |", "|---|" + "---|" * len(steps)]
+        windows = sorted({w for v in methods.values() for w in v["paired_train_reward_vs_grpo"]}, key=lambda w: int(w.split("-")[0]))
+        lines += ["", "Paired Δ vs GRPO (points; ± s.e. over the seeds both have, n): held-out accuracy at each evaluation, and "
+                  "the sampled train reward averaged over the steps between evaluations (the same problems for both at a seed):", "",
+                  "| method | " + " | ".join([f"held-out, step {st}" for st in steps] + [f"train reward, steps {w}" for w in windows]) + " |",
+                  "|---|" + "---|" * (len(steps) + len(windows))]
         for m, v in methods.items():
             if m != "grpo":
-                cells = [v["paired_curve_vs_grpo"].get(str(st)) for st in steps]
+                cells = [v["paired_curve_vs_grpo"].get(str(st)) for st in steps] + [v["paired_train_reward_vs_grpo"].get(w) for w in windows]
                 lines.append(f"| {m} | " + " | ".join("n/a" if c is None or not c["n"] else f"{100 * c['mean']:+.1f} ± {_pct(c['se'])} ({c['n']})"
                                                      for c in cells) + " |")
         lines += ["", "The planted flaws in the final models' held-out completions (greedy; %, mean ± std over the seeds whose "
