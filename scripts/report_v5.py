@@ -202,7 +202,7 @@ def _f(x, digits=2) -> str:
 
 def markdown(summary: dict, images) -> str:
     s = summary["settings"]
-    lines = [f"# Where token-level credit helps: six methods on three testbeds ({summary['status']})", "",
+    lines = [f"# Where token-level credit helps: the plan's six credit methods (and any beyond it) on three testbeds ({summary['status']})", "",
              f"Generated {summary['generated']} by `{summary['report_command']}` "
              f"from the runs of `{summary['command']}`.", "",
              "**Settings, fixed before the first run** (scripts/study_v5.py): "
