@@ -114,6 +114,7 @@ def collect(root: Path, ledger: bool = False) -> dict:
                 "curve": {str(st): {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else math.nan, "n": len(v)}
                           for st, v in sorted(curves.items())},
                 "final_train_reward": stats([np.mean([x["reward/mean"] for x in by_seed[s]["rows"][-5:]]) for s in seeds])["mean"],
+                "final_policy_entropy": stats([_last_mean(by_seed[s]["rows"], "policy/entropy", 10) for s in seeds]),
                 "train_seconds": [sum(x["time/step_s"] for x in by_seed[s]["rows"]) for s in seeds],
                 "wall_seconds": [by_seed[s]["wall_seconds"] for s in seeds], "cpu_seconds": [by_seed[s]["cpu_seconds"] for s in seeds],
                 "code": sorted({c for s in seeds for c in by_seed[s]["code"]}),
@@ -133,6 +134,12 @@ def _reward_windows(run: dict, evals: list[int]) -> dict[str, float]:
     bounds = [e for e in evals if e > 0]
     return {f"{a + 1}-{b}": float(np.mean([by_step[t] for t in range(a + 1, b + 1) if t in by_step]))
             for a, b in zip([0] + bounds, bounds) if any(t in by_step for t in range(a + 1, b + 1))}
+
+
+def _last_mean(rows: list[dict], key: str, n: int) -> float:
+    """Mean of `key` over the last `n` logged steps that have it (NaN when none has)."""
+    values = [r[key] for r in rows if key in r][-n:]
+    return float(np.mean(values)) if values else math.nan
 
 
 def _paired(diffs: list[float]) -> dict:
@@ -221,13 +228,14 @@ def markdown(summary: dict, images) -> str:
             f"`{tb}` {_pct(b['heldout_accuracy'])}% held-out (greedy, build's own 500 problems), {b['build_seconds'] / 60:.0f} min "
             f"({b['build_cpu_seconds'] / 60:.0f} min CPU) on {b['torch_threads']} torch thread(s)" for tb, b in summary["builds"].items()) + ".", ""]
     for tb, methods in summary["testbeds"].items():
-        lines += [f"## Testbed `{tb}`", "", "| method | seeds | before | after (mean ± std) | per seed | paired Δ vs GRPO (± s.e.) | train reward (last 5 steps) | training time | CPU time/run |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## Testbed `{tb}`", "", "| method | seeds | before | after (mean ± std) | per seed | paired Δ vs GRPO (± s.e.) | train reward (last 5 steps) | "
+                  "policy entropy (last 10 steps, nats/token) | training time | CPU time/run |", "|---|---|---|---|---|---|---|---|---|---|"]
         for m, v in methods.items():
             d = v["paired_diff_vs_grpo"]
             delta = "—" if m == "grpo" else (f"{100 * d['mean']:+.1f} ± {_pct(d['se'])} (n={d['n']})" if d["n"] else "n/a")
             lines.append(f"| {m} | {', '.join(map(str, v['seeds']))} | {_pct(np.mean(v['accuracy_before']))} | {_pct(v['mean'])} ± {_pct(v['std'])} | "
                          f"{', '.join(_pct(a) for a in v['accuracy_after'])} | {delta} | {_pct(v['final_train_reward'])} | "
+                         f"{_f(v['final_policy_entropy']['mean'], 4)} ± {_f(v['final_policy_entropy']['std'], 4)} | "
                          f"{np.mean(v['train_seconds']) / 60:.1f} min | {np.mean(v['cpu_seconds']) / 60:.1f} min |")
         steps = sorted({int(st) for v in methods.values() for st in v["paired_curve_vs_grpo"]})
         windows = sorted({w for v in methods.values() for w in v["paired_train_reward_vs_grpo"]}, key=lambda w: int(w.split("-")[0]))

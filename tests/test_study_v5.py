@@ -66,7 +66,8 @@ def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
         (d / "summary.json").write_text(json.dumps({"steps": 2, "accuracy_before": 0.2, "accuracy_after": acc}))
         evals = {1: {"eval/accuracy": acc / 2}, 2: {}}  # an evaluation at step 1
         reward = {1: acc, 2: acc + 0.1}  # the sampled train reward of each step
-        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward/mean": reward[k], "time/step_s": 1.0} | evals[k]) + "\n" for k in (1, 2)))
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "reward/mean": reward[k], "time/step_s": 1.0, "policy/entropy": acc * k}
+                                                            | evals[k]) + "\n" for k in (1, 2)))
         (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 8.0}))
     evals = [("Compute ((1 + 2) + 3) + 4.", "1 + 2 = 3\n3 + 3 = 6\n#### 6"),  # 3 operations, answered one line early
              ("Compute ((1 + 2) + 3) + 4.", "1 + 2 = 3\n3 + 3 = 6\n6 + 4 = 10\n#### 10"),  # 3 operations, went on
@@ -89,6 +90,7 @@ def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
     assert curve["2"] == tempo["paired_diff_vs_grpo"] and curve["1"]["n"] == 2
     assert abs(curve["1"]["mean"] - 0.0175) < 1e-9 and abs(curve["1"]["se"] - 0.0075) < 1e-9
     # the train reward between evaluations, paired the same way: steps 1-1 and 2-2 differ as the finals, +0.05 and +0.02
+    assert abs(tempo["final_policy_entropy"]["mean"] - (0.45 * 1.5 + 0.52 * 1.5) / 2) < 1e-9  # mean over the last steps, then seeds
     reward = tempo["paired_train_reward_vs_grpo"]
     assert set(reward) == {"1-1", "2-2"} and all(abs(reward[w]["mean"] - 0.035) < 1e-9 and reward[w]["n"] == 2 for w in reward)
     assert "PARTIAL" in (tmp_path / "out" / "README.md").read_text() and (tmp_path / "out" / "accuracy.png").exists()
