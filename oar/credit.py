@@ -78,6 +78,12 @@ class CreditSettings:
 MicroCredit = Callable[..., tuple[torch.Tensor, float, int]]
 
 
+def gate(s: CreditSettings, scores: torch.Tensor, reasoning: torch.Tensor) -> torch.Tensor:
+    """The bi-level gate (SPEC §5) with the run's settings: scores (b, L) over `reasoning` (b, L) -> weights."""
+    return bilevel_weights(scores, reasoning, quantile=s.gate_quantile, boost=s.gate_boost,
+                           floor=s.gate_floor, preserve_mass=s.preserve_mass)
+
+
 def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards: torch.Tensor, advantages: torch.Tensor,
                 scored: torch.Tensor, seeds: list[int], golds: list[str], probe: str, *,
                 gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> MicroCredit:
@@ -103,17 +109,13 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
             ent = token_entropy(logits[:, :-1].detach() / s.temperature)  # (b, T): entropy of the distribution token t was drawn from
             full = torch.zeros(mb.input_ids.shape, device=ent.device)
             full[:, lp:] = ent
-            w = bilevel_weights(full, mb.reasoning_mask & scored[rows, None], quantile=s.gate_quantile,
-                                boost=s.gate_boost, floor=s.gate_floor, preserve_mass=s.preserve_mass)
-            return w, time.perf_counter() - start, 0
+            return gate(s, full, mb.reasoning_mask & scored[rows, None]), time.perf_counter() - start, 0
         return weigh
     if s.method == "random-gate":
         def weigh(rows, mb, logits, clean=None, clean_kv=None):  # rollout i's scores come from its own seed
             full = torch.stack([torch.rand(mb.input_ids.shape[1], generator=torch.Generator().manual_seed(seed + 104_729))
                                 for seed in seeds[rows]]).to(mb.input_ids.device)
-            w = bilevel_weights(full, mb.reasoning_mask & scored[rows, None], quantile=s.gate_quantile,
-                                boost=s.gate_boost, floor=s.gate_floor, preserve_mass=s.preserve_mass)
-            return w, 0.0, 0
+            return gate(s, full, mb.reasoning_mask & scored[rows, None]), 0.0, 0
         return weigh
     if s.method == "oar-g+tempo":
         start = time.perf_counter()
@@ -179,7 +181,6 @@ def oar_weights(s: CreditSettings, model, tokenizer, mb: Rollout, scored, probe,
     width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
     full = torch.zeros(mb.input_ids.shape, device=scores.device)
     full[:, :width] = scores[:, :width]
-    weights = bilevel_weights(full, reasoning, quantile=s.gate_quantile, boost=s.gate_boost,
-                              floor=s.gate_floor, preserve_mass=s.preserve_mass)
+    weights = gate(s, full, reasoning)
     nonfinite = int((~torch.isfinite(full) & reasoning).any(1).sum())
     return weights, time.perf_counter() - start, nonfinite

@@ -35,8 +35,6 @@ from oar.teacher import fork_spans, slip_spans  # noqa: E402
 from scripts.report import accuracy_curve, read_run, stats  # noqa: E402
 from scripts.study_ledger import run_entry  # noqa: E402
 
-
-
 BEYOND = [m for m in METHODS if m not in COMPARED]  # methods named after the plan was fixed (oar-g+tempo, random-gate)
 OPERATOR = re.compile(r" [-+*] ")  # between operands in arith's problem text ("Compute (75 - 1) - 3.")
 
@@ -102,8 +100,9 @@ def collect(root: Path, ledger: bool = False) -> dict:
                     if step in base:
                         diffs.setdefault(step, []).append(acc - base[step])
                 if s in grpo:  # the same seed draws the same problems at every step, whatever the method
+                    base_rewards = _reward_windows(grpo[s], sorted(mine))
                     for window, mean in _reward_windows(by_seed[s], sorted(mine)).items():
-                        rewards.setdefault(window, []).append(mean - _reward_windows(grpo[s], sorted(mine))[window])
+                        rewards.setdefault(window, []).append(mean - base_rewards[window])
             out[tb][m] = {
                 "seeds": seeds, "accuracy_after": after, "accuracy_before": [by_seed[s]["summary"]["accuracy_before"] for s in seeds],
                 **{k: v for k, v in stats(after).items() if k != "n"},
@@ -113,7 +112,7 @@ def collect(root: Path, ledger: bool = False) -> dict:
                 "paired_train_reward_vs_grpo": {w: _paired(v) for w, v in rewards.items()},
                 "curve": {str(st): {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else math.nan, "n": len(v)}
                           for st, v in sorted(curves.items())},
-                "final_train_reward": stats([np.mean([x["reward/mean"] for x in by_seed[s]["rows"][-5:]]) for s in seeds])["mean"],
+                "final_train_reward": stats([_last_mean(by_seed[s]["rows"], "reward/mean", 5) for s in seeds])["mean"],
                 "final_policy_entropy": stats([_last_mean(by_seed[s]["rows"], "policy/entropy", 10) for s in seeds]),
                 "train_seconds": [sum(x["time/step_s"] for x in by_seed[s]["rows"]) for s in seeds],
                 "wall_seconds": [by_seed[s]["wall_seconds"] for s in seeds], "cpu_seconds": [by_seed[s]["cpu_seconds"] for s in seeds],
