@@ -34,12 +34,20 @@ def read_run(path: Path) -> dict | None:
     if not (path / "summary.json").exists():
         return None
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    timing = path / "study_time.json"
-    return {"dir": path, "config": json.loads((path / "config.json").read_text()),
-            "summary": json.loads((path / "summary.json").read_text()), "rows": rows,
-            "wall_seconds": json.loads(timing.read_text())["seconds"] if timing.exists() else math.nan,
-            "cpu_seconds": json.loads(timing.read_text()).get("cpu_seconds", math.nan) if timing.exists() else math.nan,
-            "code": json.loads(timing.read_text()).get("code", []) if timing.exists() else []}
+    config = json.loads((path / "config.json").read_text())
+    timing = json.loads((path / "study_time.json").read_text()) if (path / "study_time.json").exists() else {}
+    return {"dir": path, "config": config, "summary": json.loads((path / "summary.json").read_text()), "rows": rows,
+            "wall_seconds": timing["seconds"] if fully_timed(timing, config) else math.nan,
+            "cpu_seconds": timing.get("cpu_seconds", math.nan) if fully_timed(timing, config) else math.nan,
+            "code": timing.get("code", [])}
+
+
+def fully_timed(timing: dict, config: dict) -> bool:
+    """Whether study_time.json holds every invocation of the run: not when one was killed before it
+    could write its time (scripts/study_run.py counts those as `unmeasured`; older files show it as a
+    resumed run with a single recorded invocation)."""
+    return bool(timing) and not timing.get("unmeasured") and not timing.get("open") and \
+        not (config.get("resume") and timing.get("invocations", 0) < 2)
 
 
 def accuracy_curve(run: dict) -> list[tuple[int, float]]:

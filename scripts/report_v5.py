@@ -5,13 +5,15 @@
 
 Writes summary.json (per testbed and method: seeds, final accuracies, mean ± std, the paired
 difference vs GRPO with its standard error, the held-out curve, times), runs.csv, curves.csv,
-attribution.csv, accuracy.png, attribution.png and README.md. Only finished runs (summary.json)
-count; the page says how many of the planned runs that is, and labels itself PARTIAL until all are.
+attribution.csv, accuracy.png and attribution.png (scripts/plots.py) and README.md
+(scripts/report_v5_page.py). Only finished runs (summary.json) count; the page says how many of the
+planned runs that is, and labels itself PARTIAL until all are.
 
 Statistics: mean and sample std (ddof = 1) over seeds; a method vs GRPO is compared seed by seed
 (same data order and same first rollouts): mean paired difference and its standard error
 std / sqrt(n), n the seeds both have. Training seconds are the logged step times (evaluation
-excluded); wall and CPU seconds are the whole run's (scripts/study_run.py's study_time.json).
+excluded); wall and CPU seconds are the whole run's (scripts/study_run.py's study_time.json), null
+for a run with an invocation that was killed before it could record its time.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def collect(root: Path, ledger: bool = False) -> dict:
                 "train_seconds": [sum(x["time/step_s"] for x in by_seed[s]["rows"]) for s in seeds],
                 "wall_seconds": [by_seed[s]["wall_seconds"] for s in seeds], "cpu_seconds": [by_seed[s]["cpu_seconds"] for s in seeds],
                 "code": sorted({c for s in seeds for c in by_seed[s]["code"]}),
+                "code_by_seed": [by_seed[s]["code"] for s in seeds],
                 "flaws": {k: stats([f[k] for f in flaws if f is not None]) for k in ("early_answers_3op", "with_slip")},
             }
     attribution = {p.stem: json.loads(p.read_text()) for p in sorted((root / "attribution").glob("*.json"))}
@@ -174,9 +177,10 @@ def write(root, out, ledger: bool = False) -> dict:
     run_rows, curve_rows, attr_rows = [], [], []
     for tb, methods in data["testbeds"].items():
         for m, v in methods.items():
-            for s, b, a, t, w, c in zip(v["seeds"], v["accuracy_before"], v["accuracy_after"], v["train_seconds"], v["wall_seconds"], v["cpu_seconds"]):
+            for s, b, a, t, w, c, code in zip(v["seeds"], v["accuracy_before"], v["accuracy_after"], v["train_seconds"], v["wall_seconds"],
+                                              v["cpu_seconds"], v["code_by_seed"]):
                 run_rows.append({"testbed": tb, "method": m, "seed": s, "accuracy_before": b, "accuracy_after": a,
-                                 "train_seconds": round(t, 1), "wall_seconds": round(w, 1), "cpu_seconds": round(c, 1)})
+                                 "train_seconds": round(t, 1), "wall_seconds": round(w, 1), "cpu_seconds": round(c, 1), "code": "+".join(code)})
             curve_rows += [{"testbed": tb, "method": m, "step": int(st), **c} for st, c in v["curve"].items()]
     for tb, a in data["attribution"].items():
         attr_rows += [{"testbed": tb, **r} for r in a["table"]]
@@ -186,101 +190,16 @@ def write(root, out, ledger: bool = False) -> dict:
                 w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
                 w.writeheader()
                 w.writerows(rows)
-    from scripts import plots
+    from scripts import plots, report_v5_page
 
     images = []
     if curve_rows:
         images.append(plots.testbed_accuracy(data["testbeds"], out / "accuracy.png"))
     if attr_rows:
         images.append(plots.known_token_weights(data["attribution"], out / "attribution.png"))
-    (out / "README.md").write_text(markdown(summary, images))
+    (out / "README.md").write_text(report_v5_page.markdown(summary, images))
     print(f"[report] {out}/: {summary['status']}; {len(images)} plots", flush=True)
     return summary
-
-
-def _pct(x) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
-
-
-def _f(x, digits=2) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def markdown(summary: dict, images) -> str:
-    s = summary["settings"]
-    lines = [f"# Where token-level credit helps: the plan's six credit methods (and any beyond it) on three testbeds ({summary['status']})", "",
-             f"Generated {summary['generated']} by `{summary['report_command']}` "
-             f"from the runs of `{summary['command']}`.", "",
-             "**Settings, fixed before the first run** (scripts/study_v5.py): "
-             f"{s['steps']} steps × {s.get('prompts_per_step', 32)} prompts × {s.get('group_size', 8)} rollouts = the same "
-             f"{s['steps'] * s.get('prompts_per_step', 32) * s.get('group_size', 8):,} rollouts per run for every method; "
-             "train.py's defaults otherwise (lr 5e-5, OAR q = 0.4, β = 2, floor 0.1, probe answer_mean, entropy-mask ρ = 0.2, "
-             "tempo's TD term with coefficient 1); held-out: "
-             f"{s.get('eval_size', 500)} problems of arith's test split, greedy, every {s['eval_every']} steps and at the end; "
-             "completion budget 64 tokens (filler: 96); seeds 0-4; each testbed's starting model built once (seed 0). "
-             "Nothing was chosen on the held-out split.", ""]
-    if summary.get("beyond_plan"):
-        lines += [f"Beyond the plan: {', '.join(f'`{m}`' for m in summary['beyond_plan'])} (not in the paper; named after the plan was "
-                  "fixed, same settings and seeds, run with `study_v5.py --methods`), in the tables below and not in the run count.", ""]
-    if summary["builds"]:
-        lines += ["Starting models (built by the study, seed 0, oar/testbeds.py's recipes): " + "; ".join(
-            f"`{tb}` {_pct(b['heldout_accuracy'])}% held-out (greedy, build's own 500 problems), {b['build_seconds'] / 60:.0f} min "
-            f"({b['build_cpu_seconds'] / 60:.0f} min CPU) on {b['torch_threads']} torch thread(s)" for tb, b in summary["builds"].items()) + ".", ""]
-    for tb, methods in summary["testbeds"].items():
-        lines += [f"## Testbed `{tb}`", "", "| method | seeds | before | after (mean ± std) | per seed | paired Δ vs GRPO (± s.e.) | train reward (last 5 steps) | "
-                  "policy entropy (last 10 steps, nats/token) | training time | CPU time/run |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for m, v in methods.items():
-            d = v["paired_diff_vs_grpo"]
-            delta = "—" if m == "grpo" else (f"{100 * d['mean']:+.1f} ± {_pct(d['se'])} (n={d['n']})" if d["n"] else "n/a")
-            lines.append(f"| {m} | {', '.join(map(str, v['seeds']))} | {_pct(np.mean(v['accuracy_before']))} | {_pct(v['mean'])} ± {_pct(v['std'])} | "
-                         f"{', '.join(_pct(a) for a in v['accuracy_after'])} | {delta} | {_pct(v['final_train_reward'])} | "
-                         f"{_f(v['final_policy_entropy']['mean'], 4)} ± {_f(v['final_policy_entropy']['std'], 4)} | "
-                         f"{np.mean(v['train_seconds']) / 60:.1f} min | {np.mean(v['cpu_seconds']) / 60:.1f} min |")
-        steps = sorted({int(st) for v in methods.values() for st in v["paired_curve_vs_grpo"]})
-        windows = sorted({w for v in methods.values() for w in v["paired_train_reward_vs_grpo"]}, key=lambda w: int(w.split("-")[0]))
-        lines += ["", "Paired Δ vs GRPO (points; ± s.e. over the seeds both have, n): held-out accuracy at each evaluation, and "
-                  "the sampled train reward averaged over the steps between evaluations (the same problems for both at a seed):", "",
-                  "| method | " + " | ".join([f"held-out, step {st}" for st in steps] + [f"train reward, steps {w}" for w in windows]) + " |",
-                  "|---|" + "---|" * (len(steps) + len(windows))]
-        for m, v in methods.items():
-            if m != "grpo":
-                cells = [v["paired_curve_vs_grpo"].get(str(st)) for st in steps] + [v["paired_train_reward_vs_grpo"].get(w) for w in windows]
-                lines.append(f"| {m} | " + " | ".join("n/a" if c is None or not c["n"] else f"{100 * c['mean']:+.1f} ± {_pct(c['se'])} ({c['n']})"
-                                                     for c in cells) + " |")
-        lines += ["", "The planted flaws in the final models' held-out completions (greedy; %, mean ± std over the seeds whose "
-                  "completions were kept, n): 3-operation problems answered one line early (the fork), completions with a written "
-                  "result that is not `a op b` (a slip, the model's own errors included):", "",
-                  "| method | answered early (3-op) | with a slip |", "|---|---|---|"]
-        for m, v in methods.items():
-            f = v["flaws"]
-            lines.append(f"| {m} | " + " | ".join("n/a" if not f[k]["n"] else f"{_pct(f[k]['mean'])} ± {_pct(f[k]['std'])} ({f[k]['n']})"
-                                                 for k in ("early_answers_3op", "with_slip")) + " |")
-        lines.append("")
-    if summary["attribution"]:
-        lines += ["## Where each method puts the advantage (starting models, known tokens)", "",
-                  "Each testbed's starting model samples 8 rollouts for each of 48 train-split 3-operation problems; every method "
-                  "weighs the same rollouts through train.py's credit interface. Over the scope of each rollout with advantage ≠ 0 "
-                  "(its reasoning tokens and its fork token: a rollout that answers early forks on the first `#` of its `####` marker, "
-                  "which OAR's gate leaves at 1): precision@k and ROC-AUC of |w| against the pivotal tokens (result digits, the fork, "
-                  "the slips), ROC-AUC against the planted tokens alone (the fork and the slips), and the mean weight w (signed: "
-                  "TEMPO's can be negative) on the fork (all; where the rollout stopped; where it went on), slip and filler tokens and "
-                  "on the other reasoning tokens. ± is a standard error clustered by prompt. GRPO's all-ones weights give the base "
-                  "rate and 0.5.", "",
-                  "| testbed | method | rollouts | precision@k | ROC-AUC | ROC-AUC planted | w fork | w fork stop / go | w slip | w filler | w other | share w < 0 |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for tb, a in summary["attribution"].items():
-            for r in a["table"]:
-                cell = lambda k: f"{_f(r[k])} ± {_f(r[k + '_se'])}" if r.get(k + "_n", 0) > 1 else _f(r.get(k))  # noqa: E731
-                split = f"{_f(r.get('w_fork_stop'))} / {_f(r.get('w_fork_go'))}"
-                lines.append(f"| {tb} | {r['method']} | {r['rollouts']} | {cell('precision_at_k')} | {cell('roc_auc')} | {cell('roc_auc_planted')} | "
-                             f"{cell('w_fork')} | {split} | {cell('w_slip')} | {cell('w_filler')} | {cell('w_other')} | {_f(r['frac_negative'], 3)} |")
-        lines += ["", "Rollouts with a fork / slip token, and the starting model's sample accuracy: " + "; ".join(
-            f"{tb}: {a['rollouts_with_fork']} / {a['rollouts_with_slip']} of {a['prompts'] * a['group_size']}, {_pct(a['sample_accuracy'])}%"
-            for tb, a in summary["attribution"].items()) + ". Of the rollouts scored, the fork stopped / went on in: " + "; ".join(
-            f"{tb} {a['table'][0].get('w_fork_stop_n', 'n/a')} / {a['table'][0].get('w_fork_go_n', 'n/a')}"
-            for tb, a in summary["attribution"].items() if a["rollouts_with_fork"]) + ".", ""]
-    lines += [f"![{p.stem}]({p.name})" for p in images] + [""]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 `run_one` brings a run folder to completion: a folder with summary.json is done (and must hold the
 settings and starting model asked for), one with a checkpoint resumes with --resume, one with neither
 starts again. Each invocation adds its wall-clock and CPU seconds, the starting model and the code's
-hash to the folder's study_time.json. Used by scripts/study.py (issue 6) and scripts/study_v5.py (issue 14).
+hash to the folder's study_time.json (one killed before it could adds to its count of unmeasured
+invocations). Used by scripts/study.py (issue 6) and scripts/study_v5.py (issue 14).
 """
 
 from __future__ import annotations
@@ -63,15 +64,19 @@ def run_one(args, run) -> str:
     cmd = command(run["settings"], out, run["seed"], resume)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     print(f"[study] {'resume' if resume else 'start '} {out.name}: {' '.join(cmd[1:])}", flush=True)
+    # An invocation is marked open while it runs: one killed outright (SIGKILL, the machine gone) never
+    # writes its time, and the next one counts it as unmeasured, so the report does not show a partial time as whole.
+    before = json.loads((out / "study_time.json").read_text()) if (out / "study_time.json").exists() else {}
+    unmeasured = before.get("unmeasured", 0) + int(bool(before.get("open")))
+    write_json_atomic(out / "study_time.json", before | {"open": True, "unmeasured": unmeasured})
     start, cpu = time.time(), _child_cpu()
     try:
         with open(out / "train.log", "a") as log:
             code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     finally:  # also when the study is stopped: a resumed run's time adds up over its invocations
-        before = json.loads((out / "study_time.json").read_text()) if (out / "study_time.json").exists() else {}
         write_json_atomic(out / "study_time.json", {
             "seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
-            "invocations": before.get("invocations", 0) + 1, "model": model_ident(run["settings"]["model"]),
+            "invocations": before.get("invocations", 0) + 1, "unmeasured": unmeasured, "model": model_ident(run["settings"]["model"]),
             "code": sorted(set(before.get("code", [])) | {code_version()})})
     if code != 0:
         tail = (out / "train.log").read_text().splitlines()[-15:]

@@ -109,7 +109,8 @@ def test_report_v5_from_the_ledger_alone(tmp_path):
         (d / "config.json").write_text(json.dumps({"method": m}))
         (d / "summary.json").write_text(json.dumps({"steps": 60, "accuracy_before": 0.2, "accuracy_after": acc}))
         (d / "metrics.jsonl").write_text(json.dumps({"step": 60, "reward/mean": 0.5, "time/step_s": 1.0}) + "\n")
-        (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 8.0}))
+        code = ["bbb"] if m == "oar-g+tempo" else ["aaa"]  # made by a later version of the code
+        (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 8.0, "code": code}))
     (tmp_path / "builds").mkdir()
     build = {"heldout_accuracy": 0.2, "heldout_problems": 500, "build_seconds": 600.0, "build_cpu_seconds": 500.0, "torch_threads": 1}
     (tmp_path / "builds" / "fork.json").write_text(json.dumps(build | {"recipe": {}, "weights_sha256": "ab"}))
@@ -122,6 +123,8 @@ def test_report_v5_from_the_ledger_alone(tmp_path):
     assert "Beyond the plan: `oar-g+tempo`" in (tmp_path / "out" / "README.md").read_text()
     assert summary["builds"]["fork"] == build | {"weights_sha256": "ab"}
     assert "--ledger" in (tmp_path / "out" / "README.md").read_text()
+    assert "`aaa` 2 runs (fork/grpo-s0, fork/tempo-s0); `bbb` 1 run (fork/oar-g+tempo-s0)" in (tmp_path / "out" / "README.md").read_text()
+    assert (tmp_path / "out" / "runs.csv").read_text().splitlines()[0].endswith(",code")
 
 
 def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
@@ -138,6 +141,25 @@ def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
     assert len(json.loads((tmp_path / "plan.json").read_text())["runs"]) == 90  # the fixed plan, whatever part a worker runs
     assert timing()["invocations"] == 1 and timing()["cpu_seconds"] > 0
     assert main(argv) == 0 and timing()["invocations"] == 1  # finished: skipped
+    assert "open" not in timing() and timing()["unmeasured"] == 0
+    # stopped after its last checkpoint by SIGKILL: summary gone, the invocation still marked open
     (run / "summary.json").unlink()
+    (run / "study_time.json").write_text(json.dumps(timing() | {"open": True}))
     assert main(argv) == 0 and (run / "summary.json").exists() and timing()["invocations"] == 2
     assert "resume grpo-s0" in capsys.readouterr().out
+    assert timing()["unmeasured"] == 1  # the killed invocation's time is lost, and the run says so
+    from scripts.report import read_run
+
+    assert math.isnan(read_run(run)["cpu_seconds"]) and math.isnan(read_run(run)["wall_seconds"])
+
+
+def test_a_run_is_fully_timed_only_when_every_invocation_recorded_its_time():
+    from scripts.report import fully_timed
+
+    whole = {"seconds": 10.0, "cpu_seconds": 8.0, "invocations": 1, "unmeasured": 0}
+    assert fully_timed(whole, {"resume": False}) and fully_timed(whole | {"invocations": 2}, {"resume": True})
+    assert not fully_timed(whole | {"unmeasured": 1, "invocations": 2}, {"resume": True})
+    assert not fully_timed(whole | {"open": True}, {"resume": False})  # an invocation still running, or killed
+    # written before invocations were marked open: a resumed run with one recorded invocation lost one
+    assert not fully_timed({"seconds": 170.6, "cpu_seconds": 108.7, "invocations": 1}, {"resume": True})
+    assert not fully_timed({}, {})
