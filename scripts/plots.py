@@ -149,9 +149,12 @@ def known_token_weights(attribution: dict, path: Path) -> Path:
     for ax, (tb, a) in zip(axes[0], attribution.items()):
         methods = [r["method"] for r in a["table"]]
         x = np.arange(len(methods))
-        for k, kind in enumerate(kinds):
-            vals = [r.get(f"w_{kind}", np.nan) for r in a["table"]]
-            ax.bar(x + (k - 2) * 0.16, np.nan_to_num(np.array(vals, dtype=float)), width=0.16, label=kind.replace("_", " "))
+        vals = {kind: np.array([r.get(f"w_{kind}", np.nan) for r in a["table"]], dtype=float) for kind in kinds}
+        present = [kind for kind in kinds if not np.isnan(vals[kind]).all()]  # a kind the testbed lacks gets no bar, not a 0
+        width = 0.8 / len(present)
+        for k, kind in enumerate(present):
+            ax.bar(x + (k - (len(present) - 1) / 2) * width, vals[kind], width=width, label=kind.replace("_", " "),
+                   color=f"C{kinds.index(kind)}")  # a kind keeps its colour across panels
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(x, methods, rotation=30, fontsize=8)
         ax.set(title=f"{tb}: mean weight on known tokens", ylabel="mean w")
