@@ -94,7 +94,7 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
     rewards, advantages, scored (B,): this process's; `scored` marks the rollouts whose weights
     matter (advantage != 0 and a valid token): the others get 1 from the scoring methods (their loss
     is 0 whatever w). `gather(x)`: all processes' 1-D `x` concatenated (identity on one process);
-    entropy-mask takes its threshold over the whole step with it."""
+    entropy-mask takes its threshold over the whole step with it, random-gate the step's widest prompt."""
     s, lp = settings, ro.prompt_width
     assert rewards.shape == advantages.shape == scored.shape == (len(ro),), (rewards.shape, advantages.shape, scored.shape)
     ones = lambda mb: torch.ones(mb.input_ids.shape, device=mb.input_ids.device)  # noqa: E731
@@ -112,9 +112,16 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
             return gate(s, full, mb.reasoning_mask & scored[rows, None]), time.perf_counter() - start, 0
         return weigh
     if s.method == "random-gate":
-        def weigh(rows, mb, logits, clean=None, clean_kv=None):  # rollout i's scores come from its own seed
-            full = torch.stack([torch.rand(mb.input_ids.shape[1], generator=torch.Generator().manual_seed(seed + 104_729))
-                                for seed in seeds[rows]]).to(mb.input_ids.device)
+        # Rollout i's scores are a stream from its own seed, read at each token's column in the layout the
+        # step would have on one process (the widest prompt of every process, then the completion): the
+        # same draws whatever the other prompts on this process, the micro-batching or the process count.
+        width = int(gather(torch.tensor([float(lp)], device=ro.input_ids.device)).max())
+
+        def weigh(rows, mb, logits, clean=None, clean_kv=None):
+            T = mb.input_ids.shape[1] - lp
+            full = torch.zeros(mb.input_ids.shape, device=mb.input_ids.device)
+            full[:, lp:] = torch.stack([torch.rand(width + T, generator=torch.Generator().manual_seed(seed + 104_729))[width:]
+                                        for seed in seeds[rows]]).to(full.device)
             return gate(s, full, mb.reasoning_mask & scored[rows, None]), 0.0, 0
         return weigh
     if s.method == "oar-g+tempo":

@@ -147,7 +147,7 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     from oar.grpo import token_entropy
     from oar.models import forward_logits, load_model
     from oar.rewards import reward
-    from oar.sampler import format_prompt, sample
+    from oar.sampler import Rollout, format_prompt, sample
 
     model, tok = load_model(str(tiny_model))
     problems = [("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10")]
@@ -189,6 +189,17 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     torch.testing.assert_close(rand, bilevel_weights(uniform, ro.reasoning_mask & scored[:, None]))
     moved = (rand != 1).any(1)
     assert moved.any() and not (rand[~(ro.reasoning_mask & scored[:, None])] != 1).any()  # only scored reasoning tokens move
+    # ... and they are the same draws when a wider prompt sits on another process, which widens this
+    # process's layout only on the one-process run: 3 more padding columns here, the gather says why there
+    pad = lambda x: torch.cat([torch.zeros(len(ro), 3, dtype=x.dtype), x], dim=1)  # noqa: E731
+    wide = Rollout(pad(ro.input_ids), pad(ro.attention_mask), pad(ro.completion_mask), pad(ro.reasoning_mask), pad(ro.answer_mask),
+                   ro.truncated, ro.texts, lp + 3)
+    one = step_credit(CreditSettings(method="random-gate", group_size=4), model, tok, wide, rewards, adv, scored, seeds, golds,
+                      "answer_mean")(slice(0, 8), wide, logits)[0]
+    two = step_credit(CreditSettings(method="random-gate", group_size=4), model, tok, ro, rewards, adv, scored, seeds, golds,
+                      "answer_mean", gather=lambda x: torch.cat([x, x + 3]))(slice(0, 8), ro, logits)[0]
+    assert not torch.equal(two, rand)  # the draws moved with the step's widest prompt
+    torch.testing.assert_close(one[:, lp + 3:], two[:, lp:])  # the same draws; the gate's sums may round apart
 
 
 def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_from(tiny_model):

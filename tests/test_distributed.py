@@ -73,7 +73,8 @@ def test_micro_batches_of_1_equal_one_batch_of_8(tiny_model, tmp_path, setting):
 @pytest.mark.parametrize("setting, micro_batch_size, switch", [("oar-g/seq_mean", 4, True),
                                                                ("oar-p/token_mean/mask_truncated", 1, False),
                                                                ("entropy-mask/token_mean", 2, False),
-                                                               ("tempo/seq_mean", 2, False)])
+                                                               ("tempo/seq_mean", 2, False),
+                                                               ("random-gate/seq_mean", 2, False)])  # its widest-prompt gather
 def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size, switch):
     """Two steps under 2 processes, or (switch) step 1 under 2 processes and step 2 resumed in one:
     a checkpoint does not depend on the number of processes that wrote or reads it."""
