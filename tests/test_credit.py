@@ -200,6 +200,17 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
                       "answer_mean", gather=lambda x: torch.cat([x, x + 3]))(slice(0, 8), ro, logits)[0]
     assert not torch.equal(two, rand)  # the draws moved with the step's widest prompt
     torch.testing.assert_close(one[:, lp + 3:], two[:, lp:])  # the same draws; the gate's sums may round apart
+    # under --mask_truncated a truncated rollout carries no loss, so it does not set entropy-mask's threshold
+    # either (as TRL's completion mask): truncate the rollout with the most top-entropy tokens
+    from dataclasses import replace
+
+    from oar.credit import step_entropies
+
+    ent = step_entropies(model, ro, 8)
+    cut = replace(ro, truncated=torch.arange(8) == top_entropy_mask(ent, ro.completion_mask).sum(1).argmax())
+    w = step_credit(CreditSettings(method="entropy-mask", group_size=4, mask_truncated=True), model, tok, cut, rewards, adv, scored,
+                    seeds, golds, "answer_mean")(slice(0, 8), cut, logits)[0]
+    assert w.equal(top_entropy_mask(ent, cut.completion_mask & ~cut.truncated[:, None]).float()) and not w[cut.truncated].any()
 
 
 def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_from(tiny_model):
