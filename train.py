@@ -174,7 +174,7 @@ def main(cfg: Config) -> dict:
         # micro-batch and process), and the loss is scaled by n_micro x n_proc because accelerate
         # divides it by the accumulation steps and DDP averages over processes.
         lp = ro.prompt_width
-        completion = ro.completion_mask & ~ro.truncated[:, None] if cfg.mask_truncated else ro.completion_mask
+        completion = ro.loss_tokens(cfg.mask_truncated)
         # Clamped to 1: with no valid token anywhere (all truncated under mask_truncated) the loss is 0, not 0/0.
         n_seq = accelerator.reduce(completion.any(1).sum().float(), "sum").clamp(min=1)
         n_tok = accelerator.reduce(completion.sum().float(), "sum").clamp(min=1)

@@ -142,8 +142,7 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
         full = torch.cat([torch.ones_like(ro.input_ids[:, :lp], dtype=full.dtype), full], dim=1)  # (B, L)
     else:  # entropy-mask: one threshold over the step's tokens on every process, so entropies first
         ent = step_entropies(model, ro, s.micro_batch_size, s.temperature)  # (B, L)
-        loss_tokens = ro.completion_mask & ~ro.truncated[:, None] if s.mask_truncated else ro.completion_mask  # as the loss's
-        full = top_entropy_mask(ent, loss_tokens, top=s.entropy_top, gather=gather).float()
+        full = top_entropy_mask(ent, ro.loss_tokens(s.mask_truncated), top=s.entropy_top, gather=gather).float()  # the loss's tokens
     per_rollout = (time.perf_counter() - start) / max(1, len(ro))
     return lambda rows, mb, logits, clean=None, clean_kv=None: (full[rows], per_rollout * len(mb), 0)
 

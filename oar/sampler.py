@@ -43,6 +43,10 @@ class Rollout:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def loss_tokens(self, mask_truncated: bool) -> torch.Tensor:
+        """(B, L) bool: the tokens the loss counts, the completion's, less truncated rollouts' under --mask_truncated."""
+        return self.completion_mask & ~self.truncated[:, None] if mask_truncated else self.completion_mask
+
     def select(self, rows: slice) -> "Rollout":
         """The rollouts `rows` (a micro-batch), same layout."""
         return Rollout(

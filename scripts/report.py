@@ -36,9 +36,10 @@ def read_run(path: Path) -> dict | None:
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     config = json.loads((path / "config.json").read_text())
     timing = json.loads((path / "study_time.json").read_text()) if (path / "study_time.json").exists() else {}
+    whole = fully_timed(timing, config)
     return {"dir": path, "config": config, "summary": json.loads((path / "summary.json").read_text()), "rows": rows,
-            "wall_seconds": timing["seconds"] if fully_timed(timing, config) else math.nan,
-            "cpu_seconds": timing.get("cpu_seconds", math.nan) if fully_timed(timing, config) else math.nan,
+            "wall_seconds": timing["seconds"] if whole else math.nan,
+            "cpu_seconds": timing.get("cpu_seconds", math.nan) if whole else math.nan,
             "code": timing.get("code", [])}
 
 
