@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from oar.checkpoint import write_json_atomic
-from oar.data import DataError, load_problems
-from oar.evaluation import evaluate
-from oar.launch import end, make_accelerator, release
-from oar.models import ModelError, load_model, resolve_model
+from oar.training.checkpoint import write_json_atomic
+from oar.training.data import DataError, load_problems
+from oar.training.evaluation import evaluate
+from oar.training.launch import end, make_accelerator, release
+from oar.training.models import ModelError, load_model, resolve_model
 from oar.sampler import resolve_instruction
-from oar.tiny_arith_cache import model_source
+from oar.tasks.tiny_arith_cache import model_source
 
 
 

@@ -36,7 +36,7 @@ Departures from the paper and the authors' code (each also stated where it lives
     1 in value, pi_old = pi_theta.detach()).
 
 Sharding: a model sharded by FSDP2 (accelerate's plugin on GPUs, or --fsdp on CPU processes) is
-gathered whole for sampling, OAR scoring and evaluation, and resharded after (oar/sharding.py).
+gathered whole for sampling, OAR scoring and evaluation, and resharded after (oar/training/sharding.py).
 
 Degenerate numbers, each with a defined outcome (tests/test_failures.py):
   * a group whose rewards are all equal has advantage 0 (oar/grpo.py): it adds nothing to the gradient,
@@ -60,20 +60,20 @@ from dataclasses import asdict, fields
 import numpy as np
 import torch
 
-from oar import checkpoint as ckpt
-from oar import sharding
-from oar.config import METHODS, RESUMABLE, Config, check_config, check_resume, micro_batch, parse_args  # noqa: F401 (re-exported for scripts)
-from oar.data import DataError, load_problems
-from oar.evaluation import evaluate
+from oar.training import checkpoint as ckpt
+from oar.training import sharding
+from oar.training.config import METHODS, RESUMABLE, Config, check_config, check_resume, micro_batch, parse_args  # noqa: F401 (re-exported for scripts)
+from oar.training.data import DataError, load_problems
+from oar.training.evaluation import evaluate
 from oar.credit import CreditSettings, step_credit
-from oar.launch import end, gather_ragged, make_accelerator, release
+from oar.training.launch import end, gather_ragged, make_accelerator, release
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
-from oar.models import ModelError, forward_logits, load_model, resolve_model
+from oar.training.models import ModelError, forward_logits, load_model, resolve_model
 from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
-from oar.runlog import RunLog, pass_metrics, step_metrics
+from oar.training.runlog import RunLog, pass_metrics, step_metrics
 from oar.sampler import format_prompt, resolve_instruction, sample
-from oar.tiny_arith_cache import model_source
+from oar.tasks.tiny_arith_cache import model_source
 
 
 def prompt_order(step: int, local: int, rank: int, n_problems: int, prompts_per_step: int, seed: int) -> list[int]:

@@ -38,7 +38,7 @@ import torch
 from oar.entropy_credit import top_entropy_mask
 from oar.gating import bilevel_weights
 from oar.grpo import token_entropy
-from oar.models import forward_logits
+from oar.training.models import forward_logits
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb_window import perturbation_scores_auto
 from oar.sampler import Rollout, with_reference_answer

@@ -26,7 +26,7 @@ change anything before j:
   * a chunk holds at most `max_chunk_tokens` (cached + recomputed) positions, which bounds memory,
     and so does a block of rollouts whose clean keys/values are held at once (rows x L).
 `span > 1` is an approximate mode: mask `span` consecutive reasoning tokens at once and give each
-of them the span's score (span-fold fewer copies; its error is reported by scripts/bench.py).
+of them the span's score (span-fold fewer copies; its error is reported by scripts/bench/bench.py).
 Rows with no answer token or no reasoning token score 0 everywhere. Scoring runs with every module
 in eval mode (dropout off; checkpointed layers would drop the caches), and restores each module's mode.
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oar.models import forward_logits, full_cache, position_ids
+from oar.training.models import forward_logits, full_cache, position_ids
 from oar.probes import check_probe, divergence, logits_at, min_rows, outcome, outcome_from_logits
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from oar.models import position_ids
+from oar.training.models import position_ids
 from oar.oar_perturb import _eval_mode, perturbation_scores
 from oar.probes import check_probe, divergence, outcome
 

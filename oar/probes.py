@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from oar.models import full_cache, position_ids
+from oar.training.models import full_cache, position_ids
 
 PROBES = ("last", "answer_mean", "answer_joint")
 

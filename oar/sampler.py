@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oar.models import position_ids
+from oar.training.models import position_ids
 from oar.answers import find_answer
 
 

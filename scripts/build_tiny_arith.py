@@ -3,7 +3,7 @@
     python scripts/build_tiny_arith.py                       # into the cache (default_model_dir)
     python scripts/build_tiny_arith.py --out_dir /tmp/ta --seed 1 --overwrite
 
-Training and the model code live in oar/tiny_arith.py; this is only the command line.
+Training and the model code live in oar/tasks/tiny_arith.py; this is only the command line.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without install
 
-from oar.tiny_arith import BUILDER_VERSION  # noqa: E402
-from oar.tiny_arith_cache import build_tiny_arith, default_model_dir  # noqa: E402
+from oar.tasks.tiny_arith import BUILDER_VERSION  # noqa: E402
+from oar.tasks.tiny_arith_cache import build_tiny_arith, default_model_dir  # noqa: E402
 
 
 def main() -> None:

@@ -145,7 +145,7 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     from oar.credit import METHODS, CreditSettings, step_credit
     from oar.gating import bilevel_weights
     from oar.grpo import token_entropy
-    from oar.models import forward_logits, load_model
+    from oar.training.models import forward_logits, load_model
     from oar.rewards import reward
     from oar.sampler import Rollout, format_prompt, sample
 
@@ -218,7 +218,7 @@ def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_fro
     the model's next-token distribution after the tokens before t (no slicing shared with the code)."""
     from oar.credit import step_entropies
     from oar.grpo import token_entropy
-    from oar.models import load_model
+    from oar.training.models import load_model
     from oar.sampler import format_prompt, sample
 
     model, tok = load_model(str(tiny_model))

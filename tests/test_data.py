@@ -1,4 +1,4 @@
-"""Tests of oar/data.py (JSON Lines loading and its errors) and oar/arith.py; tiny-arith: test_tiny_arith.py."""
+"""Tests of oar/training/data.py (JSON Lines loading and its errors) and oar/tasks/arith.py; tiny-arith: test_tiny_arith.py."""
 from __future__ import annotations
 
 import ast
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from oar.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution, split_of
-from oar.data import DataError, Problem, load_jsonl, load_problems, problems_from_records
+from oar.tasks.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution, split_of
+from oar.training.data import DataError, Problem, load_jsonl, load_problems, problems_from_records
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

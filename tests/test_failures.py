@@ -203,7 +203,7 @@ def test_missing_and_broken_models_are_named(tiny_model, tmp_path):
 def test_a_tokenizer_without_pad_pads_with_eos(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from oar.models import load_model
+    from oar.training.models import load_model
 
     model = tmp_path / "no-pad"
     shutil.copytree(tiny_model, model)

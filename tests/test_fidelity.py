@@ -1,4 +1,4 @@
-"""scripts/fidelity.py's pieces: the answer split of a gold solution and the four fidelity numbers."""
+"""scripts/analysis/fidelity.py's pieces: the answer split of a gold solution and the four fidelity numbers."""
 
 import sys
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from fidelity import compare, split_boxed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.analysis.fidelity import compare, split_boxed  # noqa: E402
 
 
 def test_split_boxed_takes_the_last_box_and_nested_braces():

@@ -66,7 +66,7 @@ def test_build_rollout_on_broken_utf8_finds_the_answer():
 
 def test_build_rollout_on_a_huge_completion_is_fast():
     from oar.sampler import build_rollout
-    from oar.tiny_arith import make_tokenizer
+    from oar.tasks.tiny_arith import make_tokenizer
 
     tok = make_tokenizer()
     text = "1 + 1 = 2\n" * 2_000 + "#### 2"  # 20k tokens

@@ -41,7 +41,7 @@ def test_one_oar_g_training_step_on_smollm2(tmp_path):
 
 
 def test_oar_g_scores_on_a_teacher_forced_smollm2_rollout():
-    from oar.models import load_model
+    from oar.training.models import load_model
     from oar.oar_grad import gradient_scores
     from oar.sampler import build_rollout, encode_prompts, format_prompt, stop_token_ids
 

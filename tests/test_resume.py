@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from oar import checkpoint as ckpt
+from oar.training import checkpoint as ckpt
 from tinyrun import TINY, TRAIN, check_ok, final_params, initial_params, max_abs_diff, metrics, run_inprocess, run_script
 
 KILL_DURING_SAVE = """
-import os, signal, oar.checkpoint as c
+import os, signal, oar.training.checkpoint as c
 _write = c._write_json
 def _dying_write(path, obj):  # accelerate's state is in checkpoint-{step}.tmp; trainer_state.json is next
     if path.parent.name == "checkpoint-{step}.tmp":
@@ -27,7 +27,7 @@ c._write_json = _dying_write
 """
 
 KILL_MID_METRICS_LINE = """
-import os, signal, oar.runlog as r
+import os, signal, oar.training.runlog as r
 _step = r.RunLog.step
 def _dying_step(self, step, metrics):
     if step == {step}:  # half a line reaches the disk, then the process dies
@@ -116,7 +116,7 @@ def test_resume_may_change_the_micro_batch(tiny_model, tmp_path):
 # -- checkpoint bookkeeping, without a model ------------------------------------------------------
 
 class _OneProcess:
-    """The part of an Accelerator that oar.checkpoint uses, writing a stand-in state file."""
+    """The part of an Accelerator that oar.training.checkpoint uses, writing a stand-in state file."""
 
     is_main_process = True
 
@@ -163,7 +163,7 @@ def test_a_checkpoint_dir_without_trainer_state_is_not_complete(tmp_path):
 
 def test_metrics_of_a_resumed_run_start_at_its_checkpoint(tmp_path):
     """RunLog keeps the lines up to the resumed step, drops later ones and a torn last line."""
-    from oar.runlog import RunLog
+    from oar.training.runlog import RunLog
 
     class Acc:
         is_main_process, log_with = True, None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from oar.sampler import build_rollout, encode_prompts, format_prompt, sample, with_reference_answer
-from oar.tiny_arith import make_tokenizer
+from oar.tasks.tiny_arith import make_tokenizer
 
 from conftest import tiny_llama
 

@@ -1,4 +1,4 @@
-"""The fast paths of issue 5 pinned to the slow definitions they replace (scripts/bench.py times them).
+"""The fast paths of issue 5 pinned to the slow definitions they replace (scripts/bench/bench.py times them).
 
   * OAR-P: copies of *different* rollouts packed into one chunk (prefixes of different lengths,
     left-padded in the cache) give the naive definition's scores, for every probe and chunk size,
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oar.grpo import token_logprobs
-from oar.models import forward_logits
+from oar.training.models import forward_logits
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import PROBES, clean_forward, divergence, outcome_from_logits

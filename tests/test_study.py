@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from oar.arith import arith_solution
-from oar.data import Problem
-from scripts.attribution import (average_ranks, make_rollouts, pivotal_char_spans, pivotal_mask, precision_at_k, roc_auc,
+from oar.tasks.arith import arith_solution
+from oar.training.data import Problem
+from scripts.analysis.attribution import (average_ranks, make_rollouts, pivotal_char_spans, pivotal_mask, precision_at_k, roc_auc,
                                  spearman, token_labels, top_overlap)
 
 SOLUTION = "37 + 48 = 85\n85 - 15 = 70\n70 * 2 = 140\n#### 140"
@@ -91,7 +91,7 @@ def test_token_labels_for_multi_character_tokens():
 
 def test_pivotal_mask_on_a_rollout_labels_its_own_text():
     from oar.sampler import build_rollout, encode_prompts
-    from oar.tiny_arith import make_tokenizer
+    from oar.tasks.tiny_arith import make_tokenizer
 
     tok = make_tokenizer()  # 1 character = 1 token
     wrong = SOLUTION.replace("= 70", "= 71")  # a wrong intermediate is still that rollout's pivotal token
@@ -114,8 +114,8 @@ def test_pivotal_mask_on_a_rollout_labels_its_own_text():
 # ---------------------------------------------------------------------------------------- heatmap
 
 def test_heatmap_page_on_a_tiny_random_model(tmp_path):
-    from oar.tiny_arith import TinyArithRecipe, make_model, make_tokenizer
-    from scripts.heatmap import heatmap_data, render_html, render_png
+    from oar.tasks.tiny_arith import TinyArithRecipe, make_model, make_tokenizer
+    from scripts.analysis.heatmap import heatmap_data, render_html, render_png
 
     torch.manual_seed(0)
     tok = make_tokenizer()
@@ -161,7 +161,7 @@ def _fake_run(root, name, seed, method, before, after, step_s):
 def test_report_aggregates_seeds_pairs_them_with_grpo_and_writes_every_file(tmp_path):
     import json
 
-    from scripts import report
+    from scripts.studies import report
 
     root, out = tmp_path / "runs", tmp_path / "results"
     runs = []

@@ -1,4 +1,4 @@
-"""scripts/study_v5.py's plan and scripts/attribution_v5.py on a model that earns reward."""
+"""scripts/studies/study_v5.py's plan and scripts/analysis/attribution_v5.py on a model that earns reward."""
 
 import math
 
@@ -7,13 +7,13 @@ import pytest
 
 import torch
 
-from oar.arith import ArithConfig
+from oar.tasks.arith import ArithConfig
 from oar.credit import METHODS
-from oar.testbeds import TESTBEDS
+from oar.tasks.testbeds import TESTBEDS
 
 
 def test_plan_puts_seed_0_of_everything_first_with_one_budget(tmp_path):
-    from scripts.study_v5 import parse_args, plan
+    from scripts.studies.study_v5 import parse_args, plan
 
     runs = plan(parse_args(["--root", str(tmp_path)]))
     assert len(runs) == 6 * 3 * 5 and {r["seed"] for r in runs[:18]} == {0}
@@ -22,8 +22,8 @@ def test_plan_puts_seed_0_of_everything_first_with_one_budget(tmp_path):
 
 
 def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model):
-    from oar.models import load_model
-    from scripts import attribution_v5
+    from oar.training.models import load_model
+    from scripts.analysis import attribution_v5
 
     model, tok = load_model(str(tiny_model))
     torch.manual_seed(0)
@@ -40,7 +40,7 @@ def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model):
 
 
 def test_clustered_standard_error_by_hand():
-    from scripts.attribution_v5 import clustered_mean
+    from scripts.analysis.attribution_v5 import clustered_mean
 
     # mean 2.5; cluster sums of deviations -2 and +2: sqrt((4 + 4) * 2 / 1) / 4 = 1
     assert clustered_mean([1.0, 2.0, 3.0, 4.0], [0, 0, 1, 1], "x") == {"x": 2.5, "x_n": 4, "x_se": 1.0}
@@ -54,7 +54,7 @@ def test_clustered_standard_error_by_hand():
 def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
     import json
 
-    from scripts import report_v5
+    from scripts.studies import report_v5
 
     runs = [{"name": f"fork/{m}", "testbed": "fork", "method": m, "seed": s, "settings": {}} for s in (0, 1, 2) for m in ("grpo", "tempo")]
     (tmp_path / "plan.json").write_text(json.dumps({"runs": runs, "settings": {"steps": 2, "eval_every": 1}, "command": "x"}))
@@ -101,7 +101,7 @@ def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
 def test_report_v5_from_the_ledger_alone(tmp_path):
     import json
 
-    from scripts import report_v5
+    from scripts.studies import report_v5
 
     for m, acc in (("grpo", 0.40), ("tempo", 0.45), ("oar-g+tempo", 0.47)):  # the last is beyond the plan
         d = tmp_path / "runs" / "fork" / f"{m}-s0"
@@ -132,7 +132,7 @@ def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
     again: skipped; with its summary gone (stopped after its last checkpoint): resumed, not restarted."""
     import json
 
-    from scripts.study_v5 import main
+    from scripts.studies.study_v5 import main
 
     argv = ["--root", str(tmp_path), "--scale", "tiny", "--testbeds", "fork", "--methods", "grpo", "--seeds", "0"]
     run = tmp_path / "fork" / "grpo-s0"
@@ -148,13 +148,13 @@ def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
     assert main(argv) == 0 and (run / "summary.json").exists() and timing()["invocations"] == 2
     assert "resume grpo-s0" in capsys.readouterr().out
     assert timing()["unmeasured"] == 1  # the killed invocation's time is lost, and the run says so
-    from scripts.report import read_run
+    from scripts.studies.report import read_run
 
     assert math.isnan(read_run(run)["cpu_seconds"]) and math.isnan(read_run(run)["wall_seconds"])
 
 
 def test_a_run_is_fully_timed_only_when_every_invocation_recorded_its_time():
-    from scripts.report import fully_timed
+    from scripts.studies.report import fully_timed
 
     whole = {"seconds": 10.0, "cpu_seconds": 8.0, "invocations": 1, "unmeasured": 0}
     assert fully_timed(whole, {"resume": False}) and fully_timed(whole | {"invocations": 2}, {"resume": True})

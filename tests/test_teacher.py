@@ -1,12 +1,12 @@
-"""The testbeds' flawed teachers and the known tokens they plant (oar/teacher.py, oar/testbeds.py)."""
+"""The testbeds' flawed teachers and the known tokens they plant (oar/tasks/teacher.py, oar/tasks/testbeds.py)."""
 
 from dataclasses import replace
 
 import pytest
 
-from oar.arith import ArithConfig, arith_problems, arith_solution
-from oar.data import Problem
-from oar.teacher import fork_spans, filler_spans, pad_lines, slip_lines, slip_spans, slipped
+from oar.tasks.arith import ArithConfig, arith_problems, arith_solution
+from oar.training.data import Problem
+from oar.tasks.teacher import fork_spans, filler_spans, pad_lines, slip_lines, slip_spans, slipped
 
 
 def test_slip_by_hand():
@@ -33,8 +33,8 @@ def test_known_spans_by_hand():
 
 
 def test_testbed_teachers_plant_their_flaws_at_their_rates():
-    from oar.testbeds import TESTBEDS
-    from oar.tiny_arith import TinyArithRecipe, sft_target
+    from oar.tasks.testbeds import TESTBEDS
+    from oar.tasks.tiny_arith import TinyArithRecipe, sft_target
 
     problems = arith_problems(3000, seed=0, config=ArithConfig(min_ops=1, max_ops=3))
     fork, slip, filler = (TESTBEDS[k].recipe for k in ("fork", "slip", "filler"))

@@ -1,4 +1,4 @@
-"""Tests of oar/tiny_arith.py and oar/tiny_arith_cache.py: the built-in policy, its build and its cache."""
+"""Tests of oar/tasks/tiny_arith.py and oar/tasks/tiny_arith_cache.py: the built-in policy, its build and its cache."""
 from __future__ import annotations
 
 import json
@@ -7,15 +7,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from oar.arith import ArithConfig, arith_problems, arith_solution
-from oar.data import Problem
+from oar.tasks.arith import ArithConfig, arith_problems, arith_solution
+from oar.training.data import Problem
 
 
 def test_tiny_arith_builds_saves_and_loads_like_a_hub_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oar.tiny_arith import TinyArithRecipe
-    from oar.tiny_arith_cache import build_tiny_arith, ensure_tiny_arith
+    from oar.tasks.tiny_arith import TinyArithRecipe
+    from oar.tasks.tiny_arith_cache import build_tiny_arith, ensure_tiny_arith
 
     recipe = TinyArithRecipe(hidden_size=32, num_layers=1, num_heads=2, steps=3, batch_size=4,
                              warmup_steps=1, eval_problems=4)
@@ -51,8 +51,8 @@ def test_tiny_arith_builds_saves_and_loads_like_a_hub_model(tmp_path):
 
 
 def test_tiny_arith_overwrite_replaces_atomically(tmp_path):
-    from oar.tiny_arith import TinyArithRecipe
-    from oar.tiny_arith_cache import build_tiny_arith
+    from oar.tasks.tiny_arith import TinyArithRecipe
+    from oar.tasks.tiny_arith_cache import build_tiny_arith
 
     recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=1, batch_size=2,
                              warmup_steps=1, eval_problems=2)
@@ -65,7 +65,7 @@ def test_tiny_arith_overwrite_replaces_atomically(tmp_path):
 
 
 def test_sft_target_is_lazy_on_a_fixed_share_of_the_longer_problems():
-    from oar.tiny_arith import TinyArithRecipe, sft_target
+    from oar.tasks.tiny_arith import TinyArithRecipe, sft_target
 
     recipe = TinyArithRecipe()  # lazy on 75% of the problems with >= 3 operations
     problem = Problem("Compute ((37 + 8) - 5) * 2.", "80")
@@ -95,8 +95,8 @@ def test_sft_target_is_lazy_on_a_fixed_share_of_the_longer_problems():
 def test_tiny_arith_is_deterministic_for_a_seed(tmp_path):
     from safetensors.torch import load_file
 
-    from oar.tiny_arith import TinyArithRecipe
-    from oar.tiny_arith_cache import build_tiny_arith
+    from oar.tasks.tiny_arith import TinyArithRecipe
+    from oar.tasks.tiny_arith_cache import build_tiny_arith
 
     recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=3, batch_size=4,
                              warmup_steps=1, eval_problems=2)
@@ -108,7 +108,7 @@ def test_tiny_arith_is_deterministic_for_a_seed(tmp_path):
 
 
 def test_publish_keeps_a_build_that_won_the_race(tmp_path):
-    from oar.tiny_arith_cache import _publish
+    from oar.tasks.tiny_arith_cache import _publish
 
     out, ours = tmp_path / "model", tmp_path / "ours"
     for folder, text in [(out, "theirs"), (ours, "ours")]:
@@ -121,8 +121,8 @@ def test_publish_keeps_a_build_that_won_the_race(tmp_path):
 def test_concurrent_builds_of_one_folder_build_it_once(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from oar.tiny_arith import TinyArithRecipe
-    from oar.tiny_arith_cache import build_tiny_arith, is_complete
+    from oar.tasks.tiny_arith import TinyArithRecipe
+    from oar.tasks.tiny_arith_cache import build_tiny_arith, is_complete
 
     recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=2, batch_size=2,
                              warmup_steps=1, eval_problems=2)
@@ -140,8 +140,8 @@ def test_concurrent_builds_of_one_folder_build_it_once(tmp_path):
 
 
 def test_default_model_dir_follows_oar_cache(monkeypatch, tmp_path):
-    from oar.tiny_arith import BUILDER_VERSION
-    from oar.tiny_arith_cache import default_model_dir
+    from oar.tasks.tiny_arith import BUILDER_VERSION
+    from oar.tasks.tiny_arith_cache import default_model_dir
 
     monkeypatch.setenv("OAR_CACHE", str(tmp_path))
     assert default_model_dir() == tmp_path / BUILDER_VERSION

@@ -33,8 +33,8 @@ def build_model(out: Path) -> Path:
     (once per session: a finished folder is reused). Returns `out`."""
     if (out / "data.jsonl").is_file():
         return out
-    from oar.data import Problem
-    from oar.tiny_arith import TinyArithRecipe, make_model, make_tokenizer, train
+    from oar.training.data import Problem
+    from oar.tasks.tiny_arith import TinyArithRecipe, make_model, make_tokenizer, train
 
     problems = [Problem(f"Compute {a} {op} {b}.", str(a + b if op == "+" else a * b))
                 for a in range(2, 7) for b in range(2, 5) for op in "+*"]  # 30, in arith's format

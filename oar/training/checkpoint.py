@@ -1,0 +1,111 @@
+"""Checkpoints that survive being killed: written under a temporary name, renamed when complete.
+
+A checkpoint is `output_dir/checkpoint-<step>/` holding accelerate's state (model, optimizer, RNG,
+registered objects) and `trainer_state.json` (the step it resumes at). It is written to
+`checkpoint-<step>.tmp/` and renamed only once every process has finished writing, so a directory
+named `checkpoint-<step>` is always complete (its files are fsynced first, so also after a power
+loss); a run killed mid-save leaves a `.tmp` that the next save removes. The newest `keep`
+checkpoints are kept; an older one is renamed to `.old` before it is deleted, so a kill during the
+deletion never leaves a half-deleted folder under a checkpoint's name. A folder counts as a
+checkpoint only when it holds trainer_state.json (written last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _NAME.match(p.name)) and (p / "trainer_state.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict, keep: int, sharded=None) -> Path:
+    """Save accelerate's state plus `state` (JSON) as checkpoint-<step>, atomically; keep the last `keep`.
+    `sharded`: (model, optimizer) that train.py sharded itself (--fsdp), which accelerate does not
+    hold: each process writes its shards to `sharded/` (oar.training.sharding.save_sharded)."""
+    root = Path(output_dir)
+    final = root / f"checkpoint-{step}"
+    tmp = root / f"checkpoint-{step}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if sharded is not None:
+        from oar.training.sharding import save_sharded
+
+        save_sharded(*sharded, tmp / "sharded")
+    if accelerator.is_main_process:
+        _write_json(tmp / "trainer_state.json", {**state, "step": step})
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():  # the same step saved before a crash: the new one replaces it
+            shutil.rmtree(final)
+        for written in tmp.rglob("*"):  # on disk before the name says complete, even if the machine dies
+            if written.is_file():
+                _fsync(written)
+        os.replace(tmp, final)
+        _fsync(root)
+        for old in checkpoints(root)[:-keep]:
+            doomed = old.with_name(old.name + ".old")
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(old, doomed)  # atomic: out of the list at once, deleted below
+        for stale in [*root.glob("checkpoint-*.tmp"), *root.glob("checkpoint-*.old")]:
+            shutil.rmtree(stale, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def read_state(path: str | Path) -> dict:
+    """A checkpoint's trainer_state.json (cheap: read before anything is loaded)."""
+    return json.loads((Path(path) / "trainer_state.json").read_text())
+
+
+def load_checkpoint(accelerator, path: str | Path, sharded=None) -> dict:
+    """Restore accelerate's state from `path` (and `sharded`'s, see save_checkpoint); returns its trainer_state.json."""
+    accelerator.load_state(str(path))
+    if sharded is not None:
+        from oar.training.sharding import load_sharded
+
+        load_sharded(*sharded, Path(path) / "sharded")
+    return read_state(path)
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write JSON under a temporary name, then rename: a reader never sees half a file."""
+    _write_json(Path(path), obj)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: two writers of one file never share it
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's (its entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,142 @@
+"""Problems for training and evaluation: JSON Lines files, the built-in `arith` task, HF datasets.
+
+A problem is a statement and its raw gold answer string; normalising or checking answers is the
+rewards' job, not this module's. Every loader validates its whole input before returning, and a
+bad input stops with a `DataError` that names the file, the line and the fix, so a long run never
+starts on data it will choke on later.
+
+The JSON Lines schema is that of `shared/data/*/*.jsonl`: one object per line with string keys
+`problem` and `answer`; other keys (`id`, `solution`, `source`, ...) are ignored; blank lines are
+skipped.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from oar.tasks.arith import DEFAULT_ARITH, ArithConfig, arith_problems
+from oar.training.problem import Problem  # noqa: F401 (the record every loader returns; re-exported)
+
+REQUIRED_KEYS = ("problem", "answer")
+_FIX = "each line must be a JSON object with string keys 'problem' and 'answer'"
+
+
+class DataError(ValueError):
+    """A dataset input that cannot be used; the message names the input, the place and the fix."""
+
+
+def _problem_from_record(record: Any, where: str) -> Problem:
+    """Validate one row (already parsed from JSON or a dataset) and build its Problem.
+
+    `where` names the row for error messages, e.g. 'data/train.jsonl:12'.
+    """
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}; {_FIX}.")
+    for key in REQUIRED_KEYS:
+        if key not in record:
+            raise DataError(f"{where}: missing key '{key}' (keys present: {sorted(record)}); "
+                            f"{_FIX}. Add '{key}' or remove the row.")
+        value = record[key]
+        if not isinstance(value, str):
+            raise DataError(f"{where}: key '{key}' must be a string, got {type(value).__name__} "
+                            f"({value!r:.40}); quote it, e.g. \"{key}\": \"{value}\".")
+        if not value.strip():
+            raise DataError(f"{where}: key '{key}' is empty; give it a value or remove the row.")
+    return Problem(problem=record["problem"], answer=record["answer"])
+
+
+def load_jsonl(path: str | Path) -> list[Problem]:
+    """Every problem of a JSON Lines file, in file order. Raises DataError on any bad line."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise DataError(f"{path}: {what}; pass the path of a .jsonl file of problems.")
+    problems: list[Problem] = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg} at column "
+                                    f"{err.colno}); {_FIX}. Fix or remove the line.") from None
+                problems.append(_problem_from_record(record, f"{path}:{lineno}"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); "
+                        f"re-save the file as UTF-8.") from None
+    if not problems:
+        raise DataError(f"{path}: no problems (the file is empty or only blank lines); {_FIX}.")
+    return problems
+
+
+def gsm8k_final_answer(answer: str) -> str:
+    """The part after GSM8K's '#### ' marker ('... #### 18' -> '18'); other answers unchanged."""
+    return answer.rsplit("####", 1)[1].strip() if "####" in answer else answer
+
+
+def problems_from_records(records: Iterable[dict], source: str) -> list[Problem]:
+    """Problems from dataset rows with `question` or `problem`, and `answer` (GSM8K-style too).
+
+    Used for Hugging Face datasets, whose field names differ from our JSON Lines schema.
+    """
+    problems = []
+    for index, record in enumerate(records):
+        where = f"{source} row {index}"
+        if isinstance(record, dict) and "problem" not in record and "question" in record:
+            record = {**record, "problem": record["question"]}
+        problem = _problem_from_record(record, where)
+        problems.append(Problem(problem.problem, gsm8k_final_answer(problem.answer)))
+    if not problems:
+        raise DataError(f"{source}: the dataset has no rows; check the name and the split.")
+    return problems
+
+
+def _load_hf(name: str, split: str) -> list[Problem]:
+    """Problems of a Hugging Face dataset; 'owner/name:config' picks a config (e.g. gsm8k:main)."""
+    import datasets  # optional dependency, only needed for hub datasets
+
+    path, _, config = name.partition(":")
+    try:
+        rows = datasets.load_dataset(path, config or None, split=split)
+    except Exception as err:  # the hub raises many types; all mean "cannot load this name"
+        raise DataError(f"{name!r}: could not load it as a Hugging Face dataset (split {split!r}): "
+                        f"{type(err).__name__}: {err}. Check the name, config and split, or pass "
+                        f"a .jsonl path or 'arith'.") from None
+    return problems_from_records(rows, f"{name}[{split}]")
+
+
+def load_problems(name: str, *, split: str = "train", limit: int | None = None, seed: int = 0,
+                  arith: ArithConfig | None = None) -> list[Problem]:
+    """Problems from `name`: 'arith', a .jsonl file, a folder holding `<split>.jsonl`, or a HF dataset.
+
+    - 'arith': the built-in task (oar/tasks/arith.py) at difficulty `arith` (default DEFAULT_ARITH);
+      `split` is 'train' or 'test'; `limit` problems (default 10,000 train / 500 test) drawn
+      with `seed`.
+    - a file or folder: `split` picks `<folder>/<split>.jsonl`; `limit` keeps the first rows, so an
+      evaluation on a prefix is the same prefix everywhere. `seed` is not used.
+    - otherwise, when the `datasets` package is installed, a hub dataset ('openai/gsm8k:main').
+    """
+    if limit is not None and limit < 1:
+        raise DataError(f"load_problems({name!r}): limit must be >= 1 or None, got {limit}.")
+    if name == "arith":
+        if split not in ("train", "test"):
+            raise DataError(f"arith: split must be 'train' or 'test', got {split!r}.")
+        n = limit if limit is not None else (10_000 if split == "train" else 500)
+        try:
+            return arith_problems(n, split=split, seed=seed, config=arith or DEFAULT_ARITH)
+        except ValueError as err:
+            raise DataError(str(err)) from None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / f"{split}.jsonl"
+    if path.suffix == ".jsonl" or path.exists():
+        return load_jsonl(path)[:limit]
+    if importlib.util.find_spec("datasets") is None:
+        raise DataError(f"{name!r}: not 'arith', not an existing .jsonl file or folder, and the "
+                        f"`datasets` package is not installed for hub names; pass 'arith' or a "
+                        f"path to a .jsonl file (e.g. ../shared/data/gsm8k/test.jsonl).")
+    return _load_hf(name, split)[:limit]

@@ -1,0 +1,139 @@
+"""What a run leaves behind and prints: config.json, metrics.jsonl, a line per step, summary.json,
+the final model; and `step_metrics`, the diagnostics of one step. Only the main process writes;
+every method is safe to call on all processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from oar.training.checkpoint import write_json_atomic
+from oar.gating import weight_stats
+
+
+class RunLog:
+    def __init__(self, accelerator, output_dir: str, config: dict, *, resume: bool, total_steps: int, start_step: int = 0):
+        self.acc, self.dir = accelerator, Path(output_dir)
+        self.main = accelerator.is_main_process
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.bar = None
+        if not self.main:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.dir / "config.json", config)
+        if resume and self.metrics_path.exists():  # drop lines logged after the checkpoint we resume from
+            lines = [ln for ln in self.metrics_path.read_text().splitlines() if _step_of(ln) <= start_step]
+            _replace_text(self.metrics_path, "".join(ln + "\n" for ln in lines))  # a kill here loses nothing
+        elif not resume:
+            self.metrics_path.write_text("")
+        if accelerator.log_with:
+            accelerator.init_trackers("oar", config={k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))})
+        if sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def say(self, message: str) -> None:
+        if not self.main:
+            return
+        if self.bar:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def step(self, step: int, metrics: dict) -> None:
+        """Append one line to metrics.jsonl, print a readable line, forward to trackers."""
+        if self.acc.log_with:
+            self.acc.log(metrics, step=step)
+        if not self.main:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        line = (f"step {step:4d} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/length']:5.1f}"
+                f" | H {metrics['policy/entropy']:.2f} | clip {metrics['loss/clip_frac']:.3f}"
+                f" | ess {metrics['oar/ess_ratio']:.2f} | |g| {metrics['optim/grad_norm']:.2f} | {metrics['time/step_s']:.1f}s")
+        if "eval/accuracy" in metrics:
+            line += f" | held-out {metrics['eval/accuracy']:.3f}"
+        self.say(line)
+        if self.bar:
+            self.bar.update(1)
+
+    def records(self, name: str, rows: list[dict]) -> None:
+        if self.main:
+            tmp = self.dir / (name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(self.dir / name)
+
+    def finish(self, summary: dict, model, tokenizer, state_dict: dict | None = None) -> None:
+        """Save the final model (safetensors, loadable with from_pretrained) and summary.json. The
+        model goes to final.tmp first: a folder named `final` is always complete. `state_dict`: the
+        full weights of a sharded model (oar.training.sharding.full_state_dict), else the model's own."""
+        self.acc.wait_for_everyone()
+        if self.main:
+            if self.bar:
+                self.bar.close()
+            final, tmp = self.dir / "final", self.dir / "final.tmp"  # written whole, then renamed
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final, ignore_errors=True)  # a resumed run that had already finished
+            os.replace(tmp, final)
+            write_json_atomic(self.dir / "summary.json", summary)
+            self.say("summary: " + json.dumps(summary))
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; infinity for a blank or torn one (a run killed mid-write leaves
+    half a line at the end), so it is dropped with the lines after the checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule, accelerator) -> dict:
+    """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes),
+    except the weight statistics: they cover the rollouts that OAR scored (`scored`, (B,)) on every
+    process, since a process may have scored none."""
+    tokens = max(sum(s["tokens"] for s in stats), 1.0)
+    mean = lambda key: sum(s[key] * s["tokens"] for s in stats) / tokens  # the same for any micro-batching
+    grouped = rewards.view(-1, group_size)
+    lengths = ro.completion_mask.sum(1).float()
+    has_answer = ro.answer_mask.any(1)
+    m = {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "reward/frac_zero_std_groups": float((grouped.std(1) == 0).float().mean()),
+        "completion/length": float(lengths.mean()), "completion/frac_truncated": float(ro.truncated.float().mean()),
+        "loss/clip_frac": mean("clip_frac"), "loss/approx_kl": mean("approx_kl"), "policy/entropy": mean("entropy"),
+        "optim/grad_norm": float(grad_norm), "optim/lr": schedule.get_last_lr()[0],
+        "oar/frac_no_answer": float((~has_answer).float().mean()), "oar/frac_scored": float((scored & has_answer).float().mean()),
+    }
+    if "kl_ref" in stats[0]:
+        m["loss/kl_ref"] = mean("kl_ref")
+    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None],
+                                                 all_sum=lambda t: accelerator.reduce(t, "sum"),
+                                                 all_max=lambda t: accelerator.gather(t)).items()}
+    return m
+
+
+def pass_metrics(passes: list[list[dict]], grad_norms: list) -> dict:
+    """Diagnostics of the later updates on one batch of rollouts (--num_iterations > 1): for pass k
+    (1-based, so the first is step_metrics' own), iter<k>/clip_frac and iter<k>/approx_kl against the
+    sampling policy, token means over the micro-batches' stats as step_metrics takes them, and the
+    pass's pre-clip gradient norm."""
+    out = {}
+    for k, (stats, norm) in enumerate(zip(passes, grad_norms, strict=True), start=2):
+        tokens = max(sum(s["tokens"] for s in stats), 1.0)
+        for key in ("clip_frac", "approx_kl"):
+            out[f"iter{k}/{key}"] = sum(s[key] * s["tokens"] for s in stats) / tokens
+        out[f"iter{k}/grad_norm"] = float(norm)
+    return out
