@@ -144,7 +144,8 @@ def main(cfg: Config) -> dict:
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step)
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
-    eval_kw = dict(accelerator=accelerator, instruction=instruction, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens)
+    eval_kw = dict(accelerator=accelerator, instruction=instruction, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
+                   num_samples=cfg.eval_samples, temperature=cfg.eval_temperature, seed=cfg.seed)  # avg@k when k > 1
     if eval_set and "eval_before" not in history:
         with sharding.gathered(model):
             history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]

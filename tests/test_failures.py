@@ -240,6 +240,8 @@ IMPOSSIBLE = {  # setting -> a word the message must contain
     ("--max_bad_steps", "0"): "--max_bad_steps",
     ("--keep_checkpoints", "0"): "--keep_checkpoints",
     ("--steps", "0"): "--steps",
+    ("--eval_samples", "4"): "--eval_samples 4 / --eval_temperature 0.0",  # k > 1 greedy samples: all the same
+    ("--eval_samples", "0", "--eval_temperature", "0.7"): "--eval_samples 0",
 }
 
 

@@ -86,6 +86,8 @@ class Config:
     # -- logging, evaluation, checkpoints
     eval_every: int = field(default=40, metadata={"help": "Held-out evaluation every N steps (0: only before and after)."})
     eval_size: int = field(default=500, metadata={"help": "Held-out problems per evaluation."})
+    eval_samples: int = field(default=1, metadata={"help": "k samples per held-out problem: the accuracy is avg@k (1 with --eval_temperature 0: greedy pass@1)."})
+    eval_temperature: float = field(default=0.0, metadata={"help": "Held-out sampling temperature (0 = greedy); k > 1 needs > 0. Seeded per problem: every evaluation draws the same streams."})
     eval_batch_size: int = field(default=256, metadata={"help": "Sequences per generation batch during evaluation."})
     save_every: int = field(default=40, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
     keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept."})
@@ -137,6 +139,9 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(cfg.kl_beta >= 0, f"--kl_beta {cfg.kl_beta}: must be >= 0 (0 turns the penalty off).")
     need(min(cfg.warmup_steps, cfg.probe_warmup, cfg.eval_every, cfg.save_every) >= 0,
          "--warmup_steps, --probe_warmup, --eval_every and --save_every must be >= 0.")
+    need(cfg.eval_samples >= 1 and cfg.eval_temperature >= 0 and (cfg.eval_samples == 1 or cfg.eval_temperature > 0),
+         f"--eval_samples {cfg.eval_samples} / --eval_temperature {cfg.eval_temperature}: k >= 1, temperature >= 0, "
+         f"and k > 1 needs a temperature > 0 (greedy samples are all the same).")
     need(min(cfg.train_size, cfg.eval_size, cfg.eval_batch_size, cfg.perturb_chunk_tokens, cfg.max_bad_steps) >= 1,
          "--train_size, --eval_size, --eval_batch_size, --perturb_chunk_tokens and --max_bad_steps must be >= 1.")
     need(not Path(cfg.output_dir).exists() or Path(cfg.output_dir).is_dir(),

@@ -1,0 +1,132 @@
+"""The report of the real-model study (scripts/studies/study_real.py), from its committed ledger alone.
+
+    python scripts/studies/report_real.py --ledger docs/results-real/ledger --out docs/results-real
+
+Writes `summary.json` (per method: seeds, held-out avg@8 before and after, the paired difference
+from GRPO at every evaluation with its standard error over seeds), `runs.csv`, `curves.png` and
+the table of `README.md` between its two REPORT markers. Whatever has finished is reported: a
+method's seeds are counted, and a paired difference uses only the seeds where both runs finished.
+Standard errors are over seeds (std / sqrt(n), ddof 1); with n < 2 there is none (null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts.studies.report import accuracy_curve, read_run, stats  # noqa: E402
+from scripts.studies.study_real import METHODS, SETTINGS, TASK  # noqa: E402
+
+BEGIN, END = "<!-- REPORT BEGIN (scripts/studies/report_real.py) -->", "<!-- REPORT END -->"
+
+
+def collect(ledger: Path) -> dict[str, dict[int, dict]]:
+    """{method: {seed: run}} of the finished runs kept in the ledger."""
+    runs: dict[str, dict[int, dict]] = {m: {} for m in METHODS}
+    for path in sorted((Path(ledger) / "runs" / TASK).glob("*-s*")):
+        run = read_run(path)
+        method, seed = path.name.rsplit("-s", 1)
+        if run is not None and method in runs:
+            runs[method][int(seed)] = run | {"curve": dict(accuracy_curve(run))}
+    return runs
+
+
+def se(values: list[float]) -> float | None:
+    s = stats(values)
+    return s["std"] / math.sqrt(s["n"]) if s["n"] > 1 else None
+
+
+def summarize(runs: dict[str, dict[int, dict]]) -> dict:
+    """Per method: seeds, mean accuracy at each evaluation, paired difference from GRPO (points)."""
+    out = {}
+    for method, by_seed in runs.items():
+        seeds = sorted(by_seed)
+        steps = sorted({s for r in by_seed.values() for s in r["curve"]})
+        row = {"seeds": seeds, "accuracy": {}, "paired_vs_grpo": {}}
+        for step in steps:
+            acc = [by_seed[s]["curve"][step] for s in seeds if step in by_seed[s]["curve"]]
+            row["accuracy"][str(step)] = {"mean": stats(acc)["mean"], "se": se(acc), "n": len(acc)}
+            pairs = [s for s in seeds if s in runs["grpo"] and step in runs["grpo"][s]["curve"] and step in by_seed[s]["curve"]]
+            if method != "grpo" and pairs:
+                diff = [100 * (by_seed[s]["curve"][step] - runs["grpo"][s]["curve"][step]) for s in pairs]
+                row["paired_vs_grpo"][str(step)] = {"mean_points": stats(diff)["mean"], "se_points": se(diff), "n": len(diff)}
+        if seeds:
+            row["accuracy_before"] = row["accuracy"][str(min(steps))]["mean"]
+            row["accuracy_after"] = row["accuracy"][str(max(steps))]["mean"]
+            row["cpu_minutes_per_run"] = stats([r["cpu_seconds"] / 60 for r in by_seed.values()])["mean"]
+        out[method] = row
+    return out
+
+
+def table(summary: dict) -> str:
+    last = str(SETTINGS["steps"])
+    lines = ["| method | seeds finished | held-out avg@8 before | after | paired Δ vs GRPO after (points ± s.e.) | CPU min per run |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for method, row in summary.items():
+        if not row["seeds"]:
+            lines.append(f"| {method} | 0 | | | | |")
+            continue
+        d = row["paired_vs_grpo"].get(last)
+        diff = "—" if method == "grpo" else ("n/a" if d is None else f"{d['mean_points']:+.1f}" + (f" ± {d['se_points']:.1f}" if d["se_points"] is not None else "") + f" (n = {d['n']})")
+        after = row["accuracy"].get(last)
+        lines.append(f"| {method} | {len(row['seeds'])} ({', '.join(map(str, row['seeds']))}) | {100 * row['accuracy_before']:.1f}% | "
+                     f"{'' if after is None else f'{100 * after['mean']:.1f}%'} | {diff} | {row['cpu_minutes_per_run']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for method, by_seed in runs.items():
+        for k, run in enumerate(by_seed.values()):
+            steps = sorted(run["curve"])
+            ax.plot(steps, [100 * run["curve"][s] for s in steps], marker="o", alpha=0.8, color=f"C{METHODS.index(method)}",
+                    label=method if k == 0 else None)
+    ax.set(xlabel="RL step", ylabel="held-out avg@8 (%)", title="SmolLM2-135M-Instruct, arith (1 op), one line per seed")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(ledger: Path, out: Path) -> dict:
+    runs = collect(ledger)
+    summary = {"task": TASK, "settings": SETTINGS, "methods": summarize(runs),
+               "command": "python scripts/studies/report_real.py --ledger docs/results-real/ledger --out docs/results-real"}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    rows = ["method,seed,accuracy_before,accuracy_after,cpu_minutes"] + [
+        f"{m},{s},{r['summary']['accuracy_before']},{r['summary']['accuracy_after']},{r['cpu_seconds'] / 60:.1f}"
+        for m, by_seed in runs.items() for s, r in sorted(by_seed.items())]
+    (out / "runs.csv").write_text("\n".join(rows) + "\n")
+    if any(runs.values()):
+        plot(runs, out / "curves.png")
+    page = out / "README.md"
+    if page.exists() and BEGIN in page.read_text():
+        head, rest = page.read_text().split(BEGIN, 1)
+        page.write_text(head + BEGIN + "\n" + table(summary["methods"]) + "\n" + END + rest.split(END, 1)[1])
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ledger", type=Path, default=ROOT / "docs" / "results-real" / "ledger")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results-real")
+    args = p.parse_args(argv)
+    summary = write(args.ledger, args.out)
+    print(table(summary["methods"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
