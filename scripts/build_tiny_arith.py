@@ -2,6 +2,11 @@
 
     python scripts/build_tiny_arith.py                       # into the cache (default_model_dir)
     python scripts/build_tiny_arith.py --out_dir /tmp/ta --seed 1 --overwrite
+    python scripts/build_tiny_arith.py --out_dir oar/tasks/tiny-arith --overwrite   # replace the shipped build
+
+`--model tiny-arith` uses the build that ships in oar/tasks/tiny-arith/ (oar/tasks/tiny_arith_cache.py);
+a build made here is this machine's (float rounding over 1,300 steps differs between CPUs): pass its
+folder as --model to train from it.
 
 Training and the model code live in oar/tasks/tiny_arith.py; this is only the command line.
 """

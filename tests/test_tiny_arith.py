@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -145,3 +145,38 @@ def test_default_model_dir_follows_oar_cache(monkeypatch, tmp_path):
 
     monkeypatch.setenv("OAR_CACHE", str(tmp_path))
     assert default_model_dir() == tmp_path / BUILDER_VERSION
+
+
+def test_the_shipped_weights_load_and_score_as_recorded(monkeypatch, tmp_path):
+    """`--model tiny-arith` is the shipped build (no build, whatever the cache holds), its weights hash
+    as recorded, and its greedy held-out accuracy is the recorded one: the same start on every machine."""
+    from oar.tasks.arith import arith_problems
+    from oar.tasks.tiny_arith import TinyArithRecipe, greedy_accuracy, max_new_tokens_for
+    from oar.tasks.tiny_arith_cache import SHIPPED, model_source, weights_sha256
+    from oar.training.models import load_model
+
+    monkeypatch.setenv("OAR_CACHE", str(tmp_path / "empty"))  # a build would land here: none must
+    assert model_source("tiny-arith") == str(SHIPPED) and not (tmp_path / "empty").exists()
+    info = json.loads((SHIPPED / "build_info.json").read_text())
+    assert weights_sha256(SHIPPED) == info["weights_sha256"]
+    recipe = TinyArithRecipe()
+    assert info["recipe"] == json.loads(json.dumps(asdict(recipe))) | {"num_threads": info["recipe"]["num_threads"]}
+    model, tok = load_model(model_source("tiny-arith"))
+    held_out = arith_problems(info["heldout_problems"], split="test", seed=info["seed"], config=recipe.eval_arith)
+    acc = greedy_accuracy(model, tok, held_out, max_new_tokens=max_new_tokens_for(recipe.eval_arith))
+    assert acc == info["heldout_accuracy"] == 0.452
+
+
+def test_shipped_weights_that_do_not_hash_as_recorded_stop_with_a_message(monkeypatch, tmp_path):
+    import shutil
+
+    from oar.tasks import tiny_arith_cache
+
+    copy = tmp_path / "tiny-arith"
+    shutil.copytree(tiny_arith_cache.SHIPPED, copy)
+    info = json.loads((copy / "build_info.json").read_text())
+    (copy / "build_info.json").write_text(json.dumps(info | {"weights_sha256": "0" * 64}))
+    monkeypatch.setattr(tiny_arith_cache, "SHIPPED", copy)
+    with pytest.raises(RuntimeError, match="do not hash as build_info.json records"):
+        tiny_arith_cache.model_source("tiny-arith")
+

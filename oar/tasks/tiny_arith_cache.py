@@ -1,10 +1,17 @@
-"""Building tiny-arith into a folder, once: where it is cached, a lock so that concurrent processes
-(e.g. `accelerate launch`) build it once, and an atomic publish so a killed build never leaves a
-folder that looks complete. The model, its tokenizer and its training are in oar/tasks/tiny_arith.py.
+"""Where the built-in policy tiny-arith comes from: the weights shipped in `oar/tasks/tiny-arith/`, or a build.
+
+The repository ships one build (SHIPPED: 3.2 MB of safetensors, made by scripts/build_tiny_arith.py
+at seed 0 with the default recipe, its weights' hash in build_info.json), so `--model tiny-arith`
+starts from the same weights and held-out accuracy on every machine: a build depends on the CPU
+(float rounding over 1,300 steps; docs/default-run.md). A build from scratch goes into a cache folder,
+once: a lock so that concurrent processes (e.g. `accelerate launch`) build it once, and an atomic
+publish so a killed build never leaves a folder that looks complete. The model, its tokenizer and
+its training are in oar/tasks/tiny_arith.py.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -14,6 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from oar.tasks.tiny_arith import BUILDER_VERSION, TinyArithRecipe, train_tiny_arith
+
+SHIPPED = Path(__file__).resolve().parent / "tiny-arith"  # the build that ships with the repository
 
 
 def build_tiny_arith(out_dir: str | Path, *, seed: int = 0, recipe: TinyArithRecipe = TinyArithRecipe(),
@@ -39,6 +48,7 @@ def build_tiny_arith(out_dir: str | Path, *, seed: int = 0, recipe: TinyArithRec
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             _name_tokenizer_class(tmp / "tokenizer_config.json")
+            info["weights_sha256"] = weights_sha256(tmp)  # what the shipped build is checked against
             (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")  # last: marks done
             _publish(tmp, out_dir, overwrite)
         finally:
@@ -118,8 +128,41 @@ def ensure_tiny_arith(model_dir: str | Path | None = None) -> Path:
     return path
 
 
+def weights_sha256(model_dir: str | Path) -> str:
+    """A hash of the tensors (names, dtypes, shapes, bytes) of a saved model, not of the file's header."""
+    from safetensors.numpy import load_file
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(path)
+        for name in sorted(tensors):
+            t = tensors[name]
+            digest.update(f"{name}:{t.dtype}:{t.shape};".encode())
+            digest.update(t.tobytes())
+    return digest.hexdigest()
+
+
+def shipped_model() -> Path | None:
+    """The shipped build when it is there and of this BUILDER_VERSION (else None: a build is needed).
+    Its weights must hash as recorded: a changed or truncated file (e.g. a Git LFS pointer) stops here."""
+    info_path = SHIPPED / "build_info.json"
+    if not info_path.is_file():
+        return None
+    info = json.loads(info_path.read_text())
+    if info.get("builder") != BUILDER_VERSION:
+        return None
+    if weights_sha256(SHIPPED) != info.get("weights_sha256"):
+        raise RuntimeError(f"{SHIPPED}: the shipped tiny-arith weights do not hash as build_info.json records; "
+                           f"restore them (git checkout -- {SHIPPED}) or build a model with scripts/build_tiny_arith.py "
+                           f"and pass its folder as --model.")
+    return SHIPPED
+
+
 def model_source(name: str) -> str:
-    """A `--model` value as `oar.training.models.load_model` takes it: the built tiny-arith folder for
-    'tiny-arith' (built on first use, minutes), any other name unchanged. The entry points resolve
-    the built-in name here, so the core (oar/training/models.py) does not depend on the toy task."""
-    return str(ensure_tiny_arith()) if name == "tiny-arith" else name
+    """A `--model` value as `oar.training.models.load_model` takes it: for 'tiny-arith' the shipped
+    build (or, without one, the cached build, built on first use: minutes), any other name unchanged.
+    The entry points resolve the built-in name here, so the core (oar/training/models.py) does not
+    depend on the toy task."""
+    if name != "tiny-arith":
+        return name
+    return str(shipped_model() or ensure_tiny_arith())

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
+
+from oar.tasks.tiny_arith_cache import weights_sha256  # noqa: F401 - the hash of a build, used by the studies
 
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "study_time.json")
 
@@ -34,20 +35,6 @@ RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "study_time.json")
 def run_entry(ledger: Path, testbed: str, run_name: str) -> Path:
     """Where the ledger keeps the run `run_name` (`<method>-s<seed>`) of `testbed`."""
     return Path(ledger) / "runs" / testbed / run_name
-
-
-def weights_sha256(model_dir: Path) -> str:
-    """A hash of the tensors (names, dtypes, shapes, bytes) of a saved model, not of the file's header."""
-    from safetensors.numpy import load_file
-
-    digest = hashlib.sha256()
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        tensors = load_file(path)
-        for name in sorted(tensors):
-            t = tensors[name]
-            digest.update(f"{name}:{t.dtype}:{t.shape};".encode())
-            digest.update(t.tobytes())
-    return digest.hexdigest()
 
 
 def check_build(ledger: Path, testbed: str, model_dir: Path) -> str:

@@ -108,9 +108,9 @@ def model_ident(model: str) -> str | None:
     if model != "tiny-arith":
         return model
     from oar.tasks.tiny_arith import BUILDER_VERSION
-    from oar.tasks.tiny_arith_cache import default_model_dir
+    from oar.tasks.tiny_arith_cache import default_model_dir, shipped_model
 
-    info = default_model_dir() / "build_info.json"
+    info = (shipped_model() or default_model_dir()) / "build_info.json"
     if not info.exists():
         return None
     built = json.loads(info.read_text())
