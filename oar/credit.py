@@ -17,7 +17,8 @@ a method is only a way to fill w. `train.py --method NAME` picks one from the ta
                 its gate on the written computation, the forks it under-weights get their group's
                 credit. Mass: OAR's (preserved) plus one token's worth; sign: can flip, as TEMPO's.
   random-gate   BEYOND THE PAPER, a control: uniform random scores (from each rollout's seed) through
-                the same gate: what the gate does to learning when its scores carry no information.
+                the same gate: what the gate does to learning when its scores carry no information
+                (oar/gating.py).
 
 The protocol (docs/credit-methods.md has a worked example). A method is a `CreditMethod`: a name and
 two functions, called in train.py's step 4:
@@ -31,6 +32,7 @@ two functions, called in train.py's step 4:
                                     rollouts whose scores were not finite (they should get w = 1).
 So a method's weights can be, and every built-in's are, a function of the step, never of the
 micro-batching or of the number of processes (tests/test_credit.py, tests/test_distributed.py).
+step_credit checks what the loss relies on for every method: finite float weights of the micro-batch's shape.
 
 A method of one's own needs no edit here. `--credit_module M` names a module (a dotted name importable
 from the working directory, or a path to a .py file) that lists its methods in `CREDIT_METHODS`; they

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from oar.credit import METHODS, CreditError, credit_methods
+from oar.credit import METHODS, CreditError, credit_methods  # noqa: F401 (METHODS: train.py re-exports it)
 from oar.oar_perturb_window import MODES as PERTURB_MODES
 from oar.probes import PROBES
 
@@ -108,8 +108,8 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need = lambda ok, msg: ok or problems.append(msg)
     try:  # a user's module is imported here, so that one that fails stops the run before anything loads
         methods = credit_methods(cfg.credit_module)
-        need(cfg.method in methods, f"--method {cfg.method}: choose one of {', '.join(methods)}"
-             + (" (built-in), or name a module that defines it with --credit_module." if methods is METHODS else f" (with --credit_module {cfg.credit_module})."))
+        where = f"with --credit_module {cfg.credit_module}" if cfg.credit_module else "or name a module that defines it with --credit_module"
+        need(cfg.method in methods, f"--method {cfg.method}: choose one of {', '.join(methods)} ({where}).")
     except CreditError as err:
         problems.append(str(err))
     need(cfg.probe in PROBES, f"--probe {cfg.probe}: choose one of {', '.join(PROBES)}.")
