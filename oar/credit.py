@@ -34,9 +34,9 @@ So a method's weights can be, and every built-in's are, a function of the step, 
 micro-batching or of the number of processes (tests/test_credit.py, tests/test_distributed.py).
 step_credit checks what the loss relies on for every method: finite float weights of the micro-batch's shape.
 
-A method of one's own needs no edit here. `--credit_module M` names a module (a dotted name importable
-from the working directory, or a path to a .py file) that lists its methods in `CREDIT_METHODS`; they
-join the built-ins for that run: `--credit_module examples/position_decay.py --method position-decay`.
+A method of one's own needs no edit here. `--credit_module M` names a module (a path to a .py file,
+or a dotted name on the Python path) that lists its methods in `CREDIT_METHODS`; they join the
+built-ins for that run: `--credit_module examples/position_decay.py --method position-decay`.
 Why a list the module defines rather than a `register()` call it makes on import: nothing global
 changes, so a run's table is a function of its config (saved in config.json; a resume must name the
 same module), two runs in one process never see each other's methods, and a module imported twice
@@ -175,7 +175,7 @@ def _module_methods(module: str) -> tuple[CreditMethod, ...]:
         if module.endswith(".py"):
             path = Path(module).resolve()
             if not path.is_file():
-                raise CreditError(f"{where}: no such file; pass a .py file or a dotted module name importable from here.")
+                raise CreditError(f"{where}: no such file; pass a path to a .py file or a dotted module name on the Python path.")
             spec = importlib.util.spec_from_file_location(f"oar_credit_module_{path.stem}", path)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = mod  # dataclasses and pickling look their module up here
@@ -189,8 +189,8 @@ def _module_methods(module: str) -> tuple[CreditMethod, ...]:
     except CreditError:
         raise
     except Exception as err:  # the user's module: any error in it is the user's to fix, and named
-        raise CreditError(f"{where}: could not import it ({type(err).__name__}: {err}); pass a .py file or a dotted "
-                          f"module name importable from the working directory.") from None
+        raise CreditError(f"{where}: could not import it ({type(err).__name__}: {err}); pass a path to a .py "
+                          f"file or a dotted module name on the Python path (PYTHONPATH).") from None
     listed = getattr(mod, "CREDIT_METHODS", None)
     if not isinstance(listed, (list, tuple)) or not listed:
         raise CreditError(f"{where}: defines no CREDIT_METHODS, a non-empty list of oar.credit.CreditMethod (docs/credit-methods.md).")

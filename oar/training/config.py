@@ -34,7 +34,7 @@ class Config:
     eval_dataset: str = field(default="", metadata={"help": "Held-out problems; default: arith's test split for arith, none otherwise."})
     method: str = field(default="oar-g", metadata={"help": "Token credit: grpo | oar-g | oar-p | entropy | entropy-mask | tempo | oar-g+tempo | "
                                                           "random-gate (the last two beyond the paper; oar/credit.py), or one of --credit_module's."})
-    credit_module: str = field(default="", metadata={"help": "A module (a .py file, or a dotted name importable from here) whose CREDIT_METHODS "
+    credit_module: str = field(default="", metadata={"help": "A module (a .py file, or a dotted name on the Python path) whose CREDIT_METHODS "
                                                            "list adds methods to --method's choices (docs/credit-methods.md)."})
     output_dir: str = field(default="runs/default", metadata={"help": "Checkpoints, metrics.jsonl, summary.json, final model."})
     resume: bool = field(default=False, metadata={"help": "Resume from the newest complete checkpoint in output_dir."})
