@@ -150,8 +150,8 @@ def protocol_problem(m) -> str | None:
     """What makes `m` not a CreditMethod a run can call, or None."""
     if not isinstance(m, CreditMethod):
         return f"{m!r} is not an oar.credit.CreditMethod"
-    if not isinstance(m.name, str) or not m.name or m.name != m.name.strip() or ":" in m.name:
-        return f"name {m.name!r} must be a non-empty string without surrounding spaces or ':'"
+    if not isinstance(m.name, str) or not m.name or m.name != m.name.strip():
+        return f"name {m.name!r} must be a non-empty string without surrounding spaces"
     for what, fn, args in (("weigh", m.weigh, ("step", "state", "micro")), ("prepare", m.prepare, ("step",))):
         if not callable(fn):
             return f"method {m.name!r}: {what} is {fn!r}, not a function"
