@@ -9,8 +9,8 @@ One step, in the order of the paper:
   1. rollout     G samples for each of this process's prompts (a prompt's group stays on one process)
   2. reward      1 if the extracted final answer matches the gold answer
   3. advantage   group-relative A_i (SPEC §1)
-  4. update      per micro-batch: forward -> log-probs; token credit -> weights w_it (oar/credit.py: OAR's
-                 scores through the bi-level gate, SPEC §3-5, or a comparator); loss with token advantages
+  4. update      per micro-batch: forward -> log-probs; token credit -> weights w_it (oar/credit.py's table: OAR's
+                 scores through the bi-level gate, SPEC §3-5, a comparator, or a --credit_module's); loss with token advantages
                  A_i w_it; backward. GRPO is the same path with w = 1.
   5. step        clip the gradient norm, optimizer step (steps 4-5 run --num_iterations times), LR-schedule step
   6. log / eval / checkpoint
@@ -65,7 +65,7 @@ from oar.training import sharding
 from oar.training.config import METHODS, RESUMABLE, Config, check_config, check_resume, micro_batch, parse_args  # noqa: F401 (re-exported for scripts)
 from oar.training.data import DataError, load_problems
 from oar.training.evaluation import evaluate
-from oar.credit import CreditSettings, step_credit
+from oar.credit import CreditSettings, credit_methods, step_credit
 from oar.training.launch import end, gather_ragged, make_accelerator, release
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
 from oar.training.models import ModelError, forward_logits, load_model, resolve_model
@@ -101,6 +101,7 @@ def main(cfg: Config) -> dict:
     local_prompts = cfg.prompts_per_step // n_proc
     try:  # every cheap check first: nothing is loaded or written when one fails
         check_config(cfg, n_proc)
+        method = credit_methods(cfg.credit_module)[cfg.method]  # checked: a --credit_module that fails has stopped the run
         resolve_model(cfg.model)
         train_set = load_problems(cfg.dataset, split="train", limit=cfg.train_size if cfg.dataset == "arith" else None, seed=cfg.seed)
         eval_name = cfg.eval_dataset or ("arith" if cfg.dataset == "arith" else "")
@@ -182,7 +183,7 @@ def main(cfg: Config) -> dict:
         # A rollout with advantage 0 (its whole group got one reward) or no valid token has loss 0
         # whatever its token weights: OAR does not score it unless asked to (exact; a third of the
         # default run's rollouts).
-        scored = ((advantages != 0) & completion.any(1) | cfg.score_all) & (cfg.method != "grpo")  # (B,)
+        scored = ((advantages != 0) & completion.any(1) | cfg.score_all) & method.scores  # (B,)
         probe = "last" if step < cfg.probe_warmup else cfg.probe
         # Token credit (oar/credit.py): what a method needs of the whole step is computed here, before
         # the micro-batches, so its weights do not depend on micro-batching or on the processes; in the
@@ -200,7 +201,7 @@ def main(cfg: Config) -> dict:
                 mb = ro.select(rows)
                 with accelerator.accumulate(model):
                     # OAR's clean pass comes for free from the first pass's forward (the sampling policy)
-                    reuse = it == 0 and cfg.method.startswith("oar") and cfg.outcome_source == "rollout"
+                    reuse = it == 0 and method.uses_clean and cfg.outcome_source == "rollout"
                     logits, clean_kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1,
                                                      keep_cache=reuse and not cfg.gradient_checkpointing)
                     labels = mb.input_ids[:, lp:]  # (b, T)
@@ -208,7 +209,7 @@ def main(cfg: Config) -> dict:
                     if it == 0:  # the sampling policy: pi_old, OAR weights and the reference, kept for every pass
                         clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:], mb.answer_mask[:, lp - 1:], probe) if reuse else None
                         # OAR calls submodules: gathered when sharded, and in the update forward's mixed precision
-                        with sharding.gathered(model) if cfg.method != "grpo" else nullcontext(), accelerator.autocast():
+                        with sharding.gathered(model) if method.scores else nullcontext(), accelerator.autocast():
                             weights, secs, nonfinite = credit(rows, mb, logits.detach(), clean, clean_kv)  # (b, L)
                         oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
                         w_all.append(weights)

@@ -1,11 +1,11 @@
-"""Token credit: one interface from what a step has to token weights w_it, and the table of methods.
+"""Token credit: one protocol from what a step has to token weights w_it, and the table of methods.
 
 Legend: B this process's rollouts (P prompts x G, a prompt's group contiguous and on one process),
 b a micro-batch's rollouts, L positions (prompt width Lp + completion), T = L - Lp completion
 positions, V vocabulary.
 
 The loss takes token advantages A_it = A_i w_it (SPEC §1, STYLE 4) and never branches on the method:
-a method is only a way to fill w. `train.py --method NAME` picks one from METHODS:
+a method is only a way to fill w. `train.py --method NAME` picks one from the table, METHODS:
 
   grpo          w = 1                                                      (the reference)
   oar-g, oar-p  OAR's scores through the bi-level gate (SPEC §3-5; oar_grad.py, oar_perturb.py)
@@ -17,35 +17,56 @@ a method is only a way to fill w. `train.py --method NAME` picks one from METHOD
                 its gate on the written computation, the forks it under-weights get their group's
                 credit. Mass: OAR's (preserved) plus one token's worth; sign: can flip, as TEMPO's.
   random-gate   BEYOND THE PAPER, a control: uniform random scores (from each rollout's seed) through
-                the same gate: what the gate does to learning when its scores carry no information.
+                the same gate: what the gate does to learning when its scores carry no information
+                (oar/gating.py).
 
-Two calls per step, both in train.py's step 4: `step_credit(...)` before the micro-batch loop, with
-everything the step has (what a method needs of the whole step is computed there: TEMPO's trees,
-entropy-mask's threshold over every process's tokens), returns a function that the loop calls once
-per micro-batch with the update forward's logits. Weights are (b, L) over the sequence layout;
-train.py reads the completion columns. So every method's weights are a function of the step, never
-of the micro-batching or of the number of processes (tests/test_credit.py, tests/test_distributed.py).
+The protocol (docs/credit-methods.md has a worked example). A method is a `CreditMethod`: a name and
+two functions, called in train.py's step 4:
+  prepare(step) -> state            once per step, before the micro-batch loop, with everything the
+                                    step has (`Step`): what a method needs of the WHOLE step is
+                                    computed here (TEMPO's trees; entropy-mask's threshold over every
+                                    process's tokens, through `step.gather`). Default: nothing.
+  weigh(step, state, micro) -> w    once per micro-batch (`MicroBatch`: its rows and the update
+                                    forward's logits): weights (b, L) over the sequence layout, of
+                                    which train.py reads the completion columns; or (w, n) with n the
+                                    rollouts whose scores were not finite (they should get w = 1).
+So a method's weights can be, and every built-in's are, a function of the step, never of the
+micro-batching or of the number of processes (tests/test_credit.py, tests/test_distributed.py).
+step_credit checks what the loss relies on for every method: finite float weights of the micro-batch's shape.
+
+A method of one's own needs no edit here. `--credit_module M` names a module (a path to a .py file,
+or a dotted name on the Python path) that lists its methods in `CREDIT_METHODS`; they join the
+built-ins for that run: `--credit_module examples/position_decay.py --method position-decay`.
+Why a list the module defines rather than a `register()` call it makes on import: nothing global
+changes, so a run's table is a function of its config (saved in config.json; a resume must name the
+same module), two runs in one process never see each other's methods, and a module imported twice
+cannot register twice. A module that does not import, a method that breaks the protocol, or a name
+that clashes with a built-in stops the run in train.py's first checks, before anything loads.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import inspect
+import sys
 import time
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable
 
 import torch
 
-from oar.entropy_credit import top_entropy_mask
-from oar.gating import bilevel_weights
-from oar.grpo import token_entropy
-from oar.training.models import forward_logits
+from oar.entropy_credit import entropy_gate, entropy_mask_prepare, step_entropies  # noqa: F401 (step_entropies: re-exported)
+from oar.gating import gate, random_gate, random_gate_prepare
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb_window import perturbation_scores_auto
 from oar.sampler import Rollout, with_reference_answer
-from oar.tempo import tempo_weights
+from oar.tempo import tempo_prepare
 
 COMPARED = ("grpo", "oar-g", "oar-p", "entropy", "entropy-mask", "tempo")  # the paper's methods and the comparators
-METHODS = COMPARED + ("oar-g+tempo", "random-gate")  # plus ours, beyond the paper: a candidate and a control
 
 
 @dataclass(frozen=True)
@@ -53,6 +74,7 @@ class CreditSettings:
     """The settings credit reads; field names are train.py's Config fields (train.py copies them)."""
 
     method: str = "grpo"
+    credit_module: str = ""
     gate_quantile: float = 0.4
     gate_boost: float = 2.0
     gate_floor: float = 0.1
@@ -72,110 +94,213 @@ class CreditSettings:
     mask_truncated: bool = False
 
     def __post_init__(self):
-        assert self.method in METHODS, f"method {self.method!r}: choose one of {', '.join(METHODS)}"
+        table = credit_methods(self.credit_module)
+        assert self.method in table, f"method {self.method!r}: choose one of {', '.join(table)}"
         assert 0.0 < self.entropy_top <= 1.0, f"entropy_top {self.entropy_top}: must lie in (0, 1]"
 
 
-MicroCredit = Callable[..., tuple[torch.Tensor, float, int]]
+@dataclass(frozen=True)
+class Step:
+    """What a method may read of the whole step: this process's share, and `gather` for the others'."""
+
+    settings: CreditSettings
+    model: Any  # the policy (unwrapped), in the update forward's mixed precision
+    tokenizer: Any
+    rollouts: Rollout  # B rows, the sampler's layout: completions start at column rollouts.prompt_width
+    rewards: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,) A_i
+    scored: torch.Tensor  # (B,) bool: the rollouts whose weights matter (A_i != 0 and a valid token)
+    seeds: list[int]  # (B,) each rollout's own seed: draw randomness from it to stay batching-independent
+    golds: list[str]  # (B,) gold answers
+    probe: str  # this step's outcome probe (SPEC §2)
+    gather: Callable[[torch.Tensor], torch.Tensor]  # every process's 1-D tensor concatenated (identity on one)
 
 
-def gate(s: CreditSettings, scores: torch.Tensor, reasoning: torch.Tensor) -> torch.Tensor:
-    """The bi-level gate (SPEC §5) with the run's settings: scores (b, L) over `reasoning` (b, L) -> weights."""
-    return bilevel_weights(scores, reasoning, quantile=s.gate_quantile, boost=s.gate_boost,
-                           floor=s.gate_floor, preserve_mass=s.preserve_mass)
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of the update: rollouts `step.rollouts.select(rows)` and the update forward's outputs."""
+
+    rows: slice  # into the step's B rows
+    rollouts: Rollout  # b rows
+    logits: torch.Tensor  # (b, T + 1, V), detached, from column Lp - 1: logits[:, t] predicts completion token t
+    clean: Any = None  # OAR's clean outcome from that forward (probes.clean_forward), when uses_clean, else None
+    clean_kv: Any = None  # and its keys/values
+
+
+def _nothing(step: Step) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class CreditMethod:
+    """A token-credit method: `weigh(step, prepare(step), micro)` -> weights (b, L) (the module docstring)."""
+
+    name: str  # what --method selects
+    weigh: Callable[[Step, Any, MicroBatch], Any]
+    prepare: Callable[[Step], Any] = _nothing
+    scores: bool = True  # False: w = 1 whatever the step (GRPO): no rollout counts as scored, a sharded model is not gathered
+    uses_clean: bool = False  # weigh reads micro.clean / clean_kv (OAR's): train.py keeps them from the update forward
+
+
+class CreditError(ValueError):
+    """A credit module or method the run cannot use; the message names it and the fix."""
+
+
+def protocol_problem(m) -> str | None:
+    """What makes `m` not a CreditMethod a run can call, or None."""
+    if not isinstance(m, CreditMethod):
+        return f"{m!r} is not an oar.credit.CreditMethod"
+    if not isinstance(m.name, str) or not m.name or m.name != m.name.strip():
+        return f"name {m.name!r} must be a non-empty string without surrounding spaces"
+    for what, fn, args in (("weigh", m.weigh, ("step", "state", "micro")), ("prepare", m.prepare, ("step",))):
+        if not callable(fn):
+            return f"method {m.name!r}: {what} is {fn!r}, not a function"
+        try:
+            inspect.signature(fn).bind(*args)
+        except TypeError:
+            return f"method {m.name!r}: {what}{inspect.signature(fn)} must take ({', '.join(args)})"
+        except ValueError:  # no signature to read (a builtin): it is called and checked then
+            pass
+    if not isinstance(m.scores, bool) or not isinstance(m.uses_clean, bool):
+        return f"method {m.name!r}: scores and uses_clean must be True or False"
+    return None
+
+
+@functools.cache
+def _module_methods(module: str) -> tuple[CreditMethod, ...]:
+    """The methods `module` (a dotted name or a .py path) lists in CREDIT_METHODS, checked; cached, so
+    every call of a run (check_config, train.py, CreditSettings) sees the same objects."""
+    where = f"--credit_module {module}"
+    try:
+        if module.endswith(".py"):
+            path = Path(module).resolve()
+            if not path.is_file():
+                raise CreditError(f"{where}: no such file; pass a path to a .py file or a dotted module name on the Python path.")
+            spec = importlib.util.spec_from_file_location(f"oar_credit_module_{path.stem}", path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod  # dataclasses and pickling look their module up here
+            try:
+                spec.loader.exec_module(mod)
+            except BaseException:
+                del sys.modules[spec.name]
+                raise
+        else:
+            mod = importlib.import_module(module)
+    except CreditError:
+        raise
+    except Exception as err:  # the user's module: any error in it is the user's to fix, and named
+        raise CreditError(f"{where}: could not import it ({type(err).__name__}: {err}); pass a path to a .py "
+                          f"file or a dotted module name on the Python path (PYTHONPATH).") from None
+    listed = getattr(mod, "CREDIT_METHODS", None)
+    if not isinstance(listed, (list, tuple)) or not listed:
+        raise CreditError(f"{where}: defines no CREDIT_METHODS, a non-empty list of oar.credit.CreditMethod (docs/credit-methods.md).")
+    names = set()
+    for k, m in enumerate(listed):
+        problem = protocol_problem(m)
+        if problem:
+            raise CreditError(f"{where}: CREDIT_METHODS[{k}]: {problem} (the protocol: oar/credit.py, docs/credit-methods.md).")
+        if m.name in METHODS:
+            raise CreditError(f"{where}: method {m.name!r} clashes with the built-in method of that name; give it another name.")
+        if m.name in names:
+            raise CreditError(f"{where}: method {m.name!r} is listed twice in CREDIT_METHODS.")
+        names.add(m.name)
+    return tuple(listed)
+
+
+def credit_methods(module: str = "") -> MappingProxyType:
+    """The table a run chooses from: name -> CreditMethod, the built-ins then `module`'s (CreditError if unusable)."""
+    return METHODS if not module else MappingProxyType({**METHODS, **{m.name: m for m in _module_methods(module)}})
 
 
 def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards: torch.Tensor, advantages: torch.Tensor,
                 scored: torch.Tensor, seeds: list[int], golds: list[str], probe: str, *,
-                gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> MicroCredit:
-    """Credit for one step: returns `weigh(rows, mb, logits, clean=None, clean_kv=None) -> (weights (b, L),
-    seconds, non-finite rows)` for the micro-batch `mb = ro.select(rows)`, whose `logits` (b, T + 1, V)
-    are the update forward's from column Lp - 1 (as train.py keeps them).
+                gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+    """Credit for one step: runs the method's prepare and returns `weigh(rows, mb, logits, clean=None,
+    clean_kv=None) -> (weights (b, L), seconds, non-finite rows)` for the micro-batch `mb = ro.select(rows)`,
+    whose `logits` (b, T + 1, V) are the update forward's from column Lp - 1 (as train.py keeps them).
+    Seconds: the micro-batch's weigh plus its rollouts' share of prepare.
 
     rewards, advantages, scored (B,): this process's; `scored` marks the rollouts whose weights
     matter (advantage != 0 and a valid token): the others get 1 from the scoring methods (their loss
-    is 0 whatever w). `gather(x)`: all processes' 1-D `x` concatenated (identity on one process);
-    entropy-mask takes its threshold over the whole step with it, random-gate the step's widest prompt."""
-    s, lp = settings, ro.prompt_width
+    is 0 whatever w). `gather(x)`: all processes' 1-D `x` concatenated (identity on one process)."""
     assert rewards.shape == advantages.shape == scored.shape == (len(ro),), (rewards.shape, advantages.shape, scored.shape)
-    ones = lambda mb: torch.ones(mb.input_ids.shape, device=mb.input_ids.device)  # noqa: E731
-    if s.method == "grpo":
-        return lambda rows, mb, logits, clean=None, clean_kv=None: (ones(mb), 0.0, 0)
-    if s.method in ("oar-g", "oar-p"):
-        return lambda rows, mb, logits, clean=None, clean_kv=None: oar_weights(
-            s, model, tokenizer, mb, scored[rows], probe, clean, seeds[rows], golds[rows], clean_kv)
-    if s.method == "entropy":
-        def weigh(rows, mb, logits, clean=None, clean_kv=None):
-            start = time.perf_counter()
-            ent = token_entropy(logits[:, :-1].detach() / s.temperature)  # (b, T): entropy of the distribution token t was drawn from
-            full = torch.zeros(mb.input_ids.shape, device=ent.device)
-            full[:, lp:] = ent
-            return gate(s, full, mb.reasoning_mask & scored[rows, None]), time.perf_counter() - start, 0
-        return weigh
-    if s.method == "random-gate":
-        # Rollout i's scores are a stream from its own seed, read at each token's column in the layout the
-        # step would have on one process (the widest prompt of every process, then the completion): the
-        # same draws whatever the other prompts on this process, the micro-batching or the process count.
-        width = int(gather(torch.tensor([float(lp)], device=ro.input_ids.device)).max())
-
-        def weigh(rows, mb, logits, clean=None, clean_kv=None):
-            T = mb.input_ids.shape[1] - lp
-            full = torch.zeros(mb.input_ids.shape, device=mb.input_ids.device)
-            full[:, lp:] = torch.stack([torch.rand(width + T, generator=torch.Generator().manual_seed(seed + 104_729))[width:]
-                                        for seed in seeds[rows]]).to(full.device)
-            return gate(s, full, mb.reasoning_mask & scored[rows, None]), 0.0, 0
-        return weigh
-    if s.method == "oar-g+tempo":
-        start = time.perf_counter()
-        td = tempo_weights(ro.input_ids[:, lp:], ro.completion_mask[:, lp:], rewards, group_size=s.group_size) - 1.0  # (B, T): 0 off branches
-        td = torch.cat([torch.zeros_like(ro.input_ids[:, :lp], dtype=td.dtype), td], dim=1)  # (B, L)
-        tree_seconds = (time.perf_counter() - start) / max(1, len(ro))
-        oar_g = replace(s, method="oar-g")
-
-        def weigh(rows, mb, logits, clean=None, clean_kv=None):
-            w, secs, nonfinite = oar_weights(oar_g, model, tokenizer, mb, scored[rows], probe, clean, seeds[rows], golds[rows], clean_kv)
-            return w + td[rows].to(w.device), secs + tree_seconds * len(mb), nonfinite
-        return weigh
+    method = credit_methods(settings.credit_module)[settings.method]
+    step = Step(settings, model, tokenizer, ro, rewards, advantages, scored, list(seeds), list(golds), probe, gather)
     start = time.perf_counter()
-    if s.method == "tempo":
-        full = tempo_weights(ro.input_ids[:, lp:], ro.completion_mask[:, lp:], rewards, group_size=s.group_size)
-        full = torch.cat([torch.ones_like(ro.input_ids[:, :lp], dtype=full.dtype), full], dim=1)  # (B, L)
-    else:  # entropy-mask: one threshold over the step's tokens on every process, so entropies first
-        ent = step_entropies(model, ro, s.micro_batch_size, s.temperature)  # (B, L)
-        full = top_entropy_mask(ent, ro.loss_tokens(s.mask_truncated), top=s.entropy_top, gather=gather).float()  # the loss's tokens
+    state = method.prepare(step)
     per_rollout = (time.perf_counter() - start) / max(1, len(ro))
-    return lambda rows, mb, logits, clean=None, clean_kv=None: (full[rows], per_rollout * len(mb), 0)
+
+    def weigh(rows, mb, logits, clean=None, clean_kv=None):
+        start = time.perf_counter()
+        out = method.weigh(step, state, MicroBatch(rows, mb, logits, clean, clean_kv))
+        weights, nonfinite = out if isinstance(out, tuple) else (out, 0)
+        # what the loss relies on, checked for every method: one finite float weight per position
+        if not (isinstance(weights, torch.Tensor) and weights.is_floating_point() and weights.shape == mb.input_ids.shape):
+            got = f"{weights.dtype} of shape {tuple(weights.shape)}" if isinstance(weights, torch.Tensor) else f"a {type(weights).__name__}"
+            raise CreditError(f"credit method {method.name!r}: weigh returned {got}; it must return float weights of "
+                              f"the micro-batch's shape {tuple(mb.input_ids.shape)} (b, L).")
+        if not torch.isfinite(weights).all():
+            raise CreditError(f"credit method {method.name!r}: weigh returned non-finite weights for rows {rows}; give a "
+                              f"rollout whose scores are not finite weights 1 and count it (the (w, n) return).")
+        return weights, time.perf_counter() - start + per_rollout * len(mb), int(nonfinite)
+    return weigh
 
 
-@torch.no_grad()
-def step_entropies(model, ro: Rollout, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy (B, L) of the policy's next-token distribution at every completion position (0 on the
-    prompt), from a no-grad forward in micro-batches: before the update, the policy is the one that
-    the update's forward sees (one update per batch), so these are the update forward's entropies."""
-    lp = ro.prompt_width
-    out = torch.zeros(ro.input_ids.shape, device=ro.input_ids.device)
-    for start in range(0, len(ro), micro_batch_size):
-        mb = ro.select(slice(start, start + micro_batch_size))
-        logits = forward_logits(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1)
-        out[start:start + len(mb), lp:] = token_entropy(logits[:, :-1] / temperature)
-    return out
+# -- the built-ins -------------------------------------------------------------------------------
+
+def ones(step: Step, state, micro: MicroBatch) -> torch.Tensor:
+    """GRPO: w = 1 (b, L)."""
+    return torch.ones(micro.rollouts.input_ids.shape, device=micro.rollouts.input_ids.device)
 
 
-def oar_weights(s: CreditSettings, model, tokenizer, mb: Rollout, scored, probe, clean, seeds, golds, clean_kv=None):
-    """OAR-G / OAR-P for one micro-batch: weights (b, L), the seconds the scoring took, and how many
+def precomputed(step: Step, state: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+    """The micro-batch's rows of weights (B, L) that prepare computed for the whole step."""
+    return state[micro.rows]
+
+
+def oar_scorer(scorer: str) -> Callable[[Step, Any, MicroBatch], tuple[torch.Tensor, int]]:
+    """OAR-G ('gradient') or OAR-P ('perturbation') as a weigh function."""
+    def weigh(step: Step, state, micro: MicroBatch):
+        rows = micro.rows
+        return oar_weights(step.settings, step.model, step.tokenizer, micro.rollouts, step.scored[rows], step.probe,
+                           micro.clean, step.seeds[rows], step.golds[rows], micro.clean_kv, scorer=scorer)
+    return weigh
+
+
+def oar_g_plus_tempo(step: Step, td: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, int]:
+    """OAR-G's weights plus TEMPO's TD share (w^TEMPO - 1: 0 off the branch tokens), prepared by tempo_prepare."""
+    w, nonfinite = oar_scorer("gradient")(step, None, micro)
+    return w + (td[micro.rows] - 1.0).to(w.device), nonfinite
+
+
+METHODS = MappingProxyType({m.name: m for m in (  # the order of the study's tables
+    CreditMethod("grpo", ones, scores=False),
+    CreditMethod("oar-g", oar_scorer("gradient"), uses_clean=True),
+    CreditMethod("oar-p", oar_scorer("perturbation"), uses_clean=True),
+    CreditMethod("entropy", entropy_gate),
+    CreditMethod("entropy-mask", precomputed, prepare=entropy_mask_prepare),
+    CreditMethod("tempo", precomputed, prepare=tempo_prepare),
+    CreditMethod("oar-g+tempo", oar_g_plus_tempo, prepare=tempo_prepare, uses_clean=True),
+    CreditMethod("random-gate", random_gate, prepare=random_gate_prepare),
+)})
+assert not any(map(protocol_problem, METHODS.values())) and set(COMPARED) <= set(METHODS)
+
+
+def oar_weights(s: CreditSettings, model, tokenizer, mb: Rollout, scored, probe, clean, seeds, golds, clean_kv=None, *,
+                scorer: str = "gradient") -> tuple[torch.Tensor, int]:
+    """OAR-G (scorer 'gradient') or OAR-P ('perturbation') for one micro-batch: weights (b, L), and how many
     rollouts had a non-finite score (they get all-ones weights, as gating.bilevel_weights defines).
     Only the rollouts marked in `scored` (b,) are scored; the others get all-ones weights. `clean`,
     `clean_kv`: the clean outcome and keys/values from the update's forward (probes.clean_forward), or None."""
     reasoning = mb.reasoning_mask & scored[:, None]  # (b, L) a row without reasoning tokens costs nothing and weighs 1
     if not reasoning.any():
-        return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0.0, 0
-    start = time.perf_counter()
+        return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0
     ids, attn, reas, ans = mb.input_ids, mb.attention_mask, reasoning, mb.answer_mask
     if s.outcome_source == "reference":  # score against the gold answer appended after the reasoning
         ids, attn, reas, ans = with_reference_answer(mb, tokenizer, golds, s.reference_template)
         reas = reas & scored[:, None]
         clean = clean_kv = None
-    if s.method == "oar-g":
+    if scorer == "gradient":
         h = model.config.hidden_size
         noise = torch.zeros(*ids.shape, h)
         for i in reas.any(1).nonzero().flatten().tolist():  # rollout i's noise comes from its own seed: batching-independent
@@ -191,4 +316,4 @@ def oar_weights(s: CreditSettings, model, tokenizer, mb: Rollout, scored, probe,
     full[:, :width] = scores[:, :width]
     weights = gate(s, full, reasoning)
     nonfinite = int((~torch.isfinite(full) & reasoning).any(1).sum())
-    return weights, time.perf_counter() - start, nonfinite
+    return weights, nonfinite

@@ -163,3 +163,26 @@ def test_a_run_is_fully_timed_only_when_every_invocation_recorded_its_time():
     # written before invocations were marked open: a resumed run with one recorded invocation lost one
     assert not fully_timed({"seconds": 170.6, "cpu_seconds": 108.7, "invocations": 1}, {"resume": True})
     assert not fully_timed({}, {})
+
+
+def test_a_run_finished_before_a_setting_existed_is_still_finished(tmp_path):
+    """A setting added to Config after a run finished (absent from its config.json, here --credit_module)
+    ran as its default, since new settings default to the old behaviour: the run is skipped, not refused;
+    a setting that differs still stops the study."""
+    import json
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from scripts.studies.study_run import run_one
+    from train import Config
+
+    run = {"name": "grpo", "seed": 0, "settings": {"model": "some/model", "method": "grpo"}}
+    out = tmp_path / "grpo-s0"
+    out.mkdir()
+    saved = {k: v for k, v in (asdict(Config()) | run["settings"] | {"seed": 0}).items() if k != "credit_module"}
+    (out / "config.json").write_text(json.dumps(saved))
+    (out / "summary.json").write_text("{}")
+    assert run_one(SimpleNamespace(root=tmp_path), run) == "done"
+    (out / "config.json").write_text(json.dumps(saved | {"method": "oar-g"}))
+    with pytest.raises(SystemExit, match="finished run with other settings"):
+        run_one(SimpleNamespace(root=tmp_path), run)

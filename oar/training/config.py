@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from oar.credit import METHODS
+from oar.credit import METHODS, CreditError, credit_methods  # noqa: F401 (METHODS: train.py re-exports it)
 from oar.oar_perturb_window import MODES as PERTURB_MODES
 from oar.probes import PROBES
 
@@ -32,7 +32,10 @@ class Config:
     model: str = field(default="tiny-arith", metadata={"help": "Hub id, local folder, .gguf file, or 'tiny-arith' (built on first use)."})
     dataset: str = field(default="arith", metadata={"help": "'arith', a .jsonl file (problem, answer), or a `datasets` name."})
     eval_dataset: str = field(default="", metadata={"help": "Held-out problems; default: arith's test split for arith, none otherwise."})
-    method: str = field(default="oar-g", metadata={"help": "Token credit: grpo | oar-g | oar-p | entropy | entropy-mask | tempo | oar-g+tempo (beyond the paper; oar/credit.py)."})
+    method: str = field(default="oar-g", metadata={"help": "Token credit: grpo | oar-g | oar-p | entropy | entropy-mask | tempo | oar-g+tempo | "
+                                                          "random-gate (the last two beyond the paper; oar/credit.py), or one of --credit_module's."})
+    credit_module: str = field(default="", metadata={"help": "A module (a .py file, or a dotted name on the Python path) whose CREDIT_METHODS "
+                                                           "list adds methods to --method's choices (docs/credit-methods.md)."})
     output_dir: str = field(default="runs/default", metadata={"help": "Checkpoints, metrics.jsonl, summary.json, final model."})
     resume: bool = field(default=False, metadata={"help": "Resume from the newest complete checkpoint in output_dir."})
     seed: int = field(default=0, metadata={"help": "Seeds data order, sampling and OAR-G noise."})
@@ -105,7 +108,12 @@ def check_config(cfg: Config, num_processes: int) -> None:
     """Every impossible setting, named with its fix, before anything expensive happens."""
     problems = []
     need = lambda ok, msg: ok or problems.append(msg)
-    need(cfg.method in METHODS, f"--method {cfg.method}: choose one of {', '.join(METHODS)}.")
+    try:  # a user's module is imported here, so that one that fails stops the run before anything loads
+        methods = credit_methods(cfg.credit_module)
+        where = f"with --credit_module {cfg.credit_module}" if cfg.credit_module else "or name a module that defines it with --credit_module"
+        need(cfg.method in methods, f"--method {cfg.method}: choose one of {', '.join(methods)} ({where}).")
+    except CreditError as err:
+        problems.append(str(err))
     need(cfg.probe in PROBES, f"--probe {cfg.probe}: choose one of {', '.join(PROBES)}.")
     need(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO needs >= 2 rollouts per prompt for a baseline.")
     need(cfg.prompts_per_step % num_processes == 0,

@@ -48,6 +48,8 @@ def run_one(args, run) -> str:
     if (out / "summary.json").exists():
         saved = json.loads((out / "config.json").read_text())
         ignore = (RESUMABLE - {"steps"}) | {"resume"}  # settings that do not change what is trained
+        # a setting newer than the run (absent from its config.json) ran as its default: new settings default to the old behaviour
+        saved = asdict(Config()) | saved
         wrong = {k: (v, saved.get(k)) for k, v in effective(run["settings"] | {"seed": run["seed"]}).items()
                  if k not in ignore and saved.get(k) != v}
         built = json.loads((out / "study_time.json").read_text()).get("model") if (out / "study_time.json").exists() else None
