@@ -142,13 +142,19 @@ def main(cfg: Config) -> dict:
     if not own_fsdp:  # (with --fsdp accelerate would wrap the sharded model in DDP; its state is saved with DCP)
         model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(schedule)  # stepped once per RL step, on every process
+    # LoRA: checkpoints hold the adapters, the frozen base is --model's (--fsdp's do so too, sharding.py);
+    # accelerate's FSDP plugin (GPUs) writes the whole model.
+    adapters_only = lora_model is not None and not own_fsdp and not sharding.accelerate_shards(accelerator)
+    if adapters_only:
+        ckpt.skip_frozen(accelerator)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
     policy = accelerator.unwrap_model(model)
 
     start_step, history = 0, {"step_seconds": [], "bad_steps": 0}
     if cfg.resume:
-        state = ckpt.load_checkpoint(accelerator, resume_from, sharded=(model, optimizer) if own_fsdp else None)
+        state = ckpt.load_checkpoint(accelerator, resume_from, sharded=(model, optimizer) if own_fsdp else None,
+                                     frozen_skipped=adapters_only)
         start_step, history = state["step"], state["history"]
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step)

@@ -1,8 +1,9 @@
 """LoRA through peft (--lora_r, oar/training/lora.py): what a run trains, what it leaves, and the two
 silent traps.
 
-  * a LoRA run moves the adapters only: the base weights of its checkpoint are the initial ones,
-    the optimizer holds the adapters' states and nothing else;
+  * a LoRA run moves the adapters only: final/ is the initial weights plus s B A of the saved
+    adapter, the optimizer holds the adapters' states and nothing else, and a checkpoint holds the
+    adapters without the frozen base;
   * final/ is a plain merged model: from_pretrained loads it with no peft name in it (saving the
     inner model's own state dict would write `base_layer` keys, loaded as random projections), its
     logits equal those of the base + final/adapter/ through peft, and eval.py evaluates it;
@@ -11,7 +12,7 @@ silent traps.
     checkpointed layers drop: wrong scores, no error);
   * the KL reference, the adapters switched off, is the base model;
   * resume is exact, also with checkpointing switched on at the resume; 2 DDP and 2 FSDP2 processes
-    give the update of one;
+    give the update of one, also across a resume;
   * impossible settings stop before anything loads, naming the flag.
 """
 
@@ -76,23 +77,23 @@ def test_a_lora_run_trains_the_adapters_only_and_leaves_a_plain_merged_model(tin
     assert rows[0]["loss/kl_ref"] == 0 < rows[1]["loss/kl_ref"]  # B = 0 at step 1: the policy is its reference
     initial = initial_params(tiny_model)
 
-    # The checkpoint: base weights bit-equal to the initial ones, adapters moved, AdamW states for the adapters only.
-    ckpt = load_file(str(one_process / "checkpoint-2" / "model.safetensors"))
-    adapters = {k: v for k, v in ckpt.items() if ".lora_" in k}
-    base = {k.replace(".base_layer", ""): v for k, v in ckpt.items() if ".lora_" not in k}
-    assert max_abs_diff({k: base[k] for k in initial}, initial) == 0
-    assert max(float(v.abs().max()) for k, v in adapters.items() if "lora_B" in k) > 1e-4
+    # The checkpoint holds the adapters only (the frozen base is --model's) and AdamW states for them only.
+    adapters = load_file(str(one_process / "checkpoint-2" / "model.safetensors"))
+    assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters)
+    assert max(float(v.abs().max()) for k, v in adapters.items() if "lora_B" in k) > 1e-4  # B = 0 at the start
     optim = torch.load(one_process / "checkpoint-2" / "optimizer.bin", weights_only=False)
     shapes = sorted(tuple(s["exp_avg"].shape) for s in optim["state"].values())
     assert shapes == sorted(tuple(v.shape) for v in adapters.values())
     assert len(optim["param_groups"][0]["params"]) == len(adapters)
 
-    # final/: plain names, the targeted weights merged, everything else the initial weights.
+    # final/: plain names; the initial weights with s B A added to the adapted ones (the base did not move).
     final = final_params(one_process)
     assert not [k for k in final if "lora_" in k or "base_layer" in k]
-    assert final.keys() == initial.keys()
-    moved = {k for k in final if not torch.equal(final[k], initial[k])}
-    assert moved and all(k.endswith("_proj.weight") for k in moved)
+    peft_names = {k.replace(".weight", ".base_layer.weight") if k.replace(".weight", ".lora_A.default.weight") in adapters else k: v
+                  for k, v in initial.items()}
+    want = lora.merged_state_dict({**peft_names, **adapters}, scaling=8 / 4)
+    assert max_abs_diff(final, want) == 0
+    assert {k for k in final if not torch.equal(final[k], initial[k])} == {k.replace(".base_layer", "") for k in peft_names if ".base_layer" in k}
 
     # It loads as a plain model and computes what the PEFT model computes.
     ids, attn, *_ = padded_batch(vocab_size=20)
@@ -169,9 +170,26 @@ def test_resume_is_exact_also_with_checkpointing_switched_on(tiny_model, one_pro
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_two_processes_equal_one(tiny_model, one_process, tmp_path, sharding):
-    out = tmp_path / sharding
-    check_ok(launch(_args(tiny_model, out, *(["--fsdp"] if sharding == "fsdp" else []))))
+def test_two_processes_equal_one_also_resumed(tiny_model, one_process, tmp_path, sharding):
+    """Step 1 on 2 gloo processes (DDP, or FSDP2 with --fsdp), its checkpoint (the adapters and their
+    AdamW states, no frozen base), then step 2 in a new launch: the 1-process run's update."""
+    out, flags = tmp_path / sharding, ["--fsdp"] if sharding == "fsdp" else []
+    check_ok(launch(_args(tiny_model, out, "--steps", "1", *flags)))
+    if sharding == "fsdp":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(str(out / "checkpoint-1" / "sharded")).read_metadata().state_dict_metadata
+        # torch's DCP keeps the second name of a tied frozen parameter (lm_head = embed_tokens): one matrix
+        held = [k[len("model."):] for k in saved if k.startswith("model.") and k != "model.lm_head.weight"]
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(out / "checkpoint-1" / "model.safetensors"), "pt") as f:
+            held = list(f.keys())
+    assert held and all(".lora_A." in k or ".lora_B." in k for k in held), held
+    proc = launch(_args(tiny_model, out, "--resume", *flags))
+    check_ok(proc)
+    assert "(step 1)" in proc.stdout
     assert max_abs_diff(final_params(out), final_params(one_process)) <= 1e-5
     for got, want in zip(metrics(out), metrics(one_process), strict=True):
         # (loss/kl_ref is a mean of each process's token mean: not a quantity of the update)
