@@ -21,6 +21,8 @@ What `final/` holds: `merged_state_dict` folds s B A into W and drops peft's nam
 model's own state dict instead would write `...q_proj.base_layer.weight` keys, which
 `from_pretrained` does not recognise, and it would load randomly initialised projections with only
 a warning. The adapter alone goes to `final/adapter/` (PeftModel.from_pretrained(base, it)).
+Checkpoints hold the adapters and their AdamW states, not the frozen base (checkpoint.skip_frozen,
+sharding.save_sharded): a resume reads the base from --model again.
 """
 
 from __future__ import annotations
