@@ -202,6 +202,7 @@ def test_two_processes_equal_one_also_resumed(tiny_model, one_process, tmp_path,
 @pytest.mark.parametrize("flags, message", [
     (["--lora_target_modules", "q_proj,qkv_proj"], "--lora_target_modules q_proj,qkv_proj: qkv_proj: no such module in LlamaForCausalLM"),
     (["--lora_target_modules", "embed_tokens"], "embed_tokens: not a linear layer"),
+    (["--lora_target_modules", "lm_head"], "lm_head: the output head shares its weight with the input embeddings"),
     (["--lora_r", "-4"], "--lora_r -4: the LoRA rank must be > 0"),
     (["--lora_r", "4", "--lora_alpha", "0"], "--lora_alpha 0.0: must be > 0"),
     (["--lora_r", "0"], "--lora_alpha 8.0 without --lora_r"),

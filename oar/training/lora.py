@@ -80,20 +80,32 @@ def check_targets(model: str, targets: str) -> None:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from oar.training.models import resolve_model
+    from oar.training.models import ModelError, resolve_model
 
     source, kwargs = resolve_model(model)  # a folder, a hub id, or a .gguf file's folder and name
-    config = AutoConfig.from_pretrained(source, **kwargs)
+    try:
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError) as err:  # no config there, an unknown architecture, a hub id not reachable
+        raise ModelError(f"--model {model}: could not read its config to check --lora_target_modules ({type(err).__name__}: "
+                         f"{str(err).strip()[:300]}). Pass a folder written by save_pretrained, a .gguf file or a reachable hub id.") from None
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     names = linear_names(skeleton)
+    head = skeleton.get_output_embeddings()
+    tied = {n for n, m in skeleton.named_modules() if m is head} if getattr(config, "tie_word_embeddings", False) else set()
     matches = lambda t: [n for n in names if n == t or n.endswith("." + t)]
     missing = [t for t in wanted if not matches(t)]
     not_linear = [t for t in wanted if matches(t) and not any(names[n] for n in matches(t))]
-    kinds = sorted({n.rsplit(".", 1)[-1] for n, lin in names.items() if lin})
-    if missing or not_linear:
+    # A head tied to the input embeddings is one matrix under two names. Merged, final/ would hold two
+    # different matrices under a config that says they are one (tie_word_embeddings): transformers 5.23
+    # loads them untied (measured), a loader that ties them (vLLM, ...) drops the head's update.
+    tied_head = [t for t in wanted if set(matches(t)) & tied]
+    kinds = sorted({n.rsplit(".", 1)[-1] for n, lin in names.items() if lin and n not in tied})
+    if missing or not_linear or tied_head:
         what = "; ".join([f"{', '.join(missing)}: no such module in {type(skeleton).__name__}"] * bool(missing)
-                         + [f"{', '.join(not_linear)}: not a linear layer (LoRA here adapts linear layers only)"] * bool(not_linear))
+                         + [f"{', '.join(not_linear)}: not a linear layer (LoRA here adapts linear layers only)"] * bool(not_linear)
+                         + [f"{', '.join(tied_head)}: the output head shares its weight with the input embeddings "
+                            f"(tie_word_embeddings)"] * bool(tied_head))
         raise ValueError(f"--lora_target_modules {targets}: {what}. Its linear layers: {', '.join(kinds)}; "
                          f"or pass {ALL_LINEAR} (every one but the output head).")
 
