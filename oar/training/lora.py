@@ -71,10 +71,10 @@ def linear_names(model) -> dict[str, bool]:
 
 
 def check_targets(model: str, targets: str) -> None:
-    """Refuse target modules `model` (a name as resolve_model takes it) does not have, before any weight loads: the model's skeleton
-    is built from its config on the meta device (no memory, no weights read) and its module names
-    are matched as peft matches them (a name or a dotted suffix). Raises ValueError naming the
-    missing targets and listing the linear layers the model has."""
+    """Refuse target modules that `model` (a name as resolve_model takes it) does not have, before any
+    weight loads: the model's skeleton is built from its config on the meta device (no memory, no
+    weights read) and its module names are matched as peft matches them (a name or a dotted suffix).
+    Raises ValueError naming the bad targets and listing the linear layers the model has."""
     wanted = parse_targets(targets)
     if wanted == ALL_LINEAR:
         return
