@@ -35,6 +35,9 @@ Departures from the paper and the authors' code (each also stated where it lives
     iter<k>/ metrics (k = 2..mu) for the later passes. mu = 1 is the same code path as before (the ratio is
     1 in value, pi_old = pi_theta.detach()).
 
+LoRA (--lora_r > 0, oar/training/lora.py, docs/lora.md): peft adapters on a frozen base; the optimizer holds
+only the adapters; the KL reference is the policy with its adapters off; final/ is the merged plain model.
+
 Sharding: a model sharded by FSDP2 (accelerate's plugin on GPUs, or --fsdp on CPU processes) is
 gathered whole for sampling, OAR scoring and evaluation, and resharded after (oar/training/sharding.py).
 
@@ -61,7 +64,7 @@ import numpy as np
 import torch
 
 from oar.training import checkpoint as ckpt
-from oar.training import sharding
+from oar.training import lora, sharding
 from oar.training.config import METHODS, RESUMABLE, Config, check_config, check_resume, micro_batch, parse_args  # noqa: F401 (re-exported for scripts)
 from oar.training.data import DataError, load_problems
 from oar.training.evaluation import evaluate
@@ -115,17 +118,24 @@ def main(cfg: Config) -> dict:
         if cfg.resume:
             check_resume(cfg, ckpt.read_state(resume_from), resume_from)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
+        if cfg.lora_r:  # on the model's skeleton (meta device): no weight is read yet
+            lora.check_targets(model_source(cfg.model), cfg.lora_target_modules)
         set_seed(cfg.seed)
         model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"train.py: error: {err}") from None
+    # LoRA: peft freezes the base and adds adapters in place; everything below trains, samples and scores
+    # the inner transformers model (lora.inner: OAR-G needs it), the PeftModel only saves the adapter.
+    lora_model = lora.add_adapters(model, r=cfg.lora_r, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules) if cfg.lora_r else None
+    model = lora.inner(lora_model) if lora_model is not None else model
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    ref_model = load_model(model_source(cfg.model), dtype=cfg.dtype)[0].eval().requires_grad_(False) if cfg.kl_beta > 0 else None
+    # The KL reference: a frozen copy of the initial model, or with LoRA the policy with its adapters off
+    ref_model = load_model(model_source(cfg.model), dtype=cfg.dtype)[0].eval().requires_grad_(False) if cfg.kl_beta > 0 and not cfg.lora_r else None
     own_fsdp = cfg.fsdp and not sharding.accelerate_shards(accelerator)  # on CPU processes accelerate's plugin falls back to DDP
     if own_fsdp:  # before the optimizer: it must hold the sharded parameters
         sharding.shard(model, sharding.mixed_precision(accelerator))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     micro = micro_batch(cfg, accelerator.num_processes)
     n_micro = local_prompts * cfg.group_size // micro
@@ -133,13 +143,19 @@ def main(cfg: Config) -> dict:
     if not own_fsdp:  # (with --fsdp accelerate would wrap the sharded model in DDP; its state is saved with DCP)
         model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(schedule)  # stepped once per RL step, on every process
+    # LoRA: checkpoints hold the adapters, the frozen base is --model's (--fsdp's do so too, sharding.py);
+    # accelerate's FSDP plugin (GPUs) writes the whole model.
+    adapters_only = lora_model is not None and not own_fsdp and not sharding.accelerate_shards(accelerator)
+    if adapters_only:
+        ckpt.skip_frozen(accelerator)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
     policy = accelerator.unwrap_model(model)
 
     start_step, history = 0, {"step_seconds": [], "bad_steps": 0}
     if cfg.resume:
-        state = ckpt.load_checkpoint(accelerator, resume_from, sharded=(model, optimizer) if own_fsdp else None)
+        state = ckpt.load_checkpoint(accelerator, resume_from, sharded=(model, optimizer) if own_fsdp else None,
+                                     frozen_skipped=adapters_only)
         start_step, history = state["step"], state["history"]
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step)
@@ -215,9 +231,10 @@ def main(cfg: Config) -> dict:
                         w_all.append(weights)
                         old_all.append(logprobs.detach())  # (b, T): ratio 1 in value on this pass
                         ref = None
-                        if ref_model is not None:
-                            with torch.no_grad():
-                                ref_logits = forward_logits(ref_model, mb.input_ids, mb.attention_mask, logits_to_keep=labels.shape[1] + 1)
+                        if cfg.kl_beta > 0:
+                            with torch.no_grad(), lora.adapters_off(policy) if cfg.lora_r else nullcontext(), \
+                                    sharding.gathered(model) if cfg.lora_r else nullcontext():
+                                ref_logits = forward_logits(ref_model if ref_model is not None else policy, mb.input_ids, mb.attention_mask, logits_to_keep=labels.shape[1] + 1)
                                 ref = token_logprobs(ref_logits[:, :-1], labels, temperature=cfg.temperature)
                         ref_all.append(ref)
                     token_adv = advantages[rows, None] * w_all[m][:, lp:]  # (b, T): A_it = A_i w_it
@@ -283,7 +300,10 @@ def main(cfg: Config) -> dict:
         log.records("eval_final.jsonl", records)
     held = sharding.param_optimizer_bytes(model, optimizer)  # this process's parameters + optimizer states
     summary |= {"param_optimizer_bytes": held["local"], "param_optimizer_bytes_unsharded": held["unsharded"]}
-    log.finish(summary, policy, tokenizer, state_dict=sharding.full_state_dict(model))  # collective when sharded
+    full = sharding.full_state_dict(model)  # collective when sharded
+    # final/ is a plain model: LoRA's adapters merged into the weights, the adapter alone in final/adapter/
+    state, save_adapter = lora.final_weights(lora_model, full, main=accelerator.is_main_process) if lora_model is not None else (full, None)
+    log.finish(summary, policy, tokenizer, state_dict=state, also=save_adapter)
     end(accelerator)
     return summary
 

@@ -78,9 +78,39 @@ def read_state(path: str | Path) -> dict:
     return json.loads((Path(path) / "trainer_state.json").read_text())
 
 
-def load_checkpoint(accelerator, path: str | Path, sharded=None) -> dict:
-    """Restore accelerate's state from `path` (and `sharded`'s, see save_checkpoint); returns its trainer_state.json."""
-    accelerator.load_state(str(path))
+def skip_frozen(accelerator) -> None:
+    """From now on accelerate's checkpoints hold the prepared models' trainable parameters only:
+    frozen ones (LoRA's base weights) never change and are the model source's, loaded again at a
+    resume (a checkpoint of a 7B model's adapters is megabytes, not its 15 GB of weights). At a
+    load, every trainable parameter must be in the checkpoint. Call once, for a model with frozen
+    parameters, and load with `load_checkpoint(..., frozen_skipped=True)`."""
+    from safetensors import safe_open
+
+    def trainable(model) -> set[str]:
+        return {n for n, p in model.named_parameters() if p.requires_grad}
+
+    def drop_frozen(models, weights, output_dir):
+        for model, state in zip(models, weights, strict=True):
+            keep = trainable(model)
+            for key in [k for k in state if k not in keep]:
+                del state[key]
+
+    def check_complete(models, input_dir):
+        for i, model in enumerate(models):
+            with safe_open(str(Path(input_dir) / (f"model_{i}.safetensors" if i else "model.safetensors")), "pt") as f:
+                missing = trainable(model) - set(f.keys())
+            if missing:
+                raise RuntimeError(f"{input_dir} lacks {len(missing)} trainable parameters of the model "
+                                   f"(e.g. {sorted(missing)[0]}): it was written by a run with other trainable parameters.")
+
+    accelerator.register_save_state_pre_hook(drop_frozen)
+    accelerator.register_load_state_pre_hook(check_complete)
+
+
+def load_checkpoint(accelerator, path: str | Path, sharded=None, frozen_skipped: bool = False) -> dict:
+    """Restore accelerate's state from `path` (and `sharded`'s, see save_checkpoint); returns its
+    trainer_state.json. `frozen_skipped`: the checkpoint holds the trainable parameters only (skip_frozen)."""
+    accelerator.load_state(str(path), **({"strict": False} if frozen_skipped else {}))
     if sharded is not None:
         from oar.training.sharding import load_sharded
 

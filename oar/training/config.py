@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from oar.credit import METHODS, CreditError, credit_methods  # noqa: F401 (METHODS: train.py re-exports it)
+from oar.training import lora
 from oar.oar_perturb_window import MODES as PERTURB_MODES
 from oar.probes import PROBES
 
@@ -67,6 +68,11 @@ class Config:
                                                      "(one unit per decoder layer), on processes where accelerate's FSDP plugin "
                                                      "does not (CPU); with configs/fsdp2.yaml on GPUs accelerate shards and this is implied."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
+    # -- LoRA (peft; oar/training/lora.py, docs/lora.md)
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank: train low-rank adapters on a frozen base model (0 = full fine-tuning)."})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scale numerator: the adapters' update is scaled by lora_alpha / lora_r."})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "Modules that get adapters: comma-separated names "
+                                                                            "(e.g. q_proj,v_proj) or all-linear (every linear layer but the output head)."})
     # -- OAR
     probe: str = field(default="answer_mean", metadata={"help": "Outcome probe: last | answer_mean | answer_joint."})
     probe_warmup: int = field(default=0, metadata={"help": "Use the 'last' probe for the first N steps, then --probe (paper)."})
@@ -154,13 +160,16 @@ def check_config(cfg: Config, num_processes: int) -> None:
          "--train_size, --eval_size, --eval_batch_size, --perturb_chunk_tokens and --max_bad_steps must be >= 1.")
     need(not Path(cfg.output_dir).exists() or Path(cfg.output_dir).is_dir(),
          f"--output_dir {cfg.output_dir} is a file; pass a directory (it is created if missing).")
+    problems += lora.check_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules,
+                                    default_alpha=Config.lora_alpha, default_targets=Config.lora_target_modules)
     if problems:
         raise ValueError("\n".join(problems))
 
 
 def check_resume(cfg: Config, state: dict, where) -> None:
-    """A resume continues the checkpoint's run: every setting outside RESUMABLE must be the same."""
-    saved = state.get("config", {})
+    """A resume continues the checkpoint's run: every setting outside RESUMABLE must be the same. A
+    setting the checkpoint lacks (written before the setting existed) ran at its default, e.g. lora_r 0."""
+    saved = {**asdict(Config()), **state.get("config", {})}
     changed = [f"--{k} {v} (the checkpoint has {saved[k]})" for k, v in asdict(cfg).items()
                if k not in RESUMABLE and k in saved and saved[k] != v]
     if changed:

@@ -67,10 +67,11 @@ class RunLog:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
             tmp.replace(self.dir / name)
 
-    def finish(self, summary: dict, model, tokenizer, state_dict: dict | None = None) -> None:
+    def finish(self, summary: dict, model, tokenizer, state_dict: dict | None = None, also=None) -> None:
         """Save the final model (safetensors, loadable with from_pretrained) and summary.json. The
         model goes to final.tmp first: a folder named `final` is always complete. `state_dict`: the
-        full weights of a sharded model (oar.training.sharding.full_state_dict), else the model's own."""
+        full weights of a sharded model (oar.training.sharding.full_state_dict), else the model's own.
+        `also`: a function given the folder, to write more into it before it is renamed (LoRA's adapter)."""
         self.acc.wait_for_everyone()
         if self.main:
             if self.bar:
@@ -79,6 +80,8 @@ class RunLog:
             shutil.rmtree(tmp, ignore_errors=True)
             model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
+            if also is not None:
+                also(tmp)
             shutil.rmtree(final, ignore_errors=True)  # a resumed run that had already finished
             os.replace(tmp, final)
             write_json_atomic(self.dir / "summary.json", summary)

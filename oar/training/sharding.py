@@ -126,12 +126,22 @@ def param_optimizer_bytes(model, optimizer) -> dict[str, int]:
     return {"local": local, "unsharded": unsharded}
 
 
+def _frozen_skipped(model):
+    """Options that leave frozen parameters (LoRA's base) out of a checkpoint: they never change and
+    are the model source's, loaded again at a resume. A no-op for full fine-tuning (nothing frozen)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def save_sharded(model, optimizer, path: Path) -> None:
-    """Each process writes its shards of the model and optimizer (torch.distributed.checkpoint)."""
+    """Each process writes its shards of the model's trainable parameters and of the optimizer
+    (torch.distributed.checkpoint)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_frozen_skipped(model))
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
 
 
@@ -140,10 +150,11 @@ def load_sharded(model, optimizer, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _frozen_skipped(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor] | None:
