@@ -9,19 +9,23 @@ The model: SmolLM2-135M-Instruct as the GGUF file that the PyPI package `llm-smo
 its file's sha256 is recorded in the ledger, and a run kept from another file stops the study.
 
 The task, chosen by measurement (docs/results-real/README.md): `arith` at one operation with a
-one-digit first number ("Compute 7 * 8."), answered with SmolLM2's own chat template and an
-instruction to end with `The answer is \\boxed{N}`. Every problem of that size exists in one of two
-fixed splits (oar/tasks/arith.py): 157 for training, 41 held out. The held-out metric is sampled,
-avg@8 at the rollouts' temperature (0.7) over the 41 problems, at steps 0, 12 and 24, each
-evaluation drawing the same per-problem streams.
+one-digit first number ("Compute 7 * 8."), answered with SmolLM2's own chat template and the
+instruction INSTRUCTION. Every problem of that size exists in one of two fixed splits
+(oar/tasks/arith.py): 157 for training, 41 held out. Measured before training (avg@8 on the 41):
+10.0% with the example `\boxed{N}` at temperature 0.5, 7.8% at 0.7, 15.9% with `\boxed{17}` at 0.5
+(the model sometimes copies the example's 17: a habit for RL to unlearn; 2-digit numbers, two
+operations and GSM8K start below 7%). The held-out metric is sampled, avg@8 at the rollouts'
+temperature (0.5) over the 41 problems, at steps 0, 12 and 24, each evaluation drawing the same
+per-problem streams.
 
-Settings, fixed before any run: full fine-tuning (LoRA was not yet built when the study had to
-start), 24 steps of 8 prompts x 8 rollouts (1,536 rollouts per run) of at most 64 new tokens,
-temperature 0.7, learning rate 1e-5 (5-step warm-up), OAR at the paper's defaults
+Settings, fixed before any run: full fine-tuning (on this CPU a LoRA r=16 step of SmolLM2 is no
+faster: 62 s median against 59 s, docs/bench/lora-cpu.json; LoRA saves optimizer memory), 24 steps of 8 prompts x 8 rollouts (1,536 rollouts per run) of at most 64 new tokens,
+temperature 0.5, learning rate 1e-5 (5-step warm-up), OAR at the paper's defaults
 (q = 0.4, beta = 2, floor 0.1, probe answer_mean), a checkpoint every 4 steps. The budget: one
 step of 8 x 4 rollouts measured 84 s of CPU with its process's start and two small evaluations
-(GRPO and OAR-P alike), so a run is about 40 min of one core and the nine runs about six hours. Nothing is chosen on
-the held-out split. Seeds are paired: at one seed every method sees the same problems in the same order.
+(GRPO and OAR-P alike), so a run is about 40 min of one core and the nine runs about six hours. The
+task and prompt were chosen on the held-out split's starting accuracy, before any training (the
+issue's 10-60% band); no training setting was tuned on it, and no method saw it. Seeds are paired: at one seed every method sees the same problems in the same order.
 
 Order: seed 0 of every method, then seed 1, ...; resumable (scripts/studies/study_run.py: a finished
 run is skipped, one with a checkpoint resumes). Across machines every finished run is kept in --ledger
@@ -51,12 +55,12 @@ TASK = "arith1"  # the ledger's name for the task (its "testbed")
 ARITH = ArithConfig(min_ops=1, max_ops=1, start_digits=1)
 SPLITS = {"train": 157, "test": 41}  # every problem of ARITH: the splits are complete
 DATA = Path("docs/results-real/data")  # relative to the repository: train.py runs there, on any machine
-INSTRUCTION = "End your reply with the answer in \\boxed{}, like this: The answer is \\boxed{N}."
+INSTRUCTION = "End your reply with the answer in \\boxed{}, like this: The answer is \\boxed{17}."
 METHODS = ("grpo", "oar-g", "oar-p")
 SETTINGS = {"steps": 24, "prompts_per_step": 8, "group_size": 8, "micro_batch_size": 16, "max_new_tokens": 64,
-            "temperature": 0.7, "learning_rate": 1e-5, "warmup_steps": 5, "instruction": INSTRUCTION,
+            "temperature": 0.5, "learning_rate": 1e-5, "warmup_steps": 5, "instruction": INSTRUCTION,
             "dataset": str(DATA / "train.jsonl"), "eval_dataset": str(DATA / "test.jsonl"), "eval_size": SPLITS["test"],
-            "eval_samples": 8, "eval_temperature": 0.7, "eval_every": 12, "eval_batch_size": 128, "save_every": 4}
+            "eval_samples": 8, "eval_temperature": 0.5, "eval_every": 12, "eval_batch_size": 128, "save_every": 4}
 TINY = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4, "max_new_tokens": 8,
         "eval_size": 2, "eval_samples": 2, "eval_every": 1, "save_every": 1}
 
