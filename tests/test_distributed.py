@@ -23,7 +23,9 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
     "entropy/seq_mean": ["--method", "entropy", "--aggregation", "seq_mean"],
     "entropy-mask/token_mean": ["--method", "entropy-mask", "--aggregation", "token_mean"],
     "tempo/seq_mean": ["--method", "tempo", "--aggregation", "seq_mean"],
-    "oar-g+tempo/token_mean": ["--method", "oar-g+tempo", "--aggregation", "token_mean"],  # beyond the paper
+    # beyond the paper; OAR-G's noise at 0.1, not 1e-3: its scores magnify float rounding ~1/noise_std-fold
+    # (_assert_same_run), and at 1e-3 the final parameters differ by 3.5e-5 on some CPUs whatever the split
+    "oar-g+tempo/token_mean": ["--method", "oar-g+tempo", "--aggregation", "token_mean", "--noise_std", "0.1"],
     "random-gate/seq_mean": ["--method", "random-gate", "--aggregation", "seq_mean"],  # beyond the paper: a control
 }
 SAME_FOR_ANY_SPLIT = ("optim/grad_norm", "optim/lr", "reward/mean", "reward/frac_zero_std_groups",

@@ -53,8 +53,12 @@ def test_second_pass_clips_against_the_sampling_policy(tiny_model, tmp_path):
 
 def test_two_iterations_do_not_depend_on_micro_batching(tiny_model, tmp_path):
     whole, split = tmp_path / "8x1", tmp_path / "1x8"
-    run_inprocess(_args(tiny_model, whole, "--num_iterations", "2", "--method", "oar-g"))
-    run_inprocess(_args(tiny_model, split, "--num_iterations", "2", "--method", "oar-g", "--micro_batch_size", "1"))
+    # OAR-G at --noise_std 0.1: its scores magnify float rounding about 1/noise_std-fold (tests/test_distributed.py's
+    # _assert_same_run), so at the default 1e-3 step 2's gradient norm differs by 1e-4 on some CPUs whatever the
+    # micro-batching; at 0.1 rounding stays ~1e-6 and a normalizer or weight that depends on the split still shows.
+    oar_g = ("--num_iterations", "2", "--method", "oar-g", "--noise_std", "0.1")
+    run_inprocess(_args(tiny_model, whole, *oar_g))
+    run_inprocess(_args(tiny_model, split, *oar_g, "--micro_batch_size", "1"))
     assert max_abs_diff(final_params(whole), initial_params(tiny_model)) > 1e-4
     _assert_same(split, whole)
 

@@ -27,7 +27,11 @@ def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model):
 
     model, tok = load_model(str(tiny_model))
     torch.manual_seed(0)
-    out = attribution_v5.run(model, tok, TESTBEDS["slip"], prompts=6, group_size=4, arith=ArithConfig(min_ops=1, max_ops=1, start_digits=1))
+    # problems of the kind the session's tiny model was trained on (tinyrun.build_model: a + b and a * b with one-digit
+    # operands), so that its rollouts are partly right on any CPU (its training, hence its skill, varies with the
+    # machine's rounding): with '-' problems it never saw, one machine's model sampled 0 of 24 right
+    out = attribution_v5.run(model, tok, TESTBEDS["slip"], prompts=8, group_size=4,
+                             arith=ArithConfig(min_ops=1, max_ops=1, start_digits=1, ops=("+", "*")))
     table = {r["method"]: r for r in out["table"]}
     assert list(table) == list(METHODS) and 0 < out["sample_accuracy"] < 1
     used = table["grpo"]["rollouts"]
@@ -35,7 +39,7 @@ def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model):
     assert table["grpo"]["roc_auc"] == 0.5 and table["grpo"]["w_other"] == 1.0  # all ones: chance, weight 1
     assert table["entropy-mask"]["w_other"] <= 1.0 and table["grpo"]["frac_negative"] == 0
     assert all(math.isnan(r["w_fork"]) and r["w_fork_n"] == 0 for r in table.values())  # slip plants no fork
-    for r in table.values():  # standard errors clustered by prompt: at most 6 clusters behind each
+    for r in table.values():  # standard errors clustered by prompt: at most 8 clusters behind each
         assert r["w_other_n"] == used and (r["w_other_se"] >= 0 or math.isnan(r["w_other_se"]))
 
 
