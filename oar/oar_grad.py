@@ -25,8 +25,10 @@ Cost (all exact, pinned by tests against a plain full-sequence backward):
     depend on the other rows, and groups too small for the BLAS kernels of large matrices are
     filled up with duplicate rows (probes.min_rows): micro-batching stays exact to float rounding.
 
-Deviations: the noise is drawn in float32 and added in the model's dtype. Rows without an answer
-token score 0.
+Deviations: the noise is drawn in float32 (or taken as given), added to the embeddings in float32,
+and the sum is cast to the model's dtype. Rows without an answer token score 0. A row whose
+objective is not finite (NaN logits, an overflow) scores NaN on its reasoning tokens, so that it is
+counted and keeps GRPO's weights (gating.bilevel_weights), never a silent 0.
 """
 
 from __future__ import annotations
@@ -139,7 +141,11 @@ def _scores(model, input_ids, attention_mask, noisy, answer_mask, noise, clean, 
         objective = divergence(clean.detach(), probe_of(noised), probe)  # (B,)
         (grad,) = torch.autograd.grad(objective.sum(), noised)
 
-    return (grad.float() * e.float()).sum(dim=-1).abs() * noisy[:, first:]  # (B', L' - first)
+    scores = (grad.float() * e.float()).sum(dim=-1).abs() * noisy[:, first:]  # (B', L' - first)
+    # A non-finite objective (NaN logits, an overflow) has a zero or NaN gradient: either way the row's
+    # scores must say so (NaN on its reasoning tokens), or the gate would take them for unimportant.
+    broken = ~torch.isfinite(objective.detach())[:, None] & noisy[:, first:]
+    return scores.masked_fill(broken, float("nan"))
 
 
 def _checkpointing(model) -> bool:

@@ -9,7 +9,9 @@ recompute the outcome probe, and score
     s_j = phi_clean - phi_masked(j)         for `answer_joint`.
 
 `perturbation_scores_naive` is that definition verbatim: one forward over the whole sequence per
-masked copy, as the authors' released code runs it. `perturbation_scores` gives the same numbers
+masked copy, with the rollout's answer in every copy (the authors' released code runs it that way
+for the last-token probe only: its copies omit the answer, so its answer-span probes read positions
+no answer conditions; docs/differences.md). `perturbation_scores` gives the same numbers
 (to float tolerance; tests pin them) at a fraction of the cost, because masking token j cannot
 change anything before j:
   * one clean pass per block of rollouts keeps every layer's keys/values (or none at all: train.py

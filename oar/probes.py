@@ -45,13 +45,15 @@ def outcome(answer_logits: torch.Tensor, answer_tokens: torch.Tensor, valid: tor
     z = answer_logits.float()
     if probe == "last":
         return torch.log_softmax(z[:, 0], dim=-1)
-    v = valid.to(z.dtype)
-    count = v.sum(dim=1).clamp(min=1.0)  # (B,)
+    count = valid.sum(dim=1).clamp(min=1).to(z.dtype)  # (B,)
+    # Padded slots (a shorter answer than the longest) read some other position's logits: they are
+    # selected away with `where`, not multiplied by 0, so that a NaN there (e.g. a left-padded column)
+    # cannot reach the outcome, while a NaN at a real answer position does.
     if probe == "answer_mean":
-        mean_z = (z * v.unsqueeze(-1)).sum(dim=1) / count.unsqueeze(-1)
+        mean_z = torch.where(valid.unsqueeze(-1), z, 0.0).sum(dim=1) / count.unsqueeze(-1)
         return torch.log_softmax(mean_z, dim=-1)
     token_logp = z.gather(-1, answer_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-    return (token_logp * v).sum(dim=1) / count
+    return torch.where(valid, token_logp, 0.0).sum(dim=1) / count
 
 
 def clean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int = 0,
@@ -107,10 +109,16 @@ def outcome_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, answer_ma
 
 def divergence(clean: torch.Tensor, perturbed: torch.Tensor, probe: str) -> torch.Tensor:
     """Importance of a perturbation: KL(P_clean || P_pert) = sum_v P_clean (log P_clean - log P_pert)
-    for distribution probes ((..., V) log-probs -> (...)), phi_clean - phi_pert for answer_joint."""
+    for distribution probes ((..., V) log-probs -> (...)), phi_clean - phi_pert for answer_joint.
+
+    A NaN (or +inf) anywhere in either outcome makes the score NaN: a broken forward must be counted
+    (oar/frac_nonfinite_scores) and give its rollout GRPO's weights, never a finite 0 that the gate
+    would read as "this token does not matter". -inf log-probs are legitimate (a ruled-out token)."""
     check_probe(probe)
     if probe == "answer_joint":
-        return clean - perturbed
+        return clean - perturbed  # NaN and inf propagate
     p = clean.exp()
     # 0 log 0 = 0: a token the clean model rules out (logit -inf) contributes nothing.
-    return torch.where(p > 0, p * (clean - perturbed), torch.zeros_like(p)).sum(dim=-1)
+    kl = torch.where(p > 0, p * (clean - perturbed), torch.zeros_like(p)).sum(dim=-1)
+    broken = (clean.isnan() | perturbed.isnan() | clean.isposinf() | perturbed.isposinf()).any(dim=-1)
+    return torch.where(broken, torch.full_like(kl, float("nan")), kl)
