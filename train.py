@@ -74,7 +74,7 @@ from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprob
 from oar.training.models import ModelError, forward_logits, load_model, resolve_model
 from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
-from oar.training.runlog import RunLog, pass_metrics, step_metrics
+from oar.training.runlog import RunLog, pass_metrics, sampler_gap_metrics, step_metrics
 from oar.sampler import format_prompt, resolve_instruction, sample
 from oar.tasks.tiny_arith_cache import model_source
 
@@ -210,6 +210,7 @@ def main(cfg: Config) -> dict:
         model.train()
         w_all, old_all, ref_all, passes, norms = [], [], [], [], []  # per micro-batch (w, old, ref); per pass
         oar_seconds, n_nonfinite, skipped = 0.0, 0, 0
+        gaps = []  # |log pi_sample - log pi_old| on the loss's tokens: the sampler's numbers against the update forward's
         for it in range(cfg.num_iterations):  # mu passes over the same rollouts (docstring: rollout reuse)
             stats, bad_loss = [], 0
             for m in range(n_micro):
@@ -230,6 +231,7 @@ def main(cfg: Config) -> dict:
                         oar_seconds, n_nonfinite = oar_seconds + secs, n_nonfinite + nonfinite
                         w_all.append(weights)
                         old_all.append(logprobs.detach())  # (b, T): ratio 1 in value on this pass
+                        gaps.append((logprobs.detach() - mb.sample_logprobs[:, lp:].to(logprobs.device)).abs()[completion[rows, lp:]])
                         ref = None
                         if cfg.kl_beta > 0:
                             with torch.no_grad(), lora.adapters_off(policy) if cfg.lora_r else nullcontext(), \
@@ -276,6 +278,7 @@ def main(cfg: Config) -> dict:
         # 6. log, evaluate, checkpoint
         metrics = step_metrics(ro, rewards, scored, cfg.group_size, passes[0], torch.cat(w_all), norms[0], schedule, accelerator)
         metrics |= pass_metrics(passes[1:], norms[1:])  # empty for --num_iterations 1
+        metrics |= sampler_gap_metrics(gaps, accelerator)
         metrics |= {"time/step_s": history["step_seconds"][-1], "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
                     "oar/frac_nonfinite_scores": n_nonfinite / len(ro)}
         if n_nonfinite:

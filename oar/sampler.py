@@ -16,7 +16,16 @@ Both are empty for a rollout with no final answer (it gets plain GRPO weights).
 Why a sampling loop of our own rather than `generate`: each rollout draws its randomness from its
 own seeded generator (one uniform per token, inverse-CDF sampling), so a rollout is the same
 whatever batch or process it lands in — one process and eight give the same rollouts, and a resumed
-run replays the interrupted one.
+run replays the interrupted one. A call draws each rollout's uniforms as one row of a (B, T) table up
+front (`torch.rand(T, generator=g)` is the same stream as T single draws: tests/test_sampler.py), so
+the loop reads them on the device with no per-token work on the host. What is invariant: the
+uniforms, exactly; the tokens, as far as the logits are: the batch a rollout shares changes the
+kernels' rounding, which can flip a token where two are nearly equally likely (docs/sampler.md).
+
+The sampler also returns the log-probability of each sampled token under the distribution it sampled
+from before top-p (log_softmax(logits / temperature), the trainer's `token_logprobs` definition):
+train.py logs how far the update forward's log-probs are from them (sampler/logprob_diff_*), the
+check that users of a separate inference engine watch.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ class Rollout:
     truncated: torch.Tensor  # (B,) bool: no EOS within max_new_tokens
     texts: list[str]  # completion texts, special tokens removed
     prompt_width: int  # Lp: completions start at this column
+    sample_logprobs: torch.Tensor | None = None  # (B, L) float32: the sampler's log-prob of each completion token, 0 elsewhere
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -52,7 +62,7 @@ class Rollout:
         return Rollout(
             self.input_ids[rows], self.attention_mask[rows], self.completion_mask[rows],
             self.reasoning_mask[rows], self.answer_mask[rows], self.truncated[rows], self.texts[rows],
-            self.prompt_width,
+            self.prompt_width, None if self.sample_logprobs is None else self.sample_logprobs[rows],
         )
 
 
@@ -108,24 +118,32 @@ def sample(
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # (P, Lp)
     stop = stop_token_ids(model, tokenizer)
-    completion = generate(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                          eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds, group_size=group_size)
+    completion, logprobs = decode(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                  eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds, group_size=group_size)
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Lp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    return build_rollout(tokenizer, prompt_ids, prompt_mask, completion, stop)
+    return build_rollout(tokenizer, prompt_ids, prompt_mask, completion, stop, logprobs)
+
+
+def generate(model, prompt_ids, prompt_mask, **kwargs) -> torch.Tensor:
+    """`decode`'s completion ids alone (B, T)."""
+    return decode(model, prompt_ids, prompt_mask, **kwargs)[0]
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-             group_size: int = 1):
-    """Autoregressive sampling with a KV cache. (P, Lp) prompts -> (B, T) completion ids, B = P x
-    group_size (a prompt's rollouts contiguous), padded with `pad_token_id` after each row's EOS;
-    T <= max_new_tokens. Each prompt is prefilled once and its keys/values copied to its G rollouts."""
+def decode(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
+           group_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Autoregressive sampling with a KV cache. (P, Lp) prompts -> ((B, T) completion ids, (B, T) float32
+    log-probs of them), B = P x group_size (a prompt's rollouts contiguous), ids padded with
+    `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens. Each prompt is prefilled
+    once and its keys/values copied to its G rollouts."""
     from transformers import DynamicCache
 
     b = prompt_ids.shape[0] * group_size
     assert len(seeds) == b, (len(seeds), b)
-    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    # Row i's uniforms: the first max_new_tokens draws of its own generator, the same numbers as one draw per step.
+    uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+    uniforms = uniforms.to(prompt_ids.device)  # (B, max_new_tokens)
     eos = torch.tensor(sorted(eos_token_ids), device=prompt_ids.device)
     mask = prompt_mask
     pos = position_ids(mask)
@@ -137,11 +155,13 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top
         logits, mask, pos = (x.repeat_interleave(group_size, dim=0) for x in (logits, mask, pos))
     next_pos = pos[:, -1:] + 1
     done = torch.zeros(b, dtype=torch.bool, device=prompt_ids.device)
-    tokens = []
-    for _ in range(max_new_tokens):
-        u = torch.stack([torch.rand((), generator=g) for g in generators]).to(logits.device)
-        token = _pick(logits.float(), temperature, top_p, u).masked_fill(done, pad_token_id)
+    tokens, logprobs = [], []
+    for t in range(max_new_tokens):
+        z = logits.float()
+        token = _pick(z, temperature, top_p, uniforms[:, t]).masked_fill(done, pad_token_id)
+        logp = torch.log_softmax(z / (temperature or 1.0), dim=-1).gather(-1, token[:, None]).squeeze(-1)
         tokens.append(token)
+        logprobs.append(logp.masked_fill(done, 0.0))
         done = done | torch.isin(token, eos)
         if bool(done.all()):
             break
@@ -149,7 +169,7 @@ def generate(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top
         logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache,
                        use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
-    return torch.stack(tokens, dim=1)
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
@@ -166,8 +186,9 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tenso
     return order.gather(-1, choice).squeeze(-1)
 
 
-def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids) -> Rollout:
-    """Assemble the (B, L) layout and the masks from prompts (B, Lp) and completions (B, T)."""
+def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids, logprobs=None) -> Rollout:
+    """Assemble the (B, L) layout and the masks from prompts (B, Lp) and completions (B, T), with the
+    sampler's log-probs (B, T) of the completion tokens when given."""
     b, width = prompt_ids.shape
     eos = torch.tensor(sorted(eos_token_ids), device=completion.device)
     is_eos = torch.isin(completion, eos)
@@ -200,6 +221,8 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids)
         truncated=truncated,
         texts=texts,
         prompt_width=width,
+        sample_logprobs=None if logprobs is None else torch.cat([torch.zeros_like(prompt_mask, dtype=torch.float32),
+                                                                 logprobs.float().masked_fill(~gen_mask, 0.0)], dim=1),
     )
 
 

@@ -104,3 +104,42 @@ def test_auto_instruction_asks_for_boxed_answers_except_from_arith_or_tiny_arith
     assert resolve_instruction("auto", "data/test.jsonl", "tiny-arith") == ""  # it knows only '#### N'
     assert resolve_instruction("auto", "data/test.jsonl", "Qwen/Qwen2.5-Math-1.5B") == BOXED_INSTRUCTION
     assert resolve_instruction("Answer briefly.", "arith", "tiny-arith") == "Answer briefly."
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 64, 257, 1024])
+def test_a_table_of_uniforms_is_the_stream_of_single_draws(length):
+    """The sampler draws a rollout's uniforms as one tensor up front; every published rollout was made
+    with one draw per token, so the two must be the same numbers (they are: CPU generators, any length)."""
+    for seed in (0, 7, 2**40 + 3):
+        g = torch.Generator().manual_seed(seed)
+        single = torch.stack([torch.rand((), generator=g) for _ in range(length)])
+        assert torch.equal(torch.rand(length, generator=torch.Generator().manual_seed(seed)), single)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_sampler_returns_the_log_probs_of_its_tokens(tok, temperature):
+    from oar.grpo import token_logprobs
+    from oar.training.models import forward_logits
+
+    model = tiny_llama(vocab_size=len(tok), seed=3)
+    ro = sample(model, tok, ["Q: Compute 1 + 2.\nA:\n", "Q: 9\nA:\n"], group_size=2, seeds=[1, 2, 3, 4], max_new_tokens=9,
+                temperature=temperature)
+    lp, done = ro.prompt_width, ro.completion_mask
+    logits = forward_logits(model, ro.input_ids, ro.attention_mask, logits_to_keep=ro.input_ids.shape[1] - lp + 1)
+    full = token_logprobs(logits[:, :-1], ro.input_ids[:, lp:], temperature=temperature or 1.0)  # a full forward's
+    assert done[:, lp:].any() and (ro.sample_logprobs[~done] == 0).all()
+    torch.testing.assert_close(ro.sample_logprobs[:, lp:][done[:, lp:]], full[done[:, lp:]], rtol=0, atol=1e-5)
+    assert torch.equal(ro.select(slice(1, 3)).sample_logprobs, ro.sample_logprobs[1:3])
+
+
+def test_train_py_logs_how_far_the_sampler_is_from_the_update_forward(tiny_model, tmp_path):
+    import json
+
+    from tinyrun import TINY, run_inprocess
+
+    out = tmp_path / "run"
+    run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out),
+                   "--steps", "1", "--save_every", "0", "--method", "grpo", *TINY])
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    # float32 on a CPU: a cached decode and a full forward agree to rounding
+    assert 0 <= row["sampler/logprob_diff_mean"] <= row["sampler/logprob_diff_max"] < 1e-4

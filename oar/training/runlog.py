@@ -10,6 +10,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
 from oar.training.checkpoint import write_json_atomic
 from oar.gating import weight_stats
 
@@ -126,6 +128,16 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, sch
                                                  all_sum=lambda t: accelerator.reduce(t, "sum"),
                                                  all_max=lambda t: accelerator.gather(t)).items()}
     return m
+
+
+def sampler_gap_metrics(gaps: list, accelerator) -> dict:
+    """The largest and mean |log pi_sample - log pi_old| over every process's loss tokens (each entry of
+    `gaps` a 1-D tensor of one micro-batch's): how far the sampler's own log-probs are from the update
+    forward's (float rounding of a cached decode against a full forward here; an engine's mismatch elsewhere)."""
+    d = torch.cat(gaps) if gaps else torch.zeros(0, device=accelerator.device)
+    total = accelerator.reduce(torch.stack([d.sum(), torch.tensor(float(d.numel()), device=d.device)]), "sum")
+    largest = accelerator.gather(d.max().reshape(1) if d.numel() else torch.zeros(1, device=d.device)).max()
+    return {"sampler/logprob_diff_max": float(largest), "sampler/logprob_diff_mean": float(total[0] / total[1].clamp(min=1))}
 
 
 def pass_metrics(passes: list[list[dict]], grad_norms: list) -> dict:
