@@ -178,7 +178,7 @@ def main(cfg: Config) -> dict:
         golds = [train_set[i].answer for i in idx for _ in range(cfg.group_size)]
         with sharding.gathered(model):  # a sharded model's full parameters, for this block only
             ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
-                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, chunk=cfg.rollout_batch_size)
         t_rollout = time.perf_counter() - t0
 
         # 2. reward

@@ -27,6 +27,8 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
     # (_assert_same_run), and at 1e-3 the final parameters differ by 3.5e-5 on some CPUs whatever the split
     "oar-g+tempo/token_mean": ["--method", "oar-g+tempo", "--aggregation", "token_mean", "--noise_std", "0.1"],
     "random-gate/seq_mean": ["--method", "random-gate", "--aggregation", "seq_mean"],  # beyond the paper: a control
+    # rollouts sampled a prompt at a time (--rollout_batch_size 1): the same batches on 1 and 2 processes
+    "grpo/chunked": ["--method", "grpo", "--aggregation", "seq_mean", "--rollout_batch_size", "1"],
 }
 SAME_FOR_ANY_SPLIT = ("optim/grad_norm", "optim/lr", "reward/mean", "reward/frac_zero_std_groups",
                       "completion/frac_truncated", "oar/frac_no_answer")
@@ -76,7 +78,8 @@ def test_micro_batches_of_1_equal_one_batch_of_8(tiny_model, tmp_path, setting):
                                                                ("oar-p/token_mean/mask_truncated", 1, False),
                                                                ("entropy-mask/token_mean", 2, False),
                                                                ("tempo/seq_mean", 2, False),
-                                                               ("random-gate/seq_mean", 2, False)])  # its widest-prompt gather
+                                                               ("random-gate/seq_mean", 2, False),  # its widest-prompt gather
+                                                               ("grpo/chunked", 4, False)])  # --rollout_batch_size 1 on both
 def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size, switch):
     """Two steps under 2 processes, or (switch) step 1 under 2 processes and step 2 resumed in one:
     a checkpoint does not depend on the number of processes that wrote or reads it."""

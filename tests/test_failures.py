@@ -240,6 +240,7 @@ IMPOSSIBLE = {  # setting -> a word the message must contain
     ("--max_bad_steps", "0"): "--max_bad_steps",
     ("--keep_checkpoints", "0"): "--keep_checkpoints",
     ("--steps", "0"): "--steps",
+    ("--rollout_batch_size", "3"): "--rollout_batch_size 3 must divide each process's 2 prompts",
     ("--eval_samples", "4"): "--eval_samples 4 / --eval_temperature 0.0",  # k > 1 greedy samples: all the same
     ("--eval_samples", "0", "--eval_temperature", "0.7"): "--eval_samples 0",
 }

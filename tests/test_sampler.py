@@ -143,3 +143,24 @@ def test_train_py_logs_how_far_the_sampler_is_from_the_update_forward(tiny_model
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     # float32 on a CPU: a cached decode and a full forward agree to rounding
     assert 0 <= row["sampler/logprob_diff_mean"] <= row["sampler/logprob_diff_max"] < 1e-4
+
+
+def test_chunks_are_sampled_as_separate_batches_and_laid_out_as_one(tok):
+    """`chunk`: prompts sampled k at a time, each chunk its own batch and padding, concatenated in one layout.
+    A process holding whole chunks of a step's prompts therefore samples exactly what one process does."""
+    model = tiny_llama(vocab_size=len(tok), seed=4)
+    prompts = ["Q: Compute 1 + 2.\nA:\n", "Q: 9\nA:\n", "Q: Compute 12 * 3 - 5.\nA:\n", "Q: 4 + 4\nA:\n"]
+    seeds = list(range(100, 108))
+    kw = dict(group_size=2, max_new_tokens=8, temperature=1.0)
+    whole = sample(model, tok, prompts, seeds=seeds, chunk=2, **kw)
+    halves = [sample(model, tok, prompts[k:k + 2], seeds=seeds[2 * k:2 * k + 4], **kw) for k in (0, 2)]  # two processes' calls
+    assert whole.texts == halves[0].texts + halves[1].texts
+    for i, part, j in [(0, halves[0], 0), (5, halves[1], 1)]:  # a row keeps its tokens, masks and log-probs under the new padding
+        for name in ("input_ids", "completion_mask", "reasoning_mask", "answer_mask", "sample_logprobs"):
+            got, want = getattr(whole, name)[i], getattr(part, name)[j]
+            got = got[whole.prompt_width - part.prompt_width:][: want.shape[0]]
+            assert torch.equal(got, want), name
+    assert torch.equal(whole.attention_mask.sum(1), torch.cat([h.attention_mask.sum(1) for h in halves]))
+    assert whole.input_ids.shape[1] == max(h.prompt_width for h in halves) + max(h.input_ids.shape[1] - h.prompt_width for h in halves)
+    with pytest.raises(AssertionError, match="must divide"):
+        sample(model, tok, prompts, seeds=seeds, chunk=3, **kw)

@@ -49,6 +49,9 @@ class Config:
     group_size: int = field(default=8, metadata={"help": "G: rollouts per prompt (>= 2)."})
     max_new_tokens: int = field(default=64, metadata={"help": "Completion budget; longer completions are truncated."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of rollouts; the loss scores logits / temperature."})
+    rollout_batch_size: int = field(default=0, metadata={"help": "Prompts per sampling call (0: all of a process's prompts at once). A size that "
+                                                                 "divides every process's share samples the same batches on 1 or N processes: "
+                                                                 "the same rollouts, where the batch would change the kernels' rounding."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass of rollouts."})
     # -- GRPO loss
     learning_rate: float = field(default=5e-5, metadata={"help": "AdamW learning rate (tiny-arith: 5e-5; 1e-6 suits 1.5B models)."})
@@ -128,6 +131,9 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(cfg.micro_batch_size >= 1 and local % micro_batch(cfg, num_processes) == 0,
          f"--micro_batch_size {cfg.micro_batch_size} must divide the {local} rollouts each process holds "
          f"(prompts_per_step / processes x group_size), or be at least that many (one micro-batch).")
+    need(cfg.rollout_batch_size >= 0 and (cfg.rollout_batch_size == 0 or (cfg.prompts_per_step // num_processes) % cfg.rollout_batch_size == 0),
+         f"--rollout_batch_size {cfg.rollout_batch_size} must divide each process's {cfg.prompts_per_step // num_processes} prompts "
+         f"(prompts_per_step / processes), or be 0 (all at once).")
     need(0.0 < cfg.gate_quantile < 1.0, f"--gate_quantile {cfg.gate_quantile}: must lie strictly between 0 and 1.")
     need(cfg.gate_boost >= 0 and cfg.gate_floor >= 0, "--gate_boost and --gate_floor must be >= 0.")
     need(0 < cfg.entropy_top <= 1, f"--entropy_top {cfg.entropy_top}: must lie in (0, 1].")

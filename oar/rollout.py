@@ -1,0 +1,176 @@
+"""A step's rollouts: the (B, L) layout, the masks OAR needs (SPEC §2), and the sampler's log-probs.
+
+Legend: P prompts, G rollouts per prompt (contiguous: rows i*G .. i*G+G-1 share prompt i),
+B = P*G rollouts, Lp padded prompt width, T completion width, L = Lp + T.
+
+Layout of every sequence: [left padding | prompt | completion | right padding], so the completion
+starts at column Lp in every row. The completion is the generated tokens up to and including the
+EOS that ends it (EOS is inside `completion_mask`: stopping earns credit); a rollout that hits
+`max_new_tokens` without EOS is `truncated`. The completion text is split with
+`answers.find_answer` into reasoning (before the final-answer marker) and answer (the extracted
+answer's characters) and mapped back to tokens:
+  reasoning_mask  tokens that end before the marker starts
+  answer_mask     tokens that overlap the answer's character span
+Both are empty for a rollout with no final answer (it gets plain GRPO weights).
+Sampling itself is oar/sampler.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oar.answers import find_answer
+
+
+@dataclass
+class Rollout:
+    input_ids: torch.Tensor  # (B, L) long
+    attention_mask: torch.Tensor  # (B, L) long
+    completion_mask: torch.Tensor  # (B, L) bool: generated tokens through EOS
+    reasoning_mask: torch.Tensor  # (B, L) bool
+    answer_mask: torch.Tensor  # (B, L) bool
+    truncated: torch.Tensor  # (B,) bool: no EOS within max_new_tokens
+    texts: list[str]  # completion texts, special tokens removed
+    prompt_width: int  # Lp: completions start at this column
+    sample_logprobs: torch.Tensor | None = None  # (B, L) float32: the sampler's log-prob of each completion token, 0 elsewhere
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def loss_tokens(self, mask_truncated: bool) -> torch.Tensor:
+        """(B, L) bool: the tokens the loss counts, the completion's, less truncated rollouts' under --mask_truncated."""
+        return self.completion_mask & ~self.truncated[:, None] if mask_truncated else self.completion_mask
+
+    def select(self, rows: slice) -> "Rollout":
+        """The rollouts `rows` (a micro-batch), same layout."""
+        return Rollout(
+            self.input_ids[rows], self.attention_mask[rows], self.completion_mask[rows],
+            self.reasoning_mask[rows], self.answer_mask[rows], self.truncated[rows], self.texts[rows],
+            self.prompt_width, None if self.sample_logprobs is None else self.sample_logprobs[rows],
+        )
+
+
+def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids, logprobs=None) -> Rollout:
+    """Assemble the (B, L) layout and the masks from prompts (B, Lp) and completions (B, T), with the
+    sampler's log-probs (B, T) of the completion tokens when given."""
+    b, width = prompt_ids.shape
+    eos = torch.tensor(sorted(eos_token_ids), device=completion.device)
+    is_eos = torch.isin(completion, eos)
+    first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(is_eos[:, 0], completion.shape[1], dtype=torch.long))
+    cols = torch.arange(completion.shape[1], device=completion.device)
+    gen_mask = cols[None] <= first_eos[:, None]  # through EOS (or everything, when truncated)
+    truncated = ~is_eos.any(1)
+
+    reasoning = torch.zeros_like(gen_mask)
+    answer = torch.zeros_like(gen_mask)
+    texts = []
+    for i in range(b):
+        content = completion[i, : int(first_eos[i])].tolist()  # tokens before EOS
+        text, offsets = char_offsets(tokenizer, content)
+        texts.append(text)
+        span = find_answer(text)
+        if span is None:
+            continue
+        for t, (start, end) in enumerate(offsets):
+            reasoning[i, t] = end <= span.marker_start and end > start
+            answer[i, t] = start < span.end and end > span.start
+
+    pad = lambda m: torch.cat([torch.zeros_like(prompt_mask, dtype=torch.bool), m], dim=1)
+    return Rollout(
+        input_ids=torch.cat([prompt_ids, completion.masked_fill(~gen_mask, tokenizer.pad_token_id)], dim=1),
+        attention_mask=torch.cat([prompt_mask, gen_mask.long()], dim=1),
+        completion_mask=pad(gen_mask),
+        reasoning_mask=pad(reasoning),
+        answer_mask=pad(answer),
+        truncated=truncated,
+        texts=texts,
+        prompt_width=width,
+        sample_logprobs=None if logprobs is None else torch.cat([torch.zeros_like(prompt_mask, dtype=torch.float32),
+                                                                 logprobs.float().masked_fill(~gen_mask, 0.0)], dim=1),
+    )
+
+
+def char_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Decoded text and each token's (start, end) character span in it, in linear time.
+
+    Fast tokenizers stream-decode (`tokenizers.decoders.DecodeStream`): a token that only starts a
+    character split over byte-level tokens gets an empty span and the token completing it gets the
+    character. Otherwise tokens are decoded one by one; where neither reproduces the full decode
+    (rare decoders), the spans come from decoding growing prefixes, which is quadratic."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    pieces = _streamed_pieces(tokenizer, ids)
+    if pieces is None or "".join(pieces) != text:
+        pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+    if "".join(pieces) == text:
+        ends = torch.tensor([len(p) for p in pieces], dtype=torch.long).cumsum(0).tolist() if pieces else []
+    else:
+        ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    starts = [0] + ends[:-1]
+    return text, list(zip(starts, ends))
+
+
+def _streamed_pieces(tokenizer, ids: list[int]) -> list[str] | None:
+    """The text each token adds when decoding left to right ('' while a character is incomplete),
+    or None for tokenizers without a `tokenizers` backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=True)
+    try:
+        return [stream.step(backend, t) or "" for t in ids]
+    except Exception:  # a decoder the stream does not support: fall back
+        return None
+
+
+def with_reference_answer(rollout: Rollout, tokenizer, golds: list[str], template: str):
+    """`outcome_source=reference` (the authors' code): keep each rollout's prompt and reasoning where
+    they are, replace what follows by `template` filled with the gold answer, and mark the gold
+    answer's tokens. Returns (input_ids, attention_mask, reasoning_mask, answer_mask), each (B, L');
+    reasoning positions are the rollout's own, so scores on them map back one to one."""
+    rows = []
+    for i, gold in enumerate(golds):
+        text = template.format(answer=gold)
+        start = template.index("{answer}")  # the gold answer's characters are text[start : start + len(gold)]
+        prefix = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
+        answer = tokenizer(gold, add_special_tokens=False)["input_ids"]
+        suffix = tokenizer(text[start + len(gold):], add_special_tokens=False)["input_ids"]
+        reasoning = rollout.reasoning_mask[i].nonzero().flatten()
+        cut = int(reasoning[-1]) + 1 if reasoning.numel() else rollout.prompt_width
+        rows.append((rollout.input_ids[i, :cut].tolist(), rollout.attention_mask[i, :cut].tolist(), prefix, answer, suffix))
+    width = max(len(ids) + len(p) + len(a) + len(s) for ids, _, p, a, s in rows)
+    device = rollout.input_ids.device
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    answer_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    reasoning_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    keep = min(width, rollout.reasoning_mask.shape[1])
+    reasoning_mask[:, :keep] = rollout.reasoning_mask[:, :keep].cpu()
+    for i, (ids, att, p, a, s) in enumerate(rows):
+        seq = ids + p + a + s
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = torch.tensor(att + [1] * (len(p) + len(a) + len(s)))
+        answer_mask[i, len(ids) + len(p) : len(ids) + len(p) + len(a)] = True
+    return input_ids.to(device), attention.to(device), reasoning_mask.to(device), answer_mask.to(device)
+
+
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """One Rollout of the rows of `parts` in order (e.g. the chunks a step was sampled in): every part is
+    left-padded to the widest prompt and right-padded to the longest completion, so the completion
+    starts at one column Lp for all. Padding is masked out: each row's tokens and masks are its part's."""
+    if len(parts) == 1:
+        return parts[0]
+    lp = max(r.prompt_width for r in parts)
+    t = max(r.input_ids.shape[1] - r.prompt_width for r in parts)
+
+    def cat(get, value):  # each part's (b, L_r) padded to (b, lp + t): left by lp - Lp_r, right by its shortfall
+        return torch.cat([torch.nn.functional.pad(get(r), (lp - r.prompt_width, t - (get(r).shape[1] - r.prompt_width)), value=value)
+                          for r in parts])
+
+    logprobs = None if any(r.sample_logprobs is None for r in parts) else cat(lambda r: r.sample_logprobs, 0.0)
+    return Rollout(cat(lambda r: r.input_ids, pad_token_id), cat(lambda r: r.attention_mask, 0), cat(lambda r: r.completion_mask, False),
+                   cat(lambda r: r.reasoning_mask, False), cat(lambda r: r.answer_mask, False), torch.cat([r.truncated for r in parts]),
+                   [s for r in parts for s in r.texts], lp, logprobs)
