@@ -75,8 +75,9 @@ def table(summary: dict) -> str:
         d = row["paired_vs_grpo"].get(last)
         diff = "—" if method == "grpo" else ("n/a" if d is None else f"{d['mean_points']:+.1f}" + (f" ± {d['se_points']:.1f}" if d["se_points"] is not None else "") + f" (n = {d['n']})")
         after = row["accuracy"].get(last)
+        after = "" if after is None else f"{100 * after['mean']:.1f}%"
         lines.append(f"| {method} | {len(row['seeds'])} ({', '.join(map(str, row['seeds']))}) | {100 * row['accuracy_before']:.1f}% | "
-                     f"{'' if after is None else f'{100 * after['mean']:.1f}%'} | {diff} | {row['cpu_minutes_per_run']:.0f} |")
+                     f"{after} | {diff} | {row['cpu_minutes_per_run']:.0f} |")
     return "\n".join(lines)
 
 
