@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from oar.training import checkpoint as ckpt
-from tinyrun import TINY, TRAIN, check_ok, final_params, initial_params, max_abs_diff, metrics, run_inprocess, run_script
+from tinyrun import ROUNDING, TINY, TRAIN, check_ok, final_params, initial_params, max_abs_diff, metrics, run_inprocess, run_script
 
 KILL_DURING_SAVE = """
 import os, signal, oar.training.checkpoint as c
@@ -54,7 +54,7 @@ def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
     for g, w in zip(got, want):
         assert g.keys() == w.keys(), g["step"]
         for key in w:
-            assert math.isclose(g[key], w[key], rel_tol=1e-5, abs_tol=1e-6), (g["step"], key, g[key], w[key])
+            assert math.isclose(g[key], w[key], rel_tol=1e-5, abs_tol=ROUNDING.get(key, 1e-6)), (g["step"], key, g[key], w[key])
 
 
 @pytest.mark.slow
