@@ -68,7 +68,7 @@ def gradient_scores(
     assert noise_std >= 0.0, f"noise_std must be >= 0, got {noise_std}"
     low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(input_ids.device.type)
     if low and probe != "answer_joint" and noise_std < 0.1:
-        # Measured on SmolLM2-135M (README, Model families): at noise 1e-3 the KL moves less than
+        # Measured on SmolLM2-135M (docs/model-families.md): at noise 1e-3 the KL moves less than
         # bfloat16 rounds the logits, and the scores' rank correlation with float32's is about 0.
         warnings.warn(f"OAR-G in half precision with probe {probe!r} and noise_std {noise_std}: the perturbation is below "
                       f"the rounding of the logits, so the scores are mostly rounding noise. Use --probe answer_joint, "

@@ -120,7 +120,7 @@ def test_scores_are_padding_invariant(model, batch):
 
 
 def test_oar_g_warns_where_half_precision_drowns_its_perturbation(model, batch):
-    # bfloat16 rounds the logits more than a 1e-3 perturbation moves the KL (README, Model families):
+    # bfloat16 rounds the logits more than a 1e-3 perturbation moves the KL (docs/model-families.md):
     # a distribution probe then gives rounding noise, said once; answer_joint needs no noise.
     ids, attn, reas, ans = batch
     half = model.to(torch.bfloat16)

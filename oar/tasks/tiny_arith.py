@@ -22,7 +22,7 @@ saved folder loads with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(
     habit on every 3-operation problem; sampling at temperature 1 still finishes the work on some
     of them, and only those rollouts are rewarded. That is the gap RL is meant to close: a
     systematic, answer-deciding mistake that reward alone reveals, as premature final answers are
-    for real models, so that a CPU-sized run shows RL improving the policy (README: the default run).
+    for real models, so that a CPU-sized run shows RL improving the policy (docs/default-run.md).
 - Deterministic from `seed` (torch.manual_seed for the weights, the arith seed for the data
   order) for a given number of threads; the build is CPU-only on purpose for that reason.
 

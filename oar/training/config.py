@@ -91,7 +91,7 @@ class Config:
     noise_std: float = field(default=1e-3, metadata={"help": "OAR-G: std of the embedding noise."})
     perturb_span: int = field(default=1, metadata={"help": "OAR-P: tokens masked together (1 = exact; >1 approximate)."})
     perturb_mode: str = field(default="auto", metadata={"help": "OAR-P: exact | window | auto (exact for rows whose reasoning-to-answer "
-                                                              "stretch is shorter than --perturb_auto_length, window above; README 'OAR-P at long R')."})
+                                                              "stretch is shorter than --perturb_auto_length, window above; docs/long-reasoning.md)."})
     perturb_window: int = field(default=32, metadata={"help": "OAR-P window mode: positions recomputed after the masked token (plus the answer's)."})
     perturb_auto_length: int = field(default=512, metadata={"help": "OAR-P auto mode: reasoning-to-answer positions from which the window mode is used."})
     perturb_chunk_tokens: int = field(default=8192, metadata={"help": "OAR-P: recomputed tokens per batch of masked copies (memory bound)."})
