@@ -156,38 +156,3 @@ def _fake_run(root, name, seed, method, before, after, step_s):
              "oar/ess_ratio": 1.0, **({"eval/accuracy": (before + after) / 2} if s == 2 else {})} for s in range(1, 5)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 9.0, "code": ["abc"]}))
-
-
-def test_report_aggregates_seeds_pairs_them_with_grpo_and_writes_every_file(tmp_path):
-    import json
-
-    from scripts.studies import report
-
-    root, out = tmp_path / "runs", tmp_path / "results"
-    runs = []
-    for seed, (g, o) in enumerate([(0.30, 0.34), (0.40, 0.42), (0.50, 0.51)]):
-        _fake_run(root, "grpo", seed, "grpo", 0.2, g, 1.0)
-        _fake_run(root, "oar-g", seed, "oar-g", 0.2, o, 1.5)
-        runs += [{"name": m, "seed": seed, "group": "method", "label": m, "settings": {}} for m in ("grpo", "oar-g")]
-    runs.append({"name": "oar-p", "seed": 0, "group": "method", "label": "oar-p", "settings": {}})  # never finished
-    (root / "plan-main.json").write_text(json.dumps({"runs": runs}))
-    abl = [{"name": "oar-g", "seed": 0, "group": "probe", "label": "answer_mean", "settings": {}}]
-    (root / "plan-ablations.json").write_text(json.dumps({"runs": abl}))
-    summary = report.write(root, out)
-
-    grpo, oarg = summary["methods"]["grpo"], summary["methods"]["oar-g"]
-    assert grpo["mean"] == pytest.approx(0.40) and grpo["std"] == pytest.approx(0.10)  # (0.3, 0.4, 0.5): sd 0.1
-    # paired differences 0.04, 0.02, 0.01: mean 0.07 / 3, sd 0.01528, se sd / sqrt(3)
-    d = oarg["paired_diff_vs_grpo"]
-    assert d["mean"] == pytest.approx(0.07 / 3) and d["se"] == pytest.approx(np.std([0.04, 0.02, 0.01], ddof=1) / math.sqrt(3))
-    assert oarg["overhead_vs_grpo"] == pytest.approx(1.5)  # 4 steps x 1.5 s against 4 x 1.0 s
-    assert summary["missing_runs"] == ["oar-p-s0"] and summary["ablations"][0]["run"] == "oar-g"
-    for name in ("summary.json", "README.md", "main_readme_section.md", "main_runs.csv", "curves_accuracy.csv",
-                 "curves_training.csv", "ablations.csv", "accuracy.png", "training_curves.png", "ablations.png"):
-        assert (out / name).is_file(), name
-    curve = (out / "curves_accuracy.csv").read_text().splitlines()
-    assert curve[0] == "method,seed,step,accuracy" and curve[1:4] == ["grpo,0,0,0.2", "grpo,0,2,0.25", "grpo,0,4,0.3"]
-    page = (out / "README.md").read_text()
-    # 0.0233 - 2 x 0.0088 = 0.0057 > 0: called a difference, and the unfinished run is named
-    assert "+2.3 ± 0.9 points (paired over 3 seeds" in page and "better than GRPO beyond two standard errors" in page
-    assert "Not finished yet (left out above): oar-p-s0" in page

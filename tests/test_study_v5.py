@@ -152,13 +152,13 @@ def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
     assert main(argv) == 0 and (run / "summary.json").exists() and timing()["invocations"] == 2
     assert "resume grpo-s0" in capsys.readouterr().out
     assert timing()["unmeasured"] == 1  # the killed invocation's time is lost, and the run says so
-    from scripts.studies.report import read_run
+    from scripts.studies.runs import read_run
 
     assert math.isnan(read_run(run)["cpu_seconds"]) and math.isnan(read_run(run)["wall_seconds"])
 
 
 def test_a_run_is_fully_timed_only_when_every_invocation_recorded_its_time():
-    from scripts.studies.report import fully_timed
+    from scripts.studies.runs import fully_timed
 
     whole = {"seconds": 10.0, "cpu_seconds": 8.0, "invocations": 1, "unmeasured": 0}
     assert fully_timed(whole, {"resume": False}) and fully_timed(whole | {"invocations": 2}, {"resume": True})

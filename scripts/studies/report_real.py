@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.studies.report import accuracy_curve, read_run, stats  # noqa: E402
+from scripts.studies.runs import accuracy_curve, read_run, stats  # noqa: E402
 from scripts.studies.study_real import METHODS, SETTINGS, TASK  # noqa: E402
 
 BEGIN, END = "<!-- REPORT BEGIN (scripts/studies/report_real.py) -->", "<!-- REPORT END -->"

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from oar.credit import COMPARED, METHODS  # noqa: E402
 from oar.tasks.teacher import fork_spans, slip_spans  # noqa: E402
-from scripts.studies.report import accuracy_curve, read_run, stats  # noqa: E402
+from scripts.studies.runs import accuracy_curve, read_run, stats  # noqa: E402
 from scripts.studies.study_ledger import run_entry  # noqa: E402
 
 BEYOND = [m for m in METHODS if m not in COMPARED]  # methods named after the plan was fixed (oar-g+tempo, random-gate)

@@ -9,7 +9,7 @@ import numpy as np
 
 
 def _minutes(seconds: list) -> str:
-    """Mean minutes over the runs whose time is whole (scripts/studies/report.py's fully_timed), saying how many."""
+    """Mean minutes over the runs whose time is whole (scripts/studies/runs.py's fully_timed), saying how many."""
     timed = [x for x in seconds if x is not None and not math.isnan(x)]
     mean = f"{np.mean(timed) / 60:.1f} min" if timed else "n/a"
     return mean if len(timed) == len(seconds) else f"{mean} ({len(timed)} of {len(seconds)} runs timed whole)"

@@ -4,7 +4,7 @@
 settings and starting model asked for), one with a checkpoint resumes with --resume, one with neither
 starts again. Each invocation adds its wall-clock and CPU seconds, the starting model and the code's
 hash to the folder's study_time.json (one killed before it could adds to its count of unmeasured
-invocations). Used by scripts/studies/study.py (issue 6) and scripts/studies/study_v5.py (issue 14).
+invocations). Used by scripts/studies/study_v5.py (issue 14) and scripts/studies/study_real.py (issue 21); the issue-6 study's script is retired (its results: docs/results-v4/).
 """
 
 from __future__ import annotations
