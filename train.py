@@ -66,7 +66,7 @@ import torch
 from oar.training import checkpoint as ckpt
 from oar.training import lora, sharding
 from oar.training.config import METHODS, RESUMABLE, Config, check_config, check_resume, micro_batch, parse_args  # noqa: F401 (re-exported for scripts)
-from oar.training.data import DataError, load_problems
+from oar.training.data import DataError, load_problems, prompt_order, rollout_seeds
 from oar.training.evaluation import evaluate
 from oar.credit import CreditSettings, credit_methods, step_credit
 from oar.training.launch import end, gather_ragged, make_accelerator, release
@@ -77,23 +77,6 @@ from oar.rewards import reward
 from oar.training.runlog import RunLog, pass_metrics, sampler_gap_metrics, step_metrics
 from oar.sampler import format_prompt, resolve_instruction, sample
 from oar.tasks.tiny_arith_cache import model_source
-
-
-def prompt_order(step: int, local: int, rank: int, n_problems: int, prompts_per_step: int, seed: int) -> list[int]:
-    """Indices of this process's prompts at `step`: epochs of seeded permutations, a function of the
-    step alone (so a resumed run sees the same data), the global batch split in contiguous slices."""
-    first = step * prompts_per_step + rank * local
-    out = []
-    for k in range(first, first + local):
-        epoch, i = divmod(k, n_problems)
-        out.append(int(np.random.default_rng([seed, epoch]).permutation(n_problems)[i]))
-    return out
-
-
-def rollout_seeds(seed: int, step: int, global_prompts: list[int], group_size: int) -> list[int]:
-    """One seed per rollout, from (run seed, step, global prompt slot, sample): independent of
-    which process or micro-batch the rollout lands in."""
-    return [(seed * 1_000_003 + step) * 10_007 * group_size + p * group_size + g for p in global_prompts for g in range(group_size)]
 
 
 def main(cfg: Config) -> dict:

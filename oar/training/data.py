@@ -7,7 +7,8 @@ starts on data it will choke on later.
 
 The JSON Lines schema is that of `shared/data/*/*.jsonl`: one object per line with string keys
 `problem` and `answer`; other keys (`id`, `solution`, `source`, ...) are ignored; blank lines are
-skipped.
+skipped. A step's prompts and rollout seeds (`prompt_order`, `rollout_seeds`) are functions of the
+run's seed and the step alone, so a resumed run and any process count see the same data.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Iterable
+
+import numpy as np
 
 from oar.tasks.arith import DEFAULT_ARITH, ArithConfig, arith_problems
 from oar.training.problem import Problem  # noqa: F401 (the record every loader returns; re-exported)
@@ -140,3 +143,20 @@ def load_problems(name: str, *, split: str = "train", limit: int | None = None, 
                         f"`datasets` package is not installed for hub names; pass 'arith' or a "
                         f"path to a .jsonl file (e.g. ../shared/data/gsm8k/test.jsonl).")
     return _load_hf(name, split)[:limit]
+
+
+def prompt_order(step: int, local: int, rank: int, n_problems: int, prompts_per_step: int, seed: int) -> list[int]:
+    """Indices of this process's prompts at `step`: epochs of seeded permutations, a function of the
+    step alone (so a resumed run sees the same data), the global batch split in contiguous slices."""
+    first = step * prompts_per_step + rank * local
+    out = []
+    for k in range(first, first + local):
+        epoch, i = divmod(k, n_problems)
+        out.append(int(np.random.default_rng([seed, epoch]).permutation(n_problems)[i]))
+    return out
+
+
+def rollout_seeds(seed: int, step: int, global_prompts: list[int], group_size: int) -> list[int]:
+    """One seed per rollout, from (run seed, step, global prompt slot, sample): independent of
+    which process or micro-batch the rollout lands in."""
+    return [(seed * 1_000_003 + step) * 10_007 * group_size + p * group_size + g for p in global_prompts for g in range(group_size)]

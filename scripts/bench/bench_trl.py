@@ -4,7 +4,7 @@
 
 Run with a Python that has `trl` (a benchmark-only virtual environment: trl is not a dependency of
 this project). It takes the same model folder, the same arith problems in the same order
-(train.prompt_order with the same seed), the same chat-templated prompt text, G, completion budget,
+(oar.training.data.prompt_order with the same seed), the same chat-templated prompt text, G, completion budget,
 sampling (temperature 1, top-p 1, no top-k), micro-batch and accumulation (one generation of P x G
 completions per optimizer step), one update per batch (num_iterations=1), no KL (beta=0), the
 per-sequence mean loss (loss_type='grpo', what train.py's seq_mean is), group-scaled advantages and
@@ -50,7 +50,7 @@ def main() -> None:
     from oar.training.data import load_problems
     from oar.rewards import reward
     from oar.sampler import format_prompt
-    from train import prompt_order
+    from oar.training.data import prompt_order
 
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.padding_side = "left"
