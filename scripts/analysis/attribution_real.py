@@ -12,12 +12,17 @@ Every credit score is computed over the reasoning tokens:
   oar-p/<probe>   exact OAR-P (oar_perturb.perturbation_scores), probes last, answer_mean, answer_joint
   oar-g/<probe>   OAR-G (oar_grad.gradient_scores, noise 1e-3, seeded per solution)
   entropy         H_t of the teacher-forced distribution that predicts token t (the `entropy` comparator's score)
+  surprisal       -log p(x_t | x_<t) under the same forward (not a credit method: a control that sees the
+                  token itself, which entropy does not; added after the first 46 solutions, see `solutions`)
   random          uniform scores, seeded per solution (the chance line: AUC 0.5)
 
 Positives (tokens whose character span overlaps the span; SmolLM2 writes one digit per token):
   planted   the digits of the planted wrong value where it first appears (step k's shown result)
   chain     planted + every carried use: later occurrences of the planted value, the downstream results
             that changed and their later occurrences (the `####` answer is the answer span, not ranked)
+  final     only the last step's shown result: the number the `####` answer copies
+  chain_wo_final   chain without it: the planted value and what carries it, up to the last result
+(final and chain_wo_final were added after the first 46 solutions; each table row says how many it covers.)
 Metrics per solution over its reasoning tokens, then mean over solutions with the standard error
 across solutions (attribution_v5.clustered_mean, one cluster per solution): ROC-AUC and precision@k
 (k = number of positives; ties shared) from scripts/analysis/attribution.py, and `top1`, the share of
@@ -59,7 +64,7 @@ from scripts.analysis.attribution import precision_at_k, roc_auc, token_labels  
 from scripts.analysis.attribution_v5 import clustered_mean  # noqa: E402
 from scripts.analysis.plant_gsm8k import Skip, parse, plant, render  # noqa: E402
 
-POSITIVES = ("planted", "chain")
+POSITIVES = ("planted", "chain", "final", "chain_wo_final")
 
 
 def default_gguf() -> str | None:
@@ -79,7 +84,9 @@ def teacher_forced(tok, model, problem: str, text: str, spans: dict):
     ro = build_rollout(tok, ids, mask, torch.tensor([content + [sorted(stop)[0]]]), stop)
     width = ro.prompt_width
     labels = {}
-    for name, sp in (("planted", spans["planted"]), ("chain", spans["planted"] + spans["carried"])):
+    sets = {"planted": spans["planted"], "chain": spans["planted"] + spans["carried"] + spans["final"],
+            "final": spans["final"], "chain_wo_final": spans["planted"] + spans["carried"]}
+    for name, sp in sets.items():
         lab = torch.zeros(ro.input_ids.shape[1], dtype=torch.bool)
         lab[width: width + len(content)] = torch.tensor(token_labels(offsets, sp))
         labels[name] = lab
@@ -97,9 +104,11 @@ def method_scores(model, tok, ro, seed: int, oarp_probes, oarg_probes) -> dict[s
         out[f"oar-g/{probe}"] = gradient_scores(*args, probe=probe, noise_std=1e-3, generator=g)[0].detach()
     with torch.no_grad():
         logits = forward_logits(model, ro.input_ids, ro.attention_mask)  # (1, L, V)
-    ent = torch.zeros(ro.input_ids.shape[1])
+    ent, surprisal = torch.zeros(ro.input_ids.shape[1]), torch.zeros(ro.input_ids.shape[1])
     ent[1:] = token_entropy(logits[:, :-1])[0]  # token t is predicted by the logits at t - 1
+    surprisal[1:] = -torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ro.input_ids[0, 1:, None])[:, 0]
     out["entropy"] = ent
+    out["surprisal"] = surprisal
     out["random"] = torch.rand(ro.input_ids.shape[1], generator=torch.Generator().manual_seed(10_000 + seed))
     return out
 
@@ -130,24 +139,24 @@ def summarize(records: list[dict], key: str) -> dict:
     if not rows:
         return {}
     out = {}
-    for method in rows[0]["methods"]:
+    for method in rows[-1]["methods"]:  # the last record has every method (surprisal came later)
         out[method] = {}
         for m in (f"{kind}_{pos}" for pos in POSITIVES for kind in ("auc", "prec", "top1")):
-            vals = [r["methods"][method][m] for r in rows]
+            vals = [r["methods"].get(method, {}).get(m, math.nan) for r in rows]  # NaN: not measured on that record
             out[method].update(clustered_mean(vals, list(range(len(vals))), m))
     for pos in POSITIVES:
         pre = "" if key == "planted" else f"{key}_"
-        out[f"base_rate_{pos}"] = float(np.mean([r[f"{pre}n_{pos}"] / r[f"{pre}n_reasoning"] for r in kept]))
+        out[f"base_rate_{pos}"] = float(np.mean([r[f"{pre}n_{pos}"] / r[f"{pre}n_reasoning"] for r in kept if f"{pre}n_{pos}" in r]))
     return out
 
 
 def table(summary: dict, positives: str) -> list[str]:
-    lines = ["| method | ROC-AUC | precision@k | top-1 hit |", "|---|---|---|---|"]
+    lines = ["| method | ROC-AUC | precision@k | top-1 hit | solutions |", "|---|---|---|---|---|"]
     for method, m in summary.items():
         if method.startswith("base_rate"):
             continue
         cell = lambda k: f"{m[f'{k}_{positives}']:.3f} ± {m.get(f'{k}_{positives}_se', math.nan):.3f}"  # noqa: E731
-        lines.append(f"| {method} | {cell('auc')} | {cell('prec')} | {cell('top1')} |")
+        lines.append(f"| {method} | {cell('auc')} | {cell('prec')} | {cell('top1')} | {m.get(f'auc_{positives}_n', 0)} |")
     return lines
 
 

@@ -36,7 +36,9 @@ consistent after a plant.
 what a model writes), `#### N` kept (oar.answers.find_answer reads it), with the character spans of
   planted   the new value where it first appears (the shown result of step k), and
   carried   every other rewritten number of the reasoning: later uses of v_k', the changed downstream
-            results and their uses (the `####` answer is not in it: it is the answer span).
+            results and their uses, except
+  final     the last step's shown result, the number the `####` answer copies (the `####` answer
+            itself is in none: it is the answer span).
 For the unplanted gold solution the same positions are marked on the original text (`plant=None`).
 """
 
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 DELTAS = (1, 2, 3, 4, 5, -1, -2, -3, -4, -5, 10, -10)  # an off-by-a-little slip, drawn in seeded order
+SPANS = ("planted", "carried", "final")  # what `render` marks
 _ANNOTATION = re.compile(r"<<([^<>]*)=([^<>=]*)>>")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?![\w])|(?<![\w.])\.\d+(?![\w])")  # 16, 130,000, 1.5, .5
 _EXPR_NUMBER = re.compile(r"\d*\.?\d+")
@@ -210,7 +213,7 @@ def try_plant(parsed: Parsed, problem: str, k: int, delta: int) -> Plant:
         edits.append((stated, fmt(value, ""), "expr"))
     for j, value in new.items():
         shown = steps[j].shown
-        edits.append((shown, fmt(value, parsed.solution[slice(*shown)]), "planted" if j == k else "carried"))
+        edits.append((shown, fmt(value, parsed.solution[slice(*shown)]), "planted" if j == k else "final" if j == len(steps) - 1 else "carried"))
         for v, span in parsed.numbers:
             if v == steps[j].value and span[0] >= steps[j].shown[1]:
                 edits.append((span, fmt(value, parsed.solution[slice(*span)]), "carried"))
@@ -247,16 +250,16 @@ def apply(text: str, edits) -> str:
 
 
 def render(parsed: Parsed, plant_: Plant | None, marks: Plant) -> tuple[str, dict[str, list[tuple[int, int]]]]:
-    """(reasoning + `#### N` with annotations stripped, {'planted': spans, 'carried': spans}).
+    """(reasoning + `#### N` with annotations stripped, {kind: character spans} for each kind of SPANS).
 
     plant_: the plant to apply, or None for the unplanted gold text; marks: whose planted/carried
     positions to mark (the same plant, so gold and planted texts mark the same numbers)."""
     body_end = parsed.solution.rfind("####")
-    marked = [e for e in marks.edits if e[2] in ("planted", "carried")]
+    marked = [e for e in marks.edits if e[2] in SPANS]
     kinds = {span: kind for span, _, kind in marked}
-    edits = marked if plant_ is None else [e for e in plant_.edits if e[2] in ("planted", "carried")]
+    edits = marked if plant_ is None else [e for e in plant_.edits if e[2] in SPANS]
     cuts = sorted([(s.annotation, "", "strip") for s in parsed.steps] + edits, key=lambda e: e[0])
-    out, spans, at, length = [], {"planted": [], "carried": []}, 0, 0
+    out, spans, at, length = [], {kind: [] for kind in SPANS}, 0, 0
     for (a, b), new, _ in cuts + [((body_end, body_end), "", "end")]:
         out.append(parsed.solution[at:a])
         length += a - at
