@@ -190,9 +190,11 @@ def main() -> None:
     model, tok = load_model(args.gguf)
     model.eval()
     skips, scanned, too_long, selected = collections.Counter(), 0, 0, 0
-    for line in Path(args.data).read_text().splitlines():
+    for line in Path(args.data).read_text().split("\n"):  # not splitlines(): a solution may hold U+2028 or U+0085
         if selected >= args.n:
             break
+        if not line.strip():
+            continue
         row = json.loads(line)
         scanned += 1
         try:
