@@ -1,5 +1,6 @@
-"""scripts/studies/study_v5.py's plan and scripts/analysis/attribution_v5.py on a model that earns reward."""
+"""scripts/studies/study_v5.py's plan and scripts/analysis/attribution_v5.py on the session's briefly trained tiny model."""
 
+import itertools
 import math
 
 import numpy as np
@@ -21,19 +22,22 @@ def test_plan_puts_seed_0_of_everything_first_with_one_budget(tmp_path):
     assert {r["settings"]["max_new_tokens"] for r in runs if r["testbed"] == "filler"} == {96}
 
 
-def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model):
+def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model, monkeypatch):
     from oar.training.models import load_model
     from scripts.analysis import attribution_v5
 
     model, tok = load_model(str(tiny_model))
     torch.manual_seed(0)
-    # problems of the kind the session's tiny model was trained on (tinyrun.build_model: a + b and a * b with one-digit
-    # operands), so that its rollouts are partly right on any CPU (its training, hence its skill, varies with the
-    # machine's rounding): with '-' problems it never saw, one machine's model sampled 0 of 24 right
+    # The methods are exercised only on rollouts whose group has mixed rewards (advantage != 0). Whether the session's
+    # tiny model gets some of a group right depends on what it learned, which varies with the CPU's rounding (one
+    # machine's model sampled 0 of 24 right; another training of it gets whole groups right or wrong, no group mixed,
+    # on these 8 problems). So the rewards alternate 1, 0, 1, 0 in sampling order: every group of 4 is mixed on any
+    # machine. The texts, outcomes and weights stay the model's own; only which rollouts count and their signs are set.
+    monkeypatch.setattr(attribution_v5, "reward", lambda text, gold, it=itertools.cycle([1.0, 0.0]): next(it))
     out = attribution_v5.run(model, tok, TESTBEDS["slip"], prompts=8, group_size=4,
                              arith=ArithConfig(min_ops=1, max_ops=1, start_digits=1, ops=("+", "*")))
     table = {r["method"]: r for r in out["table"]}
-    assert list(table) == list(METHODS) and 0 < out["sample_accuracy"] < 1
+    assert list(table) == list(METHODS) and out["sample_accuracy"] == 0.5  # the alternating rewards were used
     used = table["grpo"]["rollouts"]
     assert used > 0 and all(r["rollouts"] == used for r in table.values())
     assert table["grpo"]["roc_auc"] == 0.5 and table["grpo"]["w_other"] == 1.0  # all ones: chance, weight 1
