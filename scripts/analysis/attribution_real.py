@@ -13,7 +13,7 @@ Every credit score is computed over the reasoning tokens:
   oar-g/<probe>   OAR-G (oar_grad.gradient_scores, noise 1e-3, seeded per solution)
   entropy         H_t of the teacher-forced distribution that predicts token t (the `entropy` comparator's score)
   surprisal       -log p(x_t | x_<t) under the same forward (not a credit method: a control that sees the
-                  token itself, which entropy does not; added after the first 46 solutions, see `solutions`)
+                  token itself, which entropy does not; added after the first 52 solutions, see `solutions`)
   random          uniform scores, seeded per solution (the chance line: AUC 0.5)
 
 Positives (tokens whose character span overlaps the span; SmolLM2 writes one digit per token):
@@ -22,7 +22,7 @@ Positives (tokens whose character span overlaps the span; SmolLM2 writes one dig
             that changed and their later occurrences (the `####` answer is the answer span, not ranked)
   final     only the last step's shown result: the number the `####` answer copies
   chain_wo_final   chain without it: the planted value and what carries it, up to the last result
-(final and chain_wo_final were added after the first 46 solutions; each table row says how many it covers.)
+(final and chain_wo_final were added after the first 52 solutions; each table row says how many it covers.)
 Metrics per solution over its reasoning tokens, then mean over solutions with the standard error
 across solutions (attribution_v5.clustered_mean, one cluster per solution): ROC-AUC and precision@k
 (k = number of positives; ties shared) from scripts/analysis/attribution.py, and `top1`, the share of
