@@ -41,19 +41,15 @@ Why a list the module defines rather than a `register()` call it makes on import
 changes, so a run's table is a function of its config (saved in config.json; a resume must name the
 same module), two runs in one process never see each other's methods, and a module imported twice
 cannot register twice. A module that does not import, a method that breaks the protocol, or a name
-that clashes with a built-in stops the run in train.py's first checks, before anything loads.
+that clashes with a built-in stops the run in train.py's first checks, before anything loads
+(oar/credit_modules.py loads and checks such modules).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import inspect
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable
 
@@ -166,50 +162,14 @@ def protocol_problem(m) -> str | None:
     return None
 
 
-@functools.cache
-def _module_methods(module: str) -> tuple[CreditMethod, ...]:
-    """The methods `module` (a dotted name or a .py path) lists in CREDIT_METHODS, checked; cached, so
-    every call of a run (check_config, train.py, CreditSettings) sees the same objects."""
-    where = f"--credit_module {module}"
-    try:
-        if module.endswith(".py"):
-            path = Path(module).resolve()
-            if not path.is_file():
-                raise CreditError(f"{where}: no such file; pass a path to a .py file or a dotted module name on the Python path.")
-            spec = importlib.util.spec_from_file_location(f"oar_credit_module_{path.stem}", path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = mod  # dataclasses and pickling look their module up here
-            try:
-                spec.loader.exec_module(mod)
-            except BaseException:
-                del sys.modules[spec.name]
-                raise
-        else:
-            mod = importlib.import_module(module)
-    except CreditError:
-        raise
-    except Exception as err:  # the user's module: any error in it is the user's to fix, and named
-        raise CreditError(f"{where}: could not import it ({type(err).__name__}: {err}); pass a path to a .py "
-                          f"file or a dotted module name on the Python path (PYTHONPATH).") from None
-    listed = getattr(mod, "CREDIT_METHODS", None)
-    if not isinstance(listed, (list, tuple)) or not listed:
-        raise CreditError(f"{where}: defines no CREDIT_METHODS, a non-empty list of oar.credit.CreditMethod (docs/credit-methods.md).")
-    names = set()
-    for k, m in enumerate(listed):
-        problem = protocol_problem(m)
-        if problem:
-            raise CreditError(f"{where}: CREDIT_METHODS[{k}]: {problem} (the protocol: oar/credit.py, docs/credit-methods.md).")
-        if m.name in METHODS:
-            raise CreditError(f"{where}: method {m.name!r} clashes with the built-in method of that name; give it another name.")
-        if m.name in names:
-            raise CreditError(f"{where}: method {m.name!r} is listed twice in CREDIT_METHODS.")
-        names.add(m.name)
-    return tuple(listed)
-
-
 def credit_methods(module: str = "") -> MappingProxyType:
-    """The table a run chooses from: name -> CreditMethod, the built-ins then `module`'s (CreditError if unusable)."""
-    return METHODS if not module else MappingProxyType({**METHODS, **{m.name: m for m in _module_methods(module)}})
+    """The table a run chooses from: name -> CreditMethod, the built-ins then `module`'s, loaded and
+    checked by oar/credit_modules.py (CreditError if unusable)."""
+    if not module:
+        return METHODS
+    from oar.credit_modules import module_methods  # it reads this module's table: imported on use
+
+    return MappingProxyType({**METHODS, **{m.name: m for m in module_methods(module)}})
 
 
 def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards: torch.Tensor, advantages: torch.Tensor,
@@ -283,7 +243,6 @@ METHODS = MappingProxyType({m.name: m for m in (  # the order of the study's tab
     CreditMethod("oar-g+tempo", oar_g_plus_tempo, prepare=tempo_prepare, uses_clean=True),
     CreditMethod("random-gate", random_gate, prepare=random_gate_prepare),
 )})
-assert not any(map(protocol_problem, METHODS.values())) and set(COMPARED) <= set(METHODS)
 
 
 def oar_weights(s: CreditSettings, model, tokenizer, mb: Rollout, scored, probe, clean, seeds, golds, clean_kv=None, *,
@@ -317,3 +276,6 @@ def oar_weights(s: CreditSettings, model, tokenizer, mb: Rollout, scored, probe,
     weights = gate(s, full, reasoning)
     nonfinite = int((~torch.isfinite(full) & reasoning).any(1).sum())
     return weights, nonfinite
+
+
+assert not any(map(protocol_problem, METHODS.values())) and set(COMPARED) <= set(METHODS)
