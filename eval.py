@@ -23,7 +23,7 @@ from oar.training.data import DataError, load_problems
 from oar.training.evaluation import evaluate
 from oar.training.launch import end, make_accelerator, release
 from oar.training.models import ModelError, load_model, resolve_model
-from oar.sampler import resolve_instruction
+from oar.sampler import DECODE_LOOPS, resolve_instruction
 from oar.tasks.tiny_arith_cache import model_source
 
 
@@ -45,6 +45,7 @@ class EvalConfig:
     instruction: str = field(default="auto", metadata={"help": "Appended to each problem; 'auto': none for arith or tiny-arith, a \\boxed{} request otherwise."})
     dtype: str = field(default="float32", metadata={"help": "Weights dtype."})
     seed: int = field(default=0, metadata={"help": "Sampling seed (k > 1)."})
+    decode_loop: str = field(default="eager", metadata={"help": "The sampler's loop: eager, static or compiled (docs/sampler.md)."})
 
 
 def main(cfg: EvalConfig) -> dict:
@@ -59,6 +60,8 @@ def main(cfg: EvalConfig) -> dict:
         if cfg.max_new_tokens < 1 or cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
             raise ValueError(f"--max_new_tokens {cfg.max_new_tokens} must be >= 1, --temperature {cfg.temperature} >= 0 "
                              f"and --top_p {cfg.top_p} in (0, 1].")
+        if cfg.decode_loop not in DECODE_LOOPS:
+            raise ValueError(f"--decode_loop {cfg.decode_loop}: one of {', '.join(DECODE_LOOPS)}.")
         if not isinstance(getattr(torch, cfg.dtype, None), torch.dtype):
             raise ValueError(f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
         if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
@@ -72,7 +75,7 @@ def main(cfg: EvalConfig) -> dict:
     model = model.to(accelerator.device).eval()
     records, summary = evaluate(model, tokenizer, problems, accelerator=accelerator, instruction=instruction,
                                 batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, num_samples=cfg.num_samples,
-                                temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+                                temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, loop=cfg.decode_loop)
     summary = {"model": cfg.model, "dataset": cfg.dataset, **summary}
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)

@@ -145,7 +145,7 @@ def main(cfg: Config) -> dict:
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
     eval_kw = dict(accelerator=accelerator, instruction=instruction, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
-                   num_samples=cfg.eval_samples, temperature=cfg.eval_temperature, seed=cfg.seed)  # avg@k when k > 1
+                   num_samples=cfg.eval_samples, temperature=cfg.eval_temperature, seed=cfg.seed, loop=cfg.decode_loop)  # avg@k when k > 1
     if eval_set and "eval_before" not in history:
         with sharding.gathered(model):
             history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
@@ -161,7 +161,8 @@ def main(cfg: Config) -> dict:
         golds = [train_set[i].answer for i in idx for _ in range(cfg.group_size)]
         with sharding.gathered(model):  # a sharded model's full parameters, for this block only
             ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
-                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, chunk=cfg.rollout_batch_size)
+                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, chunk=cfg.rollout_batch_size,
+                        loop=cfg.decode_loop)
         t_rollout = time.perf_counter() - t0
 
         # 2. reward

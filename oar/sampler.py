@@ -29,6 +29,7 @@ from oar.training.models import position_ids
 from oar.rollout import Rollout, build_rollout, char_offsets, concat_rollouts, with_reference_answer  # noqa: F401 (re-exported)
 
 
+DECODE_LOOPS = ("eager", "static", "compiled")  # decode(loop=...): the same rollouts in fixed shapes, for a GPU to replay
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -75,21 +76,23 @@ def sample(
     temperature: float = 1.0,
     top_p: float = 1.0,
     chunk: int = 0,
+    loop: str = "eager",
 ) -> Rollout:
     """G rollouts for each of P prompt texts. `seeds` has one seed per rollout (B = P*G); with
     temperature 0 decoding is greedy and the seeds are unused. `chunk` > 0: sample `chunk` prompts
-    at a time (their own padding, their own batch), the chunks' rollouts concatenated in order."""
+    at a time (their own padding, their own batch), the chunks' rollouts concatenated in order. `loop`:
+    "eager" (the default), or the same steps in fixed shapes, "static" or "compiled" (`decode`)."""
     assert len(seeds) == len(prompts) * group_size, (len(seeds), len(prompts), group_size)
     if 0 < chunk < len(prompts):
         assert len(prompts) % chunk == 0, f"chunk {chunk} must divide the {len(prompts)} prompts"
         parts = [sample(model, tokenizer, prompts[k:k + chunk], group_size=group_size, seeds=seeds[k * group_size:(k + chunk) * group_size],
-                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p) for k in range(0, len(prompts), chunk)]
+                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, loop=loop) for k in range(0, len(prompts), chunk)]
         return concat_rollouts(parts, tokenizer.pad_token_id)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # (P, Lp)
     stop = stop_token_ids(model, tokenizer)
     completion, logprobs = decode(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                  eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds, group_size=group_size)
+                                  eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds, group_size=group_size, loop=loop)
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Lp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     return build_rollout(tokenizer, prompt_ids, prompt_mask, completion, stop, logprobs)
@@ -102,36 +105,34 @@ def generate(model, prompt_ids, prompt_mask, **kwargs) -> torch.Tensor:
 
 @torch.no_grad()
 def decode(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-           group_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+           group_size: int = 1, loop: str = "eager") -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache. (P, Lp) prompts -> ((B, T) completion ids, (B, T) float32
     log-probs of them), B = P x group_size (a prompt's rollouts contiguous), ids padded with
     `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens. Each prompt is prefilled
-    once and its keys/values copied to its G rollouts."""
-    from transformers import DynamicCache
+    once and its keys/values copied to its G rollouts. `loop` "static" or "compiled" runs the same
+    steps in fixed shapes (oar/static_decode.py)."""
+    assert loop in DECODE_LOOPS, loop
+    if loop != "eager":
+        from oar.static_decode import decode_static
 
+        return decode_static(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                             eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, seeds=seeds, group_size=group_size,
+                             compiled=loop == "compiled")
     b = prompt_ids.shape[0] * group_size
     assert len(seeds) == b, (len(seeds), b)
-    # Row i's uniforms: the first max_new_tokens draws of its own generator, the same numbers as one draw per step.
-    uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
-    uniforms = uniforms.to(prompt_ids.device)  # (B, max_new_tokens)
+    uniforms = draw_uniforms(seeds, max_new_tokens, prompt_ids.device)  # (B, max_new_tokens)
     eos = torch.tensor(sorted(eos_token_ids), device=prompt_ids.device)
-    mask = prompt_mask
-    pos = position_ids(mask)
-    cache = DynamicCache()
-    logits = model(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits, cache, pos = prefill(model, prompt_ids, prompt_mask)
     if group_size > 1:  # the G rollouts of a prompt share its prefill
         cache.batch_repeat_interleave(group_size)
-        logits, mask, pos = (x.repeat_interleave(group_size, dim=0) for x in (logits, mask, pos))
+    logits, mask, pos = (x.repeat_interleave(group_size, dim=0) for x in (logits, prompt_mask, pos))
     next_pos = pos[:, -1:] + 1
     done = torch.zeros(b, dtype=torch.bool, device=prompt_ids.device)
     tokens, logprobs = [], []
     for t in range(max_new_tokens):
-        z = logits.float()
-        token = _pick(z, temperature, top_p, uniforms[:, t]).masked_fill(done, pad_token_id)
-        logp = torch.log_softmax(z / (temperature or 1.0), dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        token, logp = choose(logits, temperature, top_p, uniforms[:, t], done, pad_token_id)
         tokens.append(token)
-        logprobs.append(logp.masked_fill(done, 0.0))
+        logprobs.append(logp)
         done = done | torch.isin(token, eos)
         if bool(done.all()):
             break
@@ -140,6 +141,32 @@ def decode(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p
                        use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def draw_uniforms(seeds: list[int], length: int, device) -> torch.Tensor:
+    """(B, length): row i holds the first `length` draws of its own generator seeded with seeds[i], the
+    same numbers as one draw per step."""
+    return torch.stack([torch.rand(length, generator=torch.Generator().manual_seed(int(s))) for s in seeds]).to(device)
+
+
+def prefill(model, prompt_ids, prompt_mask):
+    """One forward over the (P, Lp) prompts: (last logits (P, V), their DynamicCache, position ids (P, Lp))."""
+    from transformers import DynamicCache
+
+    pos = position_ids(prompt_mask)
+    cache = DynamicCache()
+    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    return logits, cache, pos
+
+
+def choose(logits, temperature: float, top_p: float, u, done, pad_token_id: int):
+    """One step's (token, log-prob) per row from its logits (B, V) and uniform u (B,); rows already done
+    get `pad_token_id` and log-prob 0. The log-prob is under log_softmax(logits / temperature), before top-p."""
+    z = logits.float()
+    token = _pick(z, temperature, top_p, u).masked_fill(done, pad_token_id)
+    logp = torch.log_softmax(z / (temperature or 1.0), dim=-1).gather(-1, token[:, None]).squeeze(-1)
+    return token, logp.masked_fill(done, 0.0)
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,14 @@ from oar.credit import METHODS, CreditError, credit_methods  # noqa: F401 (METHO
 from oar.training import lora
 from oar.oar_perturb_window import MODES as PERTURB_MODES
 from oar.probes import PROBES
+from oar.sampler import DECODE_LOOPS
 
 # Settings a resumed run may change: they change neither the data, the rollouts nor the updates
 # (micro-batching and processes give the same update, tests/test_distributed.py). Any other setting
 # must match the checkpoint's, or a resume would splice two different runs into one.
 RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
              "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
-             "gradient_checkpointing", "perturb_chunk_tokens", "score_all"}
+             "gradient_checkpointing", "perturb_chunk_tokens", "score_all", "decode_loop"}
 
 
 @dataclass
@@ -53,6 +54,9 @@ class Config:
                                                                  "divides every process's share samples the same batches on 1 or N processes: "
                                                                  "the same rollouts, where the batch would change the kernels' rounding."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass of rollouts."})
+    decode_loop: str = field(default="eager", metadata={"help": "The sampler's loop: eager (default), static (fixed shapes, the same "
+                                                             "rollouts) or compiled (static through torch.compile: a CUDA graph on a GPU). "
+                                                             "docs/sampler.md."})
     # -- GRPO loss
     learning_rate: float = field(default=5e-5, metadata={"help": "AdamW learning rate (tiny-arith: 5e-5; 1e-6 suits 1.5B models)."})
     warmup_steps: int = field(default=5, metadata={"help": "Linear LR warm-up steps."})
@@ -140,6 +144,9 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(cfg.noise_std >= 0, f"--noise_std {cfg.noise_std}: must be >= 0.")
     need(cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts need sampling (> 0).")
     need(0 < cfg.top_p <= 1, f"--top_p {cfg.top_p}: must lie in (0, 1].")
+    need(cfg.decode_loop in DECODE_LOOPS, f"--decode_loop {cfg.decode_loop}: one of {', '.join(DECODE_LOOPS)}.")
+    need(not (cfg.fsdp and cfg.decode_loop == "compiled"), "--decode_loop compiled with --fsdp: the gathered parameters move "
+         "every step, so a captured step would not replay; use --decode_loop static under --fsdp.")
     need(cfg.aggregation in ("seq_mean", "token_mean"), f"--aggregation {cfg.aggregation}: seq_mean or token_mean.")
     need(cfg.advantage_scale in ("group", "batch", "none"), f"--advantage_scale {cfg.advantage_scale}: group, batch or none.")
     need(cfg.outcome_source in ("rollout", "reference"), f"--outcome_source {cfg.outcome_source}: rollout or reference.")

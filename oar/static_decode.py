@@ -1,0 +1,104 @@
+"""The sampler's decode loop in fixed shapes, for a GPU to replay (issue 20).
+
+The same rollouts as `oar.sampler.decode` (the eager loop): the same prefill, the same table of
+uniforms, the same choice per token (`oar.sampler.choose`). What changes is where the state lives:
+the keys and values go into a preallocated `StaticCache` of width Lp + T rounded up to a multiple of
+WIDTH_STEP, the attention mask is one (B, width) tensor made up front, and the step counter, the
+positions, the done flags and the output tokens and log-probs are tensors updated in place. One decode
+step (forward, choice, bookkeeping) is then a function of fixed shapes with no host work in it: the
+host asks whether every row is done only every CHECK_EVERY steps. Finished rows keep being fed
+(their token is the pad, their log-prob 0) and are never compacted, so a row's numbers do not depend on
+when its batch-mates stop; the output is cut where the eager loop stops, so both give the same shapes.
+
+`compiled=True` wraps the step in `torch.compile(mode="reduce-overhead")`: on CUDA, torch captures it
+as a CUDA graph and replays it; on a CPU, the same call runs inductor's compiled step, which the CPU
+suite tests. Attention runs over the whole width (the unwritten columns are masked), so the logits
+agree with the eager loop's up to float rounding, not bit for bit: the tokens are the same unless two
+tokens are tied to within rounding (tests/test_static_decode.py checks ten families in float64).
+
+A model whose cache is not all full-attention layers (a sliding window, chunked or linear attention)
+runs the eager loop instead, said once per process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+WIDTH_STEP = 64  # the cache width is rounded up to a multiple of this, so that calls share compiled shapes
+CHECK_EVERY = 16  # steps between the host's checks that every row is done
+_SAID: set[str] = set()
+
+
+def static_cache_or_reason(model, width: int):
+    """(a StaticCache of `width` columns, None) when every layer of the model's cache is a plain
+    full-attention layer, else (None, why not)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=width)
+    except Exception as err:  # a config transformers cannot make a static cache for
+        return None, f"no static cache for this model ({type(err).__name__}: {err})"
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer})
+    return (cache, None) if not kinds else (None, f"its cache has {', '.join(kinds)} layers")
+
+
+@torch.no_grad()
+def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
+                  group_size: int = 1, compiled: bool = False, check_every: int = CHECK_EVERY):
+    """`oar.sampler.decode` in fixed shapes (same arguments and outputs); `compiled`: the step through
+    torch.compile (a CUDA graph on a GPU)."""
+    from oar.sampler import choose, decode, draw_uniforms, prefill
+
+    device, T = prompt_ids.device, max_new_tokens
+    b = prompt_ids.shape[0] * group_size
+    assert len(seeds) == b, (len(seeds), b)
+    width = -(-(prompt_ids.shape[1] + T) // WIDTH_STEP) * WIDTH_STEP
+    cache, why = static_cache_or_reason(model, width)
+    if cache is None:
+        if why not in _SAID:
+            _SAID.add(why)
+            print(f"oar.sampler: the fixed-shape decode loop cannot run here ({why}); the eager loop samples instead", file=sys.stderr)
+        return decode(model, prompt_ids, prompt_mask, max_new_tokens=T, temperature=temperature, top_p=top_p,
+                      eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, seeds=seeds, group_size=group_size)
+
+    uniforms = draw_uniforms(seeds, T, device)
+    eos = torch.tensor(sorted(eos_token_ids), device=device)
+    logits, prompt_cache, pos = prefill(model, prompt_ids, prompt_mask)  # P rows, as the eager loop
+    for src, dst in zip(prompt_cache.layers, cache.layers):  # each prompt's keys/values to its G rows
+        dst.update(src.keys.repeat_interleave(group_size, 0), src.values.repeat_interleave(group_size, 0))
+    del prompt_cache
+    ones = torch.ones(prompt_mask.shape[0], width - prompt_mask.shape[1], dtype=prompt_mask.dtype, device=device)
+    mask = torch.cat([prompt_mask, ones], 1).repeat_interleave(group_size, 0)  # (B, width): causality hides the unwritten columns
+    next_pos = pos[:, -1:].repeat_interleave(group_size, 0) + 1
+    tokens = torch.full((b, T), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((b, T), dtype=torch.float32, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    t = torch.zeros(1, dtype=torch.long, device=device)
+
+    def record(z):
+        token, logp = choose(z, temperature, top_p, uniforms.index_select(1, t).squeeze(1), done, pad_token_id)
+        tokens.index_copy_(1, t, token[:, None])
+        logprobs.index_copy_(1, t, logp[:, None])
+        done.logical_or_(torch.isin(token, eos))
+        t.add_(1)
+        return token
+
+    def step(token):
+        z = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        next_pos.add_(1)
+        return record(z)
+
+    run = torch.compile(step, mode="reduce-overhead", dynamic=False) if compiled else step
+    token = record(logits.repeat_interleave(group_size, 0))
+    for i in range(1, T):
+        if i % check_every == 0 and bool(done.all()):
+            break
+        token = run(token)
+    # Cut where the eager loop stops: after the step at which the last row ended (T if one never did).
+    ended = torch.isin(tokens, eos)
+    length = torch.where(ended.any(1), ended.int().argmax(1) + 1, T)
+    width_out = int(length.max())
+    return tokens[:, :width_out].clone(), logprobs[:, :width_out].clone()

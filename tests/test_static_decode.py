@@ -1,0 +1,142 @@
+"""The fixed-shape decode loop (oar/static_decode.py) gives the eager loop's rollouts (issue 20).
+
+Every family of tests/test_families.py runs in float64 with sdpa attention where the family has it
+(eager attention in float64 turns left-padded rows into NaN in this transformers), so the two loops'
+logits agree far below any gap between two tokens' cumulative probabilities: the tokens must be equal,
+token for token, greedy, sampled and with top-p, with left padding and EOS ids that end rows early.
+Families whose cache is not all full attention (sliding windows) must fall back to the eager loop and
+say so. The compiled step runs through torch's CPU backend here; on a GPU the same call is a CUDA graph.
+"""
+
+import pytest
+import torch
+
+import oar.static_decode as sd
+from oar.sampler import decode, sample
+
+from test_families import EOS, FAMILIES, PAD, VOCAB, build
+
+SLIDING = {"mistral-window", "gemma2", "gemma3-text"}  # a window of 6 (test_families), shorter than every row
+
+
+def _double(name):
+    model = build(name, seed=1).double()
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:  # no sdpa in this family (Gemma 2): it keeps eager
+        pass
+    if hasattr(model, "set_experts_implementation") and name == "qwen3-moe":
+        model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    return model
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(2)
+    ids, mask = torch.full((3, 12), PAD), torch.zeros(3, 12, dtype=torch.long)
+    for i, n in enumerate([9, 12, 7]):  # left padding
+        ids[i, 12 - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, 12 - n:] = 1
+    return ids, mask
+
+
+SETTINGS = [  # (temperature, top_p, EOS ids): greedy, sampled, top-p; the wide EOS set ends every row early
+    (0.0, 1.0, {EOS}), (1.0, 1.0, {EOS, 5, 7}), (0.8, 0.7, {EOS, 5, 7}), (1.0, 1.0, set(range(2, 30)))]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_fixed_shape_loop_gives_the_eager_loop_tokens_on_every_family(name, capsys):
+    model = _double(name)
+    ids, mask = _prompts()
+    sd._SAID.clear()
+    widths = []
+    for temperature, top_p, eos in SETTINGS:
+        kw = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_ids=eos, pad_token_id=PAD,
+                  seeds=list(range(6)), group_size=2)
+        eager, static = decode(model, ids, mask, **kw), decode(model, ids, mask, loop="static", **kw)
+        assert static[0].tolist() == eager[0].tolist(), (temperature, top_p)
+        torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-6, equal_nan=True)
+        widths.append(eager[0].shape[1])
+    assert widths[0] == 40 and widths[-1] < 16, widths  # rows run to the budget; rows all end before the first check
+    said = capsys.readouterr().err
+    assert ("the eager loop samples instead" in said) == (name in SLIDING), said
+
+
+def test_the_output_is_cut_where_the_eager_loop_stops_whatever_the_check_interval():
+    model = _double("llama")
+    ids, mask = _prompts()
+    kw = dict(max_new_tokens=40, temperature=1.0, top_p=1.0, eos_token_ids=set(range(2, 8)), pad_token_id=PAD,
+              seeds=list(range(6)), group_size=2)
+    eager = decode(model, ids, mask, **kw)
+    assert 16 < eager[0].shape[1] < 40  # past the first check at 16, before the next
+    for every in (1, 3, 16, 64):
+        tokens, logprobs = sd.decode_static(model, ids, mask, check_every=every, **kw)
+        assert tokens.tolist() == eager[0].tolist(), every
+        assert logprobs.shape == eager[1].shape
+
+
+def test_a_row_does_not_depend_on_when_its_batch_mates_stop():
+    # Row 0 sampled alone (no padding) and beside two rows that stop at other steps: the same tokens, and
+    # pads after its own EOS only. Finished rows are fed and masked, never dropped from the batch.
+    model = _double("qwen2")
+    ids, mask = _prompts()
+    kw = dict(max_new_tokens=30, temperature=1.0, top_p=1.0, eos_token_ids={EOS, 5}, pad_token_id=PAD)
+    together = sd.decode_static(model, ids, mask, seeds=[10, 11, 12], group_size=1, check_every=1, **kw)
+    alone = sd.decode_static(model, ids[:1, 3:], mask[:1, 3:], seeds=[10], group_size=1, check_every=1, **kw)
+    n = alone[0].shape[1]
+    assert together[0][0, :n].tolist() == alone[0][0].tolist()
+    assert (together[0][0, n:] == PAD).all()
+
+
+def test_sample_with_chunks_lays_out_the_same_rollouts_with_either_loop():
+    from oar.tasks.tiny_arith import make_tokenizer
+
+    from conftest import tiny_llama
+
+    tok = make_tokenizer()
+    model = tiny_llama(vocab_size=len(tok), seed=4).double()
+    model.set_attn_implementation("sdpa")
+    prompts = ["Q: Compute 1 + 2.\nA:\n", "Q: 9\nA:\n", "Q: Compute 12 * 3 - 5.\nA:\n", "Q: 4 + 4\nA:\n"]
+    kw = dict(group_size=2, seeds=list(range(100, 108)), max_new_tokens=12, temperature=1.0, chunk=2)
+    eager, static = sample(model, tok, prompts, **kw), sample(model, tok, prompts, loop="static", **kw)
+    assert static.texts == eager.texts
+    for name in ("input_ids", "attention_mask", "completion_mask", "reasoning_mask", "answer_mask"):
+        assert torch.equal(getattr(static, name), getattr(eager, name)), name
+    torch.testing.assert_close(static.sample_logprobs, eager.sample_logprobs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_gives_the_same_tokens_on_a_cpu():
+    # torch.compile(mode="reduce-overhead") of the same step: inductor's CPU code here, a CUDA graph on a GPU.
+    model = _double("llama")
+    ids, mask = _prompts()
+    for temperature, top_p, eos in SETTINGS[1:3]:
+        kw = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_ids=eos, pad_token_id=PAD,
+                  seeds=list(range(6)), group_size=2)
+        eager, compiled = decode(model, ids, mask, **kw), decode(model, ids, mask, loop="compiled", **kw)
+        assert compiled[0].tolist() == eager[0].tolist(), (temperature, top_p)
+        torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
+
+
+def test_train_py_refuses_a_compiled_loop_under_fsdp_and_an_unknown_loop():
+    from oar.training.config import Config, check_config
+
+    for kwargs, match in ((dict(decode_loop="compiled", fsdp=True), "under --fsdp"), (dict(decode_loop="graph"), "one of eager")):
+        with pytest.raises(ValueError, match=match):
+            check_config(Config(**kwargs), num_processes=2)
+
+
+def test_a_train_py_step_with_the_static_loop_equals_the_eager_one(tiny_model, tmp_path):
+    import json
+
+    from tinyrun import TINY, run_inprocess
+
+    rows = {}
+    for loop in ("eager", "static"):
+        out = tmp_path / loop
+        run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out),
+                       "--steps", "2", "--save_every", "0", "--method", "oar-g", "--decode_loop", loop, *TINY])
+        rows[loop] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for eager, static in zip(rows["eager"], rows["static"]):  # the same rollouts: the same rewards and lengths
+        for key in ("reward/mean", "completion/length", "completion/frac_truncated"):
+            assert static[key] == eager[key], key
+        assert abs(static["optim/grad_norm"] - eager["optim/grad_norm"]) < 1e-4 * eager["optim/grad_norm"]
