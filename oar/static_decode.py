@@ -2,8 +2,8 @@
 
 The same rollouts as `oar.sampler.decode` (the eager loop): the same prefill, the same table of
 uniforms, the same choice per token (`oar.sampler.choose`). What changes is where the state lives:
-the keys and values go into a preallocated `StaticCache` of width Lp + T rounded up to a multiple of
-WIDTH_STEP, the attention mask is one (B, width) tensor made up front, and the step counter, the
+the keys and values go into a preallocated `StaticCache` of width Lp + T rounded up (`cache_width`:
+at most 1/8 more, so that calls with nearby prompt widths share compiled shapes), the attention mask is one (B, width) tensor made up front, and the step counter, the
 positions, the done flags and the output tokens and log-probs are tensors updated in place. One decode
 step (forward, choice, bookkeeping) is then a function of fixed shapes with no host work in it: the
 host asks whether every row is done only every CHECK_EVERY steps. Finished rows keep being fed
@@ -26,9 +26,15 @@ import sys
 
 import torch
 
-WIDTH_STEP = 64  # the cache width is rounded up to a multiple of this, so that calls share compiled shapes
 CHECK_EVERY = 16  # steps between the host's checks that every row is done
 _SAID: set[str] = set()
+
+
+def cache_width(columns: int) -> int:
+    """`columns` rounded up to a multiple of 2**(bits - 4), at least 8: eight widths per doubling, at
+    most 1/8 of the attention wasted on unwritten columns."""
+    step = 1 << max(3, columns.bit_length() - 4)
+    return -(-columns // step) * step
 
 
 def static_cache_or_reason(model, width: int):
@@ -55,7 +61,7 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
     device, T = prompt_ids.device, max_new_tokens
     b = prompt_ids.shape[0] * group_size
     assert len(seeds) == b, (len(seeds), b)
-    width = -(-(prompt_ids.shape[1] + T) // WIDTH_STEP) * WIDTH_STEP
+    width = cache_width(prompt_ids.shape[1] + T)
     cache, why = static_cache_or_reason(model, width)
     if cache is None:
         if why not in _SAID:

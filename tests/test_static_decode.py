@@ -140,3 +140,10 @@ def test_a_train_py_step_with_the_static_loop_equals_the_eager_one(tiny_model, t
         for key in ("reward/mean", "completion/length", "completion/frac_truncated"):
             assert static[key] == eager[key], key
         assert abs(static["optim/grad_norm"] - eager["optim/grad_norm"]) < 1e-4 * eager["optim/grad_norm"]
+
+
+def test_cache_widths_waste_at_most_an_eighth_and_come_eight_per_doubling():
+    for n in range(1, 5000):
+        w = sd.cache_width(n)
+        assert n <= w <= max(n + 7, n * 9 // 8), n
+    assert len({sd.cache_width(n) for n in range(1025, 2049)}) == 8

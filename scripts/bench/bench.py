@@ -5,6 +5,7 @@
     python scripts/bench/bench.py --trl_python /tmp/trl-venv/bin/python --json bench.json   # + TRL's GRPOTrainer
     python scripts/bench/bench.py --growth --json growth.json       # issue 13: cost growth with R, decode tokens/s
     python scripts/bench/bench.py --growth --device cuda --model qwen1.5b-random --json growth-gpu.json
+    python scripts/bench/bench.py --rollouts --json rollouts.json   # issue 20: the sampler's loops vs generate (bench_rollouts.py)
 
 1. OAR-P: the fast exact path vs the naive definition (one full forward per masked copy) on
    SmolLM2-135M-Instruct, and how both grow with the reasoning length. The naive cost is timed on
@@ -54,7 +55,11 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: oar_p, sweep, steps, smollm2_steps, logprob")
     ap.add_argument("--growth", action="store_true", help="only issue 13's part: cost growth with R of exact OAR-P, the window "
                     "modes, OAR-G and a GRPO update, plus decode tokens/s (scripts/bench/bench_growth.py)")
-    ap.add_argument("--device", default="cpu", help="--growth: cpu or cuda")
+    ap.add_argument("--rollouts", action="store_true", help="only issue 20's part: rollout tokens/s of the sampler's loops beside "
+                    "transformers' generate (scripts/bench/bench_rollouts.py)")
+    ap.add_argument("--peak_gbs", type=float, default=3350.0, help="--rollouts --device cuda: the GPU's peak memory bandwidth, GB/s "
+                    "(H100 SXM 3350, H200 4800)")
+    ap.add_argument("--device", default="cpu", help="--growth, --rollouts: cpu or cuda")
     ap.add_argument("--model", default="smollm2", help="--growth: smollm2 (the GGUF, float32) or qwen1.5b-random (Qwen2.5-1.5B shape, bf16)")
     ap.add_argument("--lengths", default="256,512,1024,2048", help="--growth: reasoning lengths R")
     ap.add_argument("--windows", default="16,32,64", help="--growth: window sizes W to time")
@@ -69,6 +74,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.growth:
         return growth_main(args)
+    if args.rollouts:
+        return rollouts_main(args)
     size, skip = (QUICK if args.quick else FULL), set(filter(None, args.skip.split(",")))
     if args.threads:
         bp.set_threads(args.threads)
@@ -187,6 +194,29 @@ def growth_main(args) -> None:
         p, g, lp, t = (int(x) for x in args.decode.split(","))
         res["decode"] = bg.decode_speed(model, pad, prompts=p, group_size=g, prompt_len=lp, new_tokens=t, synthetic=bp.synthetic)
     bg.report(res, args.windows, args.fast_window, args.fidelity_json, args.json, say)
+
+
+def rollouts_main(args) -> None:
+    """Issue 20: the sampler's loops beside transformers' generate, on the CPU rows or the GPU rows."""
+    import torch
+
+    import bench_rollouts as br
+
+    if args.threads:
+        bp.set_threads(args.threads)
+    say = lambda s: print(s, flush=True)
+    res = {"mode": "rollouts", "machine": bp.machine()}
+    say(f"machine: {res['machine']['cpu']}, torch threads {res['machine']['torch_threads']}, load average "
+        f"{res['machine']['load_average_1min']:.1f} (shared machine: read ratios)")
+    if args.device == "cuda":
+        res["machine"].update(device="cuda", gpu=torch.cuda.get_device_name())
+        res["gpu"] = br.gpu_cases(args.peak_gbs, say)
+    else:
+        res["cpu"] = cpu = br.cpu_cases(args.cache_dir, say)
+        res.update({k: v for k, v in cpu.items() if k.startswith("rollouts_")})
+        say("\nheadline: " + json.dumps({k: round(v, 3) for k, v in res.items() if k.startswith("rollouts_")}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
 
 
 def _print_steps(say, title, st):

@@ -1,0 +1,150 @@
+"""Issue 20's benchmark: rollout tokens/s of oar's sampler, its three loops (eager, static, compiled),
+beside transformers' `generate` (its default cache; its static cache, compiled) on the same batch.
+
+    python scripts/bench/bench.py --rollouts --json docs/bench/rollouts-cpu.json
+    python scripts/bench/bench.py --rollouts --device cuda --peak_gbs 3350 --json docs/bench/rollouts-gpu.json
+
+CPU: tiny-arith at the default run's batch (32 prompts x 8 rollouts, 64 new tokens) and SmolLM2-135M
+(8 prompts x 8 rollouts x 256 new tokens); GPU: a Qwen2.5-1.5B-shaped model in bf16 at 32, 128 and 256
+rollouts x 1,024 new tokens, with the fraction of the memory-bandwidth bound (bytes of weights and
+KV cache read per decode step / step time / the device's peak). Every row runs exactly T new tokens
+(no EOS), temperature 1, no top-k or top-p. The loops run interleaved after a warm-up (the compiled
+ones compile there; that time is reported apart); medians. The three oar loops must give the same
+tokens: the benchmark checks it and says so.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from oar.sampler import decode
+
+LOOPS = ("eager", "static", "compiled")
+HF = ("hf_generate", "hf_generate_static_compiled")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: int, repeats: int, variants=LOOPS + HF) -> dict:
+    """Median seconds and tokens/s of each variant on the (P, Lp) prompts ids/attn, P x group_size rollouts."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    device = ids.device
+    b = ids.shape[0] * group_size
+    out = {}
+
+    def ours(loop):
+        def run():
+            out[loop] = decode(model, ids, attn, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, eos_token_ids=set(),
+                               pad_token_id=pad, seeds=list(range(b)), group_size=group_size, loop=loop)[0]
+        return run
+
+    def hf(static):
+        config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, num_return_sequences=group_size, pad_token_id=pad, eos_token_id=None)
+        if static:
+            config.cache_implementation = "static"
+            config.compile_config = CompileConfig()
+            config.compile_config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+        return lambda: model.generate(input_ids=ids, attention_mask=attn, generation_config=config)
+
+    fns = {**{v: ours(v) for v in variants if v in LOOPS}, **({"hf_generate": hf(False)} if "hf_generate" in variants else {}),
+           **({"hf_generate_static_compiled": hf(True)} if "hf_generate_static_compiled" in variants else {})}
+    first = {}
+    with torch.no_grad():
+        for name, fn in fns.items():  # warm-up: the compiled variants compile here
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            first[name] = time.perf_counter() - t
+        times = {k: [] for k in fns}
+        for r in range(repeats):
+            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                _sync(device)
+                t = time.perf_counter()
+                fns[name]()
+                _sync(device)
+                times[name].append(time.perf_counter() - t)
+    res = {"rollouts": b, "prompt_width": ids.shape[1], "new_tokens": new_tokens, "repeats": repeats, "variants": {}}
+    for name, ts in times.items():
+        s = statistics.median(ts)
+        res["variants"][name] = {"median_s": s, "times_s": ts, "first_call_s": first[name], "tokens_per_s": b * new_tokens / s}
+    loops = [v for v in LOOPS if v in out]
+    res["loops_give_equal_tokens"] = all(torch.equal(out[v], out[loops[0]]) for v in loops)
+    return res
+
+
+def bandwidth_fraction(model, *, rollouts: int, prompt: int, new_tokens: int, step_s: float, peak_gbs: float) -> float:
+    """Of the memory-bandwidth bound: bytes a decode step must read (every weight once, and the KV cache
+    of all rows at its mean length prompt + T/2) / the measured seconds per step / the peak bytes/s."""
+    c = model.config
+    elem = next(model.parameters()).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * elem
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * elem
+    kv = rollouts * (prompt + new_tokens / 2) * kv_per_token
+    return (weights + kv) / step_s / (peak_gbs * 1e9)
+
+
+def cpu_cases(cache_dir, say) -> dict:
+    """The CPU rows: tiny-arith at the default run's batch and shape, SmolLM2-135M at 8 x 8 x 256."""
+    from pathlib import Path
+
+    import bench_parts as bp
+
+    from oar.sampler import encode_prompts, format_prompt
+    from oar.tasks.arith import arith_problems
+    from oar.tasks.tiny_arith_cache import model_source
+    from oar.training.models import load_model
+
+    res = {}
+    model, tok = load_model(model_source("tiny-arith"))
+    model.eval()
+    ids, attn = encode_prompts(tok, [format_prompt(tok, p.problem) for p in arith_problems(32, split="train", seed=0)], "cpu")
+    res["tiny_arith"] = r = rollout_speeds(model, ids, attn, group_size=8, new_tokens=64, pad=tok.pad_token_id, repeats=5)
+    _say_row(say, "tiny-arith (0.8M, the default run's 32 prompts x 8, 64 new tokens)", r)
+    model, tok, _, source = bp.smollm2(Path(cache_dir))
+    prompts = [format_prompt(tok, p.problem) for p in arith_problems(8, split="train", seed=0)] if tok is not None else None
+    ids, attn = encode_prompts(tok, prompts, "cpu") if tok is not None else (torch.randint(3, 40000, (8, 32)), torch.ones(8, 32, dtype=torch.long))
+    res["smollm2"] = r = rollout_speeds(model, ids, attn, group_size=8, new_tokens=256, pad=tok.pad_token_id if tok else 2, repeats=2)
+    r["model"] = source
+    _say_row(say, f"{source}, 8 prompts x 8, 256 new tokens", r)
+    v, w = res["tiny_arith"]["variants"], res["smollm2"]["variants"]
+    res["rollouts_speedup_tiny_cpu"] = v["eager"]["median_s"] / v["compiled"]["median_s"]
+    res["rollouts_speedup_tiny_cpu_static"] = v["eager"]["median_s"] / v["static"]["median_s"]
+    res["rollouts_vs_generate_smollm2_cpu"] = w["hf_generate"]["median_s"] / w["eager"]["median_s"]
+    res["rollouts_vs_generate_smollm2_cpu_compiled"] = w["hf_generate"]["median_s"] / w["compiled"]["median_s"]
+    return res
+
+
+def gpu_cases(peak_gbs: float, say, batches=(32, 128, 256), new_tokens: int = 1024, prompt: int = 128) -> dict:
+    """The GPU rows: the Qwen2.5-1.5B shape in bf16 (random weights), synthetic prompts of `prompt` tokens."""
+    import bench_growth as bg
+
+    model = bg.qwen15b_random("cuda")
+    res = {"model": "random Qwen2.5-1.5B-shaped Qwen2 (bf16)", "device": torch.cuda.get_device_name(), "peak_gbs": peak_gbs, "rows": []}
+    for b in batches:
+        ids = torch.randint(3, 150000, (b // 8, prompt), device="cuda")
+        r = rollout_speeds(model, ids, torch.ones_like(ids), group_size=8, new_tokens=new_tokens, pad=151643, repeats=3)
+        for name, x in r["variants"].items():
+            x["bandwidth_fraction"] = bandwidth_fraction(model, rollouts=b, prompt=prompt, new_tokens=new_tokens,
+                                                         step_s=x["median_s"] / new_tokens, peak_gbs=peak_gbs)
+        res["rows"].append(r)
+        _say_row(say, f"{res['model']}, {b} rollouts x {new_tokens}", r)
+    return res
+
+
+def _say_row(say, title, r):
+    say(f"\n{title}: tokens/s (median of {r['repeats']}; first call, with any compile, apart)")
+    base = r["variants"]["eager"]["median_s"]
+    for name, x in r["variants"].items():
+        extra = f"   of bandwidth bound {x['bandwidth_fraction']:.2f}" if "bandwidth_fraction" in x else ""
+        say(f"   {name:30s} {x['tokens_per_s']:10.0f} tok/s   {base / x['median_s']:5.2f}x the eager loop   first call {x['first_call_s']:6.1f} s{extra}")
+    say(f"   oar's loops give the same tokens: {r['loops_give_equal_tokens']}")

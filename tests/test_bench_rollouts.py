@@ -1,0 +1,33 @@
+"""scripts/bench/bench_rollouts.py (issue 20's benchmark): what it times is the same batch for every
+variant, and its bandwidth arithmetic is right on a model whose sizes are known."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+
+import bench_rollouts as br  # noqa: E402
+
+from conftest import tiny_llama  # noqa: E402
+
+
+def test_every_variant_runs_the_same_batch_to_the_full_length():
+    model = tiny_llama(seed=3)
+    ids, attn = torch.randint(3, 40, (2, 5)), torch.ones(2, 5, dtype=torch.long)
+    attn[0, :2] = 0
+    r = br.rollout_speeds(model, ids, attn, group_size=3, new_tokens=7, pad=0, repeats=1, variants=("eager", "static", "hf_generate"))
+    assert set(r["variants"]) == {"eager", "static", "hf_generate"} and r["rollouts"] == 6
+    assert r["loops_give_equal_tokens"] is True
+    for x in r["variants"].values():
+        assert x["tokens_per_s"] == 6 * 7 / x["median_s"] and len(x["times_s"]) == 1
+
+
+def test_the_bandwidth_bound_counts_every_weight_and_the_mean_kv_cache():
+    model = tiny_llama(hidden=32, layers=2)  # 4 heads of 8, 2 KV heads, float32
+    params = sum(p.numel() for p in model.parameters())
+    kv_per_token = 2 * 2 * 2 * 8 * 4  # keys and values, layers, KV heads, head dim, bytes
+    want = (params * 4 + 10 * (20 + 30 / 2) * kv_per_token) / 0.001 / 1e9
+    got = br.bandwidth_fraction(model, rollouts=10, prompt=20, new_tokens=30, step_s=0.001, peak_gbs=1.0)
+    assert abs(got - want) < 1e-12 * want
