@@ -152,7 +152,7 @@ def main(cfg: Config) -> dict:
         log.say(f"held-out accuracy before training: {history['eval_before']:.3f} on {len(eval_set)} problems")
 
     for step in range(start_step, cfg.steps):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU (steadier on a shared machine)
         # 1. rollout: this process's slice of the step's prompts, G samples each
         slots = [step * cfg.prompts_per_step + rank * local_prompts + k for k in range(local_prompts)]
         idx = prompt_order(step, local_prompts, rank, len(train_set), cfg.prompts_per_step, cfg.seed)
@@ -258,12 +258,13 @@ def main(cfg: Config) -> dict:
                              f"dtype, or resume from the last checkpoint.")
         schedule.step()
         history["step_seconds"].append(time.perf_counter() - t0)
+        step_cpu = time.process_time() - cpu0
 
         # 6. log, evaluate, checkpoint
         metrics = step_metrics(ro, rewards, scored, cfg.group_size, passes[0], torch.cat(w_all), norms[0], schedule, accelerator)
         metrics |= pass_metrics(passes[1:], norms[1:])  # empty for --num_iterations 1
         metrics |= sampler_gap_metrics(gaps, accelerator)
-        metrics |= {"time/step_s": history["step_seconds"][-1], "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
+        metrics |= {"time/step_s": history["step_seconds"][-1], "time/step_cpu_s": step_cpu, "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
                     "oar/frac_nonfinite_scores": n_nonfinite / len(ro)}
         if n_nonfinite:
             log.say(f"warning: step {step + 1}: {n_nonfinite} rollouts had non-finite OAR scores; they got plain GRPO weights")

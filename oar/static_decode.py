@@ -97,7 +97,11 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
         next_pos.add_(1)
         return record(z)
 
-    run = torch.compile(step, mode="reduce-overhead", dynamic=False) if compiled else step
+    run = step
+    if compiled:  # the state the step mutates keeps its address, so a CUDA graph may capture it (as the cache's)
+        for x in (uniforms, mask, next_pos, tokens, logprobs, done, t):
+            torch._dynamo.mark_static_address(x)
+        run = torch.compile(step, mode="reduce-overhead", dynamic=False)
     token = record(logits.repeat_interleave(group_size, 0))
     for i in range(1, T):
         if i % check_every == 0 and bool(done.all()):

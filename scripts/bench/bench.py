@@ -224,7 +224,9 @@ def _print_steps(say, title, st):
         f"{st['steps_per_run'] - 1} timed steps (first dropped), median s/step:")
     say("   " + "   ".join(f"{m} {s:.2f}" for m, s in st["median_step_s"].items() if m != "trl"))
     r, d = st["ratio_vs_grpo"], st["details"]
-    say(f"   OAR-G/GRPO {r['oar-g']:.2f} (target <= 1.15)   OAR-P/GRPO {r['oar-p']:.2f} (target <= 3)   rollouts scored "
+    c = st["cpu_ratio_vs_grpo"]
+    say("   CPU seconds over GRPO's, summed over the same steps (steadier): " + "   ".join(f"{m} {x:.2f}" for m, x in c.items()))
+    say(f"   wall: OAR-G/GRPO {r['oar-g']:.2f} (target <= 1.15)   OAR-P/GRPO {r['oar-p']:.2f} (target <= 3)   rollouts scored "
         f"{d['oar-g']['frac_scored']:.2f} (not scored: advantage 0 or no answer); without an answer {d['oar-g']['frac_no_answer']:.2f}")
     if "oar-g+all" in r:
         say(f"   every rollout scored (--score_all): OAR-G/GRPO {r['oar-g+all']:.2f}   OAR-P/GRPO {r['oar-p+all']:.2f}   rollouts scored "
@@ -243,6 +245,8 @@ def _headline(res) -> dict:
             "step_ratio_oar_p_score_all": get("steps_tiny_arith", "ratio_vs_grpo", "oar-p+all"),
             "step_ratio_oar_g_smollm2": get("steps_smollm2", "ratio_vs_grpo", "oar-g"), "step_ratio_oar_p_smollm2": get("steps_smollm2", "ratio_vs_grpo", "oar-p"),
             "step_ratio_oar_g_smollm2_score_all": get("steps_smollm2", "ratio_vs_grpo", "oar-g+all"),
+            **{f"step_cpu_ratio_{m.replace('-', '_').replace('+all', '_score_all')}": get("steps_tiny_arith", "cpu_ratio_vs_grpo", m)
+               for m in ("oar-g", "oar-p", "oar-g+all", "oar-p+all")},
             "step_ratio_oar_p_smollm2_score_all": get("steps_smollm2", "ratio_vs_grpo", "oar-p+all"),
             "logprob_peak_mem_ratio": max(ratios) if ratios else None,
             "trl_throughput_ratio": st["median_step_s"]["trl"] / st["median_step_s"]["grpo"] if "trl" in st.get("median_step_s", {}) else None,

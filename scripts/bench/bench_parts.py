@@ -246,10 +246,14 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
     """Per-step seconds of train.main for each method (and of TRL's GRPOTrainer when trl_python is
     given), runs interleaved, the first step of every run dropped (warm-up). A method "oar-g+all" is
     oar-g with --score_all (every rollout scored, also those with advantage 0). Learning rate 1e-12:
-    every method then samples the same rollouts at every step, while the update is still computed and applied."""
+    every method then samples the same rollouts at every step, while the update is still computed and applied.
+    Beside the wall-clock medians, `cpu_ratio_vs_grpo`: a method's process CPU seconds summed over all its
+    timed steps over GRPO's summed over the same steps (the same rollouts), the steadier figure on a shared
+    machine (train.py runs in this process with a fixed thread count, so CPU time is the work done)."""
     import train
 
     samples = {m: [] for m in methods}
+    cpu = {m: [] for m in methods}
     extra = {m: {"completion_length": [], "oar_s_per_rollout": [], "frac_no_answer": [], "frac_scored": []} for m in methods}
     runs = list(methods) + (["trl"] if trl_python else [])
     if trl_python:
@@ -275,6 +279,7 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
                     train.main(cfg)
                 lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()][1:]
                 samples[m] += [ln["time/step_s"] for ln in lines]
+                cpu[m] += [ln["time/step_cpu_s"] for ln in lines]
                 extra[m]["completion_length"] += [ln["completion/length"] for ln in lines]
                 extra[m]["oar_s_per_rollout"] += [ln["oar/seconds_per_rollout"] for ln in lines]
                 extra[m]["frac_no_answer"] += [ln["oar/frac_no_answer"] for ln in lines]
@@ -284,6 +289,8 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
     res["details"] = {m: {k: (med(v) if isinstance(v, list) else v) for k, v in d.items()} for m, d in extra.items()}
     base = res["median_step_s"]["grpo"]
     res["ratio_vs_grpo"] = {m: res["median_step_s"][m] / base for m in samples if m != "grpo"}
+    res["step_cpu_s"] = cpu
+    res["cpu_ratio_vs_grpo"] = {m: sum(cpu[m]) / sum(cpu["grpo"]) for m in methods if m != "grpo"}
     return res
 
 
