@@ -29,6 +29,8 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
     "random-gate/seq_mean": ["--method", "random-gate", "--aggregation", "seq_mean"],  # beyond the paper: a control
     # rollouts sampled a prompt at a time (--rollout_batch_size 1): the same batches on 1 and 2 processes
     "grpo/chunked": ["--method", "grpo", "--aggregation", "seq_mean", "--rollout_batch_size", "1"],
+    # the same through the fixed-shape decode loop (oar/static_decode.py)
+    "oar-p/chunked/static": ["--method", "oar-p", "--aggregation", "seq_mean", "--rollout_batch_size", "1", "--decode_loop", "static"],
 }
 SAME_FOR_ANY_SPLIT = ("optim/grad_norm", "optim/lr", "reward/mean", "reward/frac_zero_std_groups",
                       "completion/frac_truncated", "oar/frac_no_answer")
@@ -79,7 +81,8 @@ def test_micro_batches_of_1_equal_one_batch_of_8(tiny_model, tmp_path, setting):
                                                                ("entropy-mask/token_mean", 2, False),
                                                                ("tempo/seq_mean", 2, False),
                                                                ("random-gate/seq_mean", 2, False),  # its widest-prompt gather
-                                                               ("grpo/chunked", 4, False)])  # --rollout_batch_size 1 on both
+                                                               ("grpo/chunked", 4, False),  # --rollout_batch_size 1 on both
+                                                               ("oar-p/chunked/static", 4, True)])
 def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size, switch):
     """Two steps under 2 processes, or (switch) step 1 under 2 processes and step 2 resumed in one:
     a checkpoint does not depend on the number of processes that wrote or reads it."""
