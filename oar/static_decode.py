@@ -3,8 +3,9 @@
 The same rollouts as `oar.sampler.decode` (the eager loop): the same prefill, the same table of
 uniforms, the same choice per token (`oar.sampler.choose`). What changes is where the state lives:
 the keys and values go into a preallocated `StaticCache` of width Lp + T rounded up (`cache_width`:
-at most 1/8 more, so that calls with nearby prompt widths share compiled shapes), the attention mask is one (B, width) tensor made up front, and the step counter, the
-positions, the done flags and the output tokens and log-probs are tensors updated in place. One decode
+at most 1/8 more, so that calls with nearby prompt widths share compiled shapes), the attention mask
+is one (B, width) tensor made up front, and the step counter, the positions, the done flags and the
+output tokens and log-probs are tensors updated in place. One decode
 step (forward, choice, bookkeeping) is then a function of fixed shapes with no host work in it: the
 host asks whether every row is done only every CHECK_EVERY steps. Finished rows keep being fed
 (their token is the pad, their log-prob 0) and are never compacted, so a row's numbers do not depend on
@@ -14,7 +15,7 @@ when its batch-mates stop; the output is cut where the eager loop stops, so both
 as a CUDA graph and replays it; on a CPU, the same call runs inductor's compiled step, which the CPU
 suite tests. Attention runs over the whole width (the unwritten columns are masked), so the logits
 agree with the eager loop's up to float rounding, not bit for bit: the tokens are the same unless two
-tokens are tied to within rounding (tests/test_static_decode.py checks ten families in float64).
+tokens are tied to within rounding (tests/test_static_decode.py: 16 families in float64).
 
 A model whose cache is not all full-attention layers (a sliding window, chunked or linear attention)
 runs the eager loop instead, said once per process.

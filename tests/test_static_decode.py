@@ -147,3 +147,20 @@ def test_cache_widths_waste_at_most_an_eighth_and_come_eight_per_doubling():
         w = sd.cache_width(n)
         assert n <= w <= max(n + 7, n * 9 // 8), n
     assert len({sd.cache_width(n) for n in range(1025, 2049)}) == 8
+
+
+def test_eval_py_with_the_static_loop_writes_the_eager_loop_records(tiny_model, tmp_path):
+    import json
+
+    from tinyrun import EVAL, check_ok, run_script
+
+    got = {}
+    for loop in ("eager", "static"):
+        out = tmp_path / loop
+        check_ok(run_script(EVAL, ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out),
+                                   "--instruction", "", "--max_new_tokens", "20", "--limit", "12", "--num_samples", "2",
+                                   "--temperature", "1.0", "--decode_loop", loop]))
+        got[loop] = [json.loads(line)["completion"] for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert got["static"] == got["eager"]
+    bad = run_script(EVAL, ["--model", str(tiny_model), "--decode_loop", "graph", "--output_dir", str(tmp_path / "x")])
+    assert bad.returncode != 0 and "--decode_loop graph: one of eager, static, compiled" in bad.stderr
