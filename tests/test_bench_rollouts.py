@@ -19,7 +19,8 @@ def test_every_variant_runs_the_same_batch_to_the_full_length():
     attn[0, :2] = 0
     r = br.rollout_speeds(model, ids, attn, group_size=3, new_tokens=7, pad=0, repeats=1, variants=("eager", "static", "hf_generate"))
     assert set(r["variants"]) == {"eager", "static", "hf_generate"} and r["rollouts"] == 6
-    assert r["loops_give_equal_tokens"] is True
+    assert r["loops_give_equal_tokens"] is True and r["agreement_with_eager"]["static"]["rows_equal"] == 6
+    assert r["choose_s_per_step"] > 0
     for x in r["variants"].values():
         assert x["tokens_per_s"] == 6 * 7 / x["median_s"] and len(x["times_s"]) == 1
 
@@ -31,3 +32,17 @@ def test_the_bandwidth_bound_counts_every_weight_and_the_mean_kv_cache():
     want = (params * 4 + 10 * (20 + 30 / 2) * kv_per_token) / 0.001 / 1e9
     got = br.bandwidth_fraction(model, rollouts=10, prompt=20, new_tokens=30, step_s=0.001, peak_gbs=1.0)
     assert abs(got - want) < 1e-12 * want
+
+
+def test_agreement_finds_the_rows_and_first_positions_that_differ():
+    tokens = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3]])
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -9.0, -3.0], [-0.5, -0.5, -0.5]])
+    other = tokens.clone()
+    other[1, 1:] = 8
+    a = br.agreement((tokens, logp), (other, logp + 1e-3))
+    assert a["rows"] == 3 and a["rows_equal"] == 2 and a["first_difference_at"] == [1]
+    assert a["logprob_at_first_difference"] == [-9.0] and abs(a["max_logprob_diff_equal_rows"] - 1e-3) < 1e-6
+
+
+def test_the_choice_alone_is_timed_on_the_batch_shape():
+    assert 0 < br.choose_seconds(4, 50, torch.device("cpu"), torch.float32, repeats=2) < 1

@@ -42,7 +42,7 @@ def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: i
     def ours(loop):
         def run():
             out[loop] = decode(model, ids, attn, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, eos_token_ids=set(),
-                               pad_token_id=pad, seeds=list(range(b)), group_size=group_size, loop=loop)[0]
+                               pad_token_id=pad, seeds=list(range(b)), group_size=group_size, loop=loop)
         return run
 
     def hf(static):
@@ -76,9 +76,41 @@ def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: i
     for name, ts in times.items():
         s = statistics.median(ts)
         res["variants"][name] = {"median_s": s, "times_s": ts, "first_call_s": first[name], "tokens_per_s": b * new_tokens / s}
+    res["choose_s_per_step"] = choose_seconds(b, model.config.vocab_size, device, dtype=torch.float32)
     loops = [v for v in LOOPS if v in out]
-    res["loops_give_equal_tokens"] = all(torch.equal(out[v], out[loops[0]]) for v in loops)
+    res["loops_give_equal_tokens"] = all(torch.equal(out[v][0], out[loops[0]][0]) for v in loops)
+    res["agreement_with_eager"] = {v: agreement(out["eager"], out[v]) for v in loops if v != "eager" and "eager" in out}
     return res
+
+
+def choose_seconds(rows: int, vocab: int, device, dtype, repeats: int = 10) -> float:
+    """Median seconds of one step's token choice alone (`oar.sampler.choose`: softmax, the sort of the
+    whole vocabulary that inverse-CDF sampling orders tokens by, cumsum, search, log-prob) on (rows, vocab)."""
+    from oar.sampler import choose
+
+    z = torch.randn(rows, vocab, device=device, dtype=dtype) * 3
+    u, done = torch.rand(rows, device=device), torch.zeros(rows, dtype=torch.bool, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t = time.perf_counter()
+        choose(z, 1.0, 1.0, u, done, 0)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def agreement(a, b) -> dict:
+    """How far two loops' (tokens, log-probs) agree: rows with equal tokens, and for each row that
+    differs, where its first different token is and the sampled log-probability there (a flip is a
+    rounding difference where the draw fell between two tokens that rounding can reorder)."""
+    diff = a[0] != b[0]
+    rows = diff.any(1).nonzero().flatten().tolist()
+    first = [int(diff[r].int().argmax()) for r in rows]
+    same = ~diff.any(1)
+    return {"rows": a[0].shape[0], "rows_equal": int(same.sum()), "first_difference_at": first,
+            "logprob_at_first_difference": [float(a[1][r, j]) for r, j in zip(rows, first)],
+            "max_logprob_diff_equal_rows": float((a[1] - b[1])[same].abs().max()) if same.any() else None}
 
 
 def bandwidth_fraction(model, *, rollouts: int, prompt: int, new_tokens: int, step_s: float, peak_gbs: float) -> float:
@@ -147,4 +179,10 @@ def _say_row(say, title, r):
     for name, x in r["variants"].items():
         extra = f"   of bandwidth bound {x['bandwidth_fraction']:.2f}" if "bandwidth_fraction" in x else ""
         say(f"   {name:30s} {x['tokens_per_s']:10.0f} tok/s   {base / x['median_s']:5.2f}x the eager loop   first call {x['first_call_s']:6.1f} s{extra}")
+    step = r["variants"]["eager"]["median_s"] / r["new_tokens"]
+    say(f"   choosing the token alone (softmax, vocabulary sort, cumsum, search): {r['choose_s_per_step'] * 1e3:.1f} ms a step, "
+        f"{r['choose_s_per_step'] / step:.0%} of the eager loop's step")
     say(f"   oar's loops give the same tokens: {r['loops_give_equal_tokens']}")
+    for loop, a in r.get("agreement_with_eager", {}).items():
+        say(f"   {loop}: {a['rows_equal']} of {a['rows']} rows equal to the eager loop's; the others first differ at "
+            f"{a['first_difference_at']}, where the sampled token's log-prob was {[round(x, 1) for x in a['logprob_at_first_difference']]}")
