@@ -35,6 +35,7 @@ def test_paired_differences_and_their_standard_errors_by_hand(tmp_path):
     assert s["grpo"]["accuracy"]["24"]["mean"] == pytest.approx(0.5) and s["grpo"]["cpu_minutes_per_run"] == pytest.approx(10.0)
     page = (out / "README.md").read_text()
     assert page.startswith("head\n") and page.endswith("tail\n") and "old" not in page and "+5.0 ± 2.9 (n = 3)" in page
+    assert "| 30.0% | +0.0 ± 0.0 (n = 3) |" in page and "| 20.0% | -10.0 (n = 1) |" in page  # step 12, secondary
     assert (out / "curves.png").exists() and (out / "runs.csv").read_text().count("\n") == 8
 
 

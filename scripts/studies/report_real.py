@@ -65,19 +65,28 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
 
 
 def table(summary: dict) -> str:
-    last = str(SETTINGS["steps"])
-    lines = ["| method | seeds finished | held-out avg@8 before | after | paired Δ vs GRPO after (points ± s.e.) | CPU min per run |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    """The page's table: before, after (the primary metric, step 24) and, secondary, the middle
+    evaluation (step 12), each with the paired difference from GRPO."""
+    last, mid = str(SETTINGS["steps"]), str(SETTINGS["eval_every"])
+    lines = ["| method | seeds finished | held-out avg@8 before | after (step 24) | paired Δ vs GRPO after (points ± s.e.) | "
+             "step 12 | paired Δ at step 12 | CPU min per run |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def diff(row, step):
+        d = row["paired_vs_grpo"].get(step)
+        return "n/a" if d is None else f"{d['mean_points']:+.1f}" + (f" ± {d['se_points']:.1f}" if d["se_points"] is not None else "") + f" (n = {d['n']})"
+
+    def acc(row, step):
+        a = row["accuracy"].get(step)
+        return "" if a is None else f"{100 * a['mean']:.1f}%"
+
     for method, row in summary.items():
         if not row["seeds"]:
-            lines.append(f"| {method} | 0 | | | | |")
+            lines.append(f"| {method} | 0 | | | | | | |")
             continue
-        d = row["paired_vs_grpo"].get(last)
-        diff = "—" if method == "grpo" else ("n/a" if d is None else f"{d['mean_points']:+.1f}" + (f" ± {d['se_points']:.1f}" if d["se_points"] is not None else "") + f" (n = {d['n']})")
-        after = row["accuracy"].get(last)
-        after = "" if after is None else f"{100 * after['mean']:.1f}%"
+        d_last, d_mid = ("—", "—") if method == "grpo" else (diff(row, last), diff(row, mid))
         lines.append(f"| {method} | {len(row['seeds'])} ({', '.join(map(str, row['seeds']))}) | {100 * row['accuracy_before']:.1f}% | "
-                     f"{after} | {diff} | {row['cpu_minutes_per_run']:.0f} |")
+                     f"{acc(row, last)} | {d_last} | {acc(row, mid)} | {d_mid} | {row['cpu_minutes_per_run']:.0f} |")
     return "\n".join(lines)
 
 
