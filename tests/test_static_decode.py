@@ -164,3 +164,18 @@ def test_eval_py_with_the_static_loop_writes_the_eager_loop_records(tiny_model, 
     assert got["static"] == got["eager"]
     bad = run_script(EVAL, ["--model", str(tiny_model), "--decode_loop", "graph", "--output_dir", str(tmp_path / "x")])
     assert bad.returncode != 0 and "--decode_loop graph: one of eager, static, compiled" in bad.stderr
+
+
+def test_the_static_loop_samples_through_lora_adapters():
+    from peft import LoraConfig, get_peft_model
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(seed=1).double()
+    model.set_attn_implementation("sdpa")
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)).eval()
+    ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={2}, pad_token_id=0, seeds=list(range(4)), group_size=2)
+    eager, static = decode(model, ids, torch.ones_like(ids), **kw), decode(model, ids, torch.ones_like(ids), loop="static", **kw)
+    assert static[0].tolist() == eager[0].tolist()
+    torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-6)
