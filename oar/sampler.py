@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from oar import inverse_cdf
 from oar.training.models import position_ids
 from oar.rollout import Rollout, build_rollout, char_offsets, concat_rollouts, with_reference_answer  # noqa: F401 (re-exported)
 
@@ -170,17 +171,13 @@ def choose(logits, temperature: float, top_p: float, u, done, pad_token_id: int)
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
-    """One token per row by inverse-CDF sampling with the row's uniform u (B,); greedy at temperature 0.
-    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p."""
+    """One token per row by inverse-CDF sampling with the row's uniform u (B,) over the vocabulary sorted
+    most likely first (oar/inverse_cdf.py; found without the sort where that is provably the same
+    token); greedy at temperature 0. Top-p keeps the smallest set of most likely tokens whose mass
+    reaches top_p."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    probs, order = probs.sort(dim=-1, descending=True)
-    if top_p < 1.0:
-        probs = probs * ((probs.cumsum(-1) - probs) < top_p)  # the most likely token is always kept
-    cdf = probs.cumsum(-1)
-    choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).clamp(max=cdf.shape[-1] - 1)
-    return order.gather(-1, choice).squeeze(-1)
+    return inverse_cdf.choice(torch.softmax(logits / temperature, dim=-1), top_p, u)
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:

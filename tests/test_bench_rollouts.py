@@ -14,13 +14,17 @@ from conftest import tiny_llama  # noqa: E402
 
 
 def test_every_variant_runs_the_same_batch_to_the_full_length():
-    model = tiny_llama(seed=3)
+    model = tiny_llama(vocab_size=1024, seed=3)  # past 4 x HEAD tokens: the eager loop's head search runs
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # peaked distributions, as a trained model's
     ids, attn = torch.randint(3, 40, (2, 5)), torch.ones(2, 5, dtype=torch.long)
     attn[0, :2] = 0
-    r = br.rollout_speeds(model, ids, attn, group_size=3, new_tokens=7, pad=0, repeats=1, variants=("eager", "static", "hf_generate"))
-    assert set(r["variants"]) == {"eager", "static", "hf_generate"} and r["rollouts"] == 6
+    variants = ("eager", "static", "eager_sorted", "hf_generate")
+    r = br.rollout_speeds(model, ids, attn, group_size=3, new_tokens=7, pad=0, repeats=1, variants=variants)
+    assert set(r["variants"]) == set(variants) and r["rollouts"] == 6
     assert r["loops_give_equal_tokens"] is True and r["agreement_with_eager"]["static"]["rows_equal"] == 6
-    assert r["choose_s_per_step"] > 0
+    assert r["head_search_equals_sort"] is True
+    assert r["choose_s_per_step"] > 0 and r["choose_sorted_s_per_step"] > 0
     for x in r["variants"].values():
         assert x["tokens_per_s"] == 6 * 7 / x["median_s"] and len(x["times_s"]) == 1
 
@@ -44,5 +48,7 @@ def test_agreement_finds_the_rows_and_first_positions_that_differ():
     assert a["logprob_at_first_difference"] == [-9.0] and abs(a["max_logprob_diff_equal_rows"] - 1e-3) < 1e-6
 
 
-def test_the_choice_alone_is_timed_on_the_batch_shape():
-    assert 0 < br.choose_seconds(4, 50, torch.device("cpu"), torch.float32, repeats=2) < 1
+def test_the_choice_alone_is_timed_on_the_models_logits_both_ways():
+    ids = torch.randint(3, 40, (2, 5))
+    head, every_row_sorted = br.choose_seconds(tiny_llama(vocab_size=1024), ids, torch.ones_like(ids), group_size=2, repeats=2)
+    assert 0 < head < 1 and 0 < every_row_sorted < 1

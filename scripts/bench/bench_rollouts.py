@@ -10,7 +10,9 @@ rollouts x 1,024 new tokens, with the fraction of the memory-bandwidth bound (by
 KV cache read per decode step / step time / the device's peak). Every row runs exactly T new tokens
 (no EOS), temperature 1, no top-k or top-p. The loops run interleaved after a warm-up (the compiled
 ones compile there; that time is reported apart); medians. The three oar loops must give the same
-tokens: the benchmark checks it and says so.
+tokens: the benchmark checks it and says so. `eager_sorted` is the eager loop with every row's token
+chosen by sorting the vocabulary (the sampler before oar/inverse_cdf.py's head search): it must give
+the eager loop's tokens and log-probs bit for bit, and the benchmark checks that too.
 """
 from __future__ import annotations
 
@@ -19,9 +21,13 @@ import time
 
 import torch
 
+from unittest import mock
+
+from oar import inverse_cdf
 from oar.sampler import decode
 
 LOOPS = ("eager", "static", "compiled")
+SORTED = "eager_sorted"
 HF = ("hf_generate", "hf_generate_static_compiled")
 
 
@@ -30,7 +36,8 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: int, repeats: int, variants=LOOPS + HF) -> dict:
+def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: int, repeats: int,
+                   variants=LOOPS + (SORTED,) + HF) -> dict:
     """Median seconds and tokens/s of each variant on the (P, Lp) prompts ids/attn, P x group_size rollouts."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
@@ -41,8 +48,9 @@ def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: i
 
     def ours(loop):
         def run():
-            out[loop] = decode(model, ids, attn, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, eos_token_ids=set(),
-                               pad_token_id=pad, seeds=list(range(b)), group_size=group_size, loop=loop)
+            with mock.patch.object(inverse_cdf, "cumsum_adds_in_float64", lambda: False) if loop == SORTED else _nothing():
+                out[loop] = decode(model, ids, attn, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, eos_token_ids=set(),
+                                   pad_token_id=pad, seeds=list(range(b)), group_size=group_size, loop=loop.replace("_sorted", ""))
         return run
 
     def hf(static):
@@ -54,7 +62,7 @@ def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: i
             config.compile_config._compile_all_devices = True  # transformers compiles only on accelerators unless told
         return lambda: model.generate(input_ids=ids, attention_mask=attn, generation_config=config)
 
-    fns = {**{v: ours(v) for v in variants if v in LOOPS}, **({"hf_generate": hf(False)} if "hf_generate" in variants else {}),
+    fns = {**{v: ours(v) for v in variants if v in LOOPS + (SORTED,)}, **({"hf_generate": hf(False)} if "hf_generate" in variants else {}),
            **({"hf_generate_static_compiled": hf(True)} if "hf_generate_static_compiled" in variants else {})}
     first = {}
     with torch.no_grad():
@@ -76,28 +84,44 @@ def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: i
     for name, ts in times.items():
         s = statistics.median(ts)
         res["variants"][name] = {"median_s": s, "times_s": ts, "first_call_s": first[name], "tokens_per_s": b * new_tokens / s}
-    res["choose_s_per_step"] = choose_seconds(b, model.config.vocab_size, device, dtype=torch.float32)
+    res["choose_s_per_step"], res["choose_sorted_s_per_step"] = choose_seconds(model, ids, attn, group_size)
     loops = [v for v in LOOPS if v in out]
     res["loops_give_equal_tokens"] = all(torch.equal(out[v][0], out[loops[0]][0]) for v in loops)
+    if SORTED in out and "eager" in out:  # the head search must be the sort's choice exactly
+        res["head_search_equals_sort"] = all(torch.equal(x, y) for x, y in zip(out["eager"], out[SORTED]))
     res["agreement_with_eager"] = {v: agreement(out["eager"], out[v]) for v in loops if v != "eager" and "eager" in out}
     return res
 
 
-def choose_seconds(rows: int, vocab: int, device, dtype, repeats: int = 10) -> float:
-    """Median seconds of one step's token choice alone (`oar.sampler.choose`: softmax, the sort of the
-    whole vocabulary that inverse-CDF sampling orders tokens by, cumsum, search, log-prob) on (rows, vocab)."""
+def choose_seconds(model, ids, attn, group_size: int, repeats: int = 10) -> tuple[float, float]:
+    """Median seconds of one step's token choice alone (`oar.sampler.choose`: softmax, the search,
+    the log-prob) on the model's own next-token logits after the prompts (one row per rollout), with
+    the head search and with every row sorted."""
     from oar.sampler import choose
 
-    z = torch.randn(rows, vocab, device=device, dtype=dtype) * 3
-    u, done = torch.rand(rows, device=device), torch.zeros(rows, dtype=torch.bool, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        _sync(device)
-        t = time.perf_counter()
-        choose(z, 1.0, 1.0, u, done, 0)
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+    device = ids.device
+    with torch.no_grad():
+        z = model(input_ids=ids, attention_mask=attn).logits[:, -1].float().repeat_interleave(group_size, 0)
+    u = torch.rand(z.shape[0], generator=torch.Generator().manual_seed(0)).to(device)
+    done = torch.zeros(z.shape[0], dtype=torch.bool, device=device)
+    res = []
+    for sort_all in (False, True):
+        times = []
+        with mock.patch.object(inverse_cdf, "cumsum_adds_in_float64", lambda: False) if sort_all else _nothing():
+            for _ in range(repeats + 1):
+                _sync(device)
+                t = time.perf_counter()
+                choose(z, 1.0, 1.0, u, done, 0)
+                _sync(device)
+                times.append(time.perf_counter() - t)
+        res.append(statistics.median(times[1:]))
+    return res[0], res[1]
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def agreement(a, b) -> dict:
@@ -180,9 +204,12 @@ def _say_row(say, title, r):
         extra = f"   of bandwidth bound {x['bandwidth_fraction']:.2f}" if "bandwidth_fraction" in x else ""
         say(f"   {name:30s} {x['tokens_per_s']:10.0f} tok/s   {base / x['median_s']:5.2f}x the eager loop   first call {x['first_call_s']:6.1f} s{extra}")
     step = r["variants"]["eager"]["median_s"] / r["new_tokens"]
-    say(f"   choosing the token alone (softmax, vocabulary sort, cumsum, search): {r['choose_s_per_step'] * 1e3:.1f} ms a step, "
-        f"{r['choose_s_per_step'] / step:.0%} of the eager loop's step")
+    say(f"   choosing the token alone (softmax, search, log-prob) on the model's logits after the prompts: "
+        f"{r['choose_s_per_step'] * 1e3:.1f} ms a step ({r['choose_s_per_step'] / step:.0%} of the eager loop's step); "
+        f"sorting every row {r['choose_sorted_s_per_step'] * 1e3:.1f} ms")
     say(f"   oar's loops give the same tokens: {r['loops_give_equal_tokens']}")
+    if "head_search_equals_sort" in r:
+        say(f"   eager and eager_sorted give the same tokens and log-probs, bit for bit: {r['head_search_equals_sort']}")
     for loop, a in r.get("agreement_with_eager", {}).items():
         say(f"   {loop}: {a['rows_equal']} of {a['rows']} rows equal to the eager loop's; the others first differ at "
             f"{a['first_difference_at']}, where the sampled token's log-prob was {[round(x, 1) for x in a['logprob_at_first_difference']]}")
