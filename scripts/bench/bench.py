@@ -39,7 +39,7 @@ FULL = dict(batch=2, prompt=128, reasoning=128, answer=4, k=16, repeats=3, sweep
             ta=dict(), ta_steps=4, ta_repeats=3, sm=dict(prompts_per_step=2, group_size=4, max_new_tokens=64, micro_batch_size=8),
             sm_steps=2, sm_repeats=2, mem_fwd=(64, 256, 49152), mem_bwd=(16, 256, 49152))
 QUICK = dict(batch=2, prompt=32, reasoning=32, answer=4, k=8, repeats=2, sweep=(16, 32, 64), sweep_k=4, sweep_fast_all=64,
-             ta=dict(prompts_per_step=8, max_new_tokens=48), ta_steps=2, ta_repeats=2,
+             ta=dict(prompts_per_step=8, max_new_tokens=48), ta_steps=5, ta_repeats=3,  # 12 timed steps a method: CPU ratios to ~0.05
              sm=dict(prompts_per_step=1, group_size=4, max_new_tokens=32, micro_batch_size=4),
              sm_steps=2, sm_repeats=1, mem_fwd=None, mem_bwd=(8, 256, 49152))
 
