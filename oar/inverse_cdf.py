@@ -18,9 +18,10 @@ sort's first k+1):
     a float32 rounding midpoint, rounds to the same float32;
   * the position names the same token when its probability is held by no other token (a tie could
     be ordered otherwise by the sort).
-A row that fails any of the three (its threshold beyond the head, its total too near a midpoint, a tie
-at its position, a NaN anywhere) is sorted as before. Top-p < 1, a GPU (whose sort is fast and whose
-scan adds in another order) and a step being compiled use the sorted rule throughout.
+A row that fails any of the three (its threshold beyond the head, its total too near a midpoint or
+the float32 range's end, a tie at its position, a NaN anywhere) is sorted as before. Top-p < 1, a
+GPU (whose sort is fast and whose scan adds in another order), probabilities in another dtype than
+float32 (a bfloat16 or float16 cumsum adds in float32) and a step being compiled use the sort throughout.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ HEAD = 64  # the most likely tokens `head_choice` searches before it falls back 
 def choice(probs: torch.Tensor, top_p: float, u: torch.Tensor) -> torch.Tensor:
     """One token per row of `probs` (B, V) for its uniform u (B,): `sorted_choice`'s token, found
     without the sort where `head_choice` can prove it is the same."""
-    fast = (probs.device.type == "cpu" and top_p >= 1.0 and probs.shape[-1] > 4 * HEAD
+    fast = (probs.device.type == "cpu" and probs.dtype == torch.float32 and top_p >= 1.0 and probs.shape[-1] > 4 * HEAD
             and not torch.compiler.is_compiling() and cumsum_adds_in_float64())
     if not fast:
         return sorted_choice(probs, top_p, u)
@@ -59,14 +60,15 @@ def sorted_choice(probs: torch.Tensor, top_p: float, u: torch.Tensor) -> torch.T
 
 def head_choice(probs: torch.Tensor, u: torch.Tensor, k: int = HEAD) -> tuple[torch.Tensor, torch.Tensor]:
     """(token (B,), sure (B,)): `sorted_choice`'s token at top-p 1 wherever `sure`, found among the k
-    most likely tokens; rows not sure must be sorted. CPU only (module docstring)."""
+    most likely tokens; rows not sure must be sorted. Float32 probabilities on a CPU (module docstring)."""
     vals, idx = probs.topk(k + 1, dim=-1)  # descending, as the sort's first k + 1
     exact = probs.double().sum(-1)  # the total in float64, in another order than the sort's
     total = exact.float()
     up, down = torch.full_like(total, float("inf")), torch.zeros_like(total)
-    midpoints = [(total.double() + torch.nextafter(total, d).double()) / 2 for d in (down, up)]
-    slack = probs.shape[-1] * 2.0 ** -51 * exact  # twice the two orders' combined rounding bound
-    total_sure = (exact - midpoints[0] > slack) & (midpoints[1] - exact > slack)
+    above = torch.nextafter(total, up)
+    midpoints = [(total.double() + torch.nextafter(total, down).double()) / 2, (total.double() + above.double()) / 2]
+    slack = probs.shape[-1] * 2.0 ** -51 * probs.double().abs().sum(-1)  # twice the two orders' combined rounding bound
+    total_sure = (exact - midpoints[0] > slack) & (midpoints[1] - exact > slack) & above.isfinite()  # the largest float32 rounds to inf above
     cdf = vals[:, :k].cumsum(-1)
     position = torch.searchsorted(cdf, (u * total).unsqueeze(-1), right=True).squeeze(-1)
     inside = position < k

@@ -76,7 +76,53 @@ def test_a_total_near_a_float32_midpoint_is_sorted():
     assert head_choice(row, u)[1].item()
 
 
-def test_nan_inf_top_p_and_greedy_take_the_sort():
+def test_a_total_that_another_order_rounds_otherwise_is_sorted():
+    # torch's float64 sum rounds to 1 + 2**-23, the sort's in-order sum lands on the midpoint and
+    # rounds to 1: the two totals put the threshold on different tokens, so the slack must catch it.
+    row = torch.zeros(1, 4 * HEAD + 8)
+    row[0, 0], row[0, 1], row[0, -64:] = 0.5, 0.5 + 2.0 ** -24, 2.0 ** -54
+    u = torch.tensor([0.5])
+    assert not head_choice(row, u)[1].item()
+    assert torch.equal(choice(row, 1.0, u), reference(row, 1.0, u))
+
+
+def test_the_end_of_the_float32_range_and_other_dtypes_take_the_sort():
+    row = torch.zeros(1, 4 * HEAD + 8, dtype=torch.float64)
+    row[0, 0], row[0, 1], row[0, 2:18] = 2.0 ** 128 - 2.0 ** 104, 2.0 ** 103 - 2.0 ** 79, 2.0 ** 74 + 2.0 ** 51
+    row, u = row.float(), torch.tensor([0.5])  # the sort's running total overflows to inf
+    assert not head_choice(row, u)[1].item()
+    assert torch.equal(choice(row, 1.0, u), reference(row, 1.0, u))
+    for dtype, values in [(torch.bfloat16, [0.5, 0.498046875, 2.0 ** -10]), (torch.float16, [0.5, 0.5 - 2.0 ** -12, 2.0 ** -13]),
+                          (torch.float64, [0.5 + 2.0 ** -32, 0.25, 0.25 - 2.0 ** -32 + 2.0 ** -30])]:
+        row = torch.zeros(1, 4 * HEAD + 8, dtype=dtype)
+        row[0, :3] = torch.tensor(values, dtype=dtype)
+        assert torch.equal(choice(row, 1.0, u), reference(row, 1.0, u)), dtype
+
+
+def test_a_tie_across_the_heads_end_and_thresholds_on_cumulative_sums():
+    g = torch.Generator().manual_seed(0)
+    vocab = 4 * HEAD + 8
+    tied = torch.zeros(16, vocab)  # 63 distinct values, then 137 equal ones; the threshold at the 64th
+    for b in range(16):
+        perm = torch.randperm(vocab, generator=g)
+        tied[b, perm[:63]], tied[b, perm[63:200]] = torch.linspace(0.02, 0.01, 63), 0.001
+    cdf = tied.sort(-1, descending=True).values.cumsum(-1)
+    u = (cdf[:, 62] + cdf[:, 63]) / 2 / cdf[:, -1]
+    assert not head_choice(tied, u)[1].any()
+    assert torch.equal(choice(tied, 1.0, u), reference(tied, 1.0, u))
+    dyadic = torch.zeros(44, vocab)  # sums to exactly 1: each threshold is exactly a cumulative sum
+    dyadic[:, :43], dyadic[:, 43] = torch.arange(1, 44) * 2.0 ** -10, 78 * 2.0 ** -10
+    u = dyadic[0].sort(descending=True).values.cumsum(0)[:44]
+    assert head_choice(dyadic, u)[1].any()
+    assert torch.equal(choice(dyadic, 1.0, u), reference(dyadic, 1.0, u))
+    probs, _ = _case(9, 64, 4 * vocab, 3.0)  # thresholds on, just above and just below a cumulative sum
+    cdf = probs.sort(-1, descending=True).values.cumsum(-1)
+    at = cdf.gather(1, torch.randint(0, HEAD, (64, 1), generator=g)).squeeze(1) / cdf[:, -1]
+    for u in (at, torch.nextafter(at, torch.ones(())), torch.nextafter(at, torch.zeros(()))):
+        assert torch.equal(choice(probs, 1.0, u), reference(probs, 1.0, u))
+
+
+def test_nan_ruled_out_tokens_and_top_p_take_the_sort():
     probs, u = _case(11, 8, 8192, 3.0)
     probs[2, 5] = float("nan")
     probs[3] = torch.where(probs[3] < probs[3].median(), torch.zeros(()), probs[3])  # half the vocabulary ruled out
