@@ -164,3 +164,23 @@ def test_chunks_are_sampled_as_separate_batches_and_laid_out_as_one(tok):
     assert whole.input_ids.shape[1] == max(h.prompt_width for h in halves) + max(h.input_ids.shape[1] - h.prompt_width for h in halves)
     with pytest.raises(AssertionError, match="must divide"):
         sample(model, tok, prompts, seeds=seeds, chunk=3, **kw)
+
+
+@pytest.mark.parametrize("loop", ["eager", "static"])
+def test_a_published_v5_ledger_run_reproduces_to_the_digit(tmp_path, loop):
+    # fork/grpo-s0 of the 90-run study, from its recorded config and its starting model (the shipped
+    # tiny-arith weights are the same blob): every logged number of its first 3 steps but the timings.
+    import json
+    from pathlib import Path
+
+    import train
+
+    run = Path(__file__).resolve().parents[1] / "docs" / "results-v5" / "ledger" / "runs" / "fork" / "grpo-s0"
+    cfg = json.loads((run / "config.json").read_text())
+    cfg.update(model="tiny-arith", steps=3, output_dir=str(tmp_path), eval_size=1, eval_every=0, save_every=0, decode_loop=loop)
+    train.main(train.Config(**cfg))
+    got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:3]]
+    timing = {"oar/seconds_per_rollout"}
+    assert [{k: g[k] for k in w if not k.startswith("time/") and k not in timing} for g, w in zip(got, want)] == \
+           [{k: v for k, v in w.items() if not k.startswith("time/") and k not in timing} for w in want]
