@@ -177,6 +177,7 @@ def cpu_cases(cache_dir, say) -> dict:
     res["rollouts_speedup_tiny_cpu_static"] = v["eager"]["median_s"] / v["static"]["median_s"]
     res["rollouts_vs_generate_smollm2_cpu"] = w["hf_generate"]["median_s"] / w["eager"]["median_s"]
     res["rollouts_vs_generate_smollm2_cpu_compiled"] = w["hf_generate"]["median_s"] / w["compiled"]["median_s"]
+    res["rollouts_speedup_smollm2_cpu_vs_sorted"] = w[SORTED]["median_s"] / w["eager"]["median_s"]  # the head search's gain
     return res
 
 
