@@ -247,13 +247,17 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
     given), runs interleaved, the first step of every run dropped (warm-up). A method "oar-g+all" is
     oar-g with --score_all (every rollout scored, also those with advantage 0). Learning rate 1e-12:
     every method then samples the same rollouts at every step, while the update is still computed and applied.
-    Beside the wall-clock medians, `cpu_ratio_vs_grpo`: a method's process CPU seconds summed over all its
-    timed steps over GRPO's summed over the same steps (the same rollouts), the steadier figure on a shared
-    machine (train.py runs in this process with a fixed thread count, so CPU time is the work done)."""
+    Beside the wall-clock medians, `cpu_ratio_vs_grpo`: in each round of runs, a method's process CPU
+    seconds summed over its timed steps over GRPO's on the same steps (the same rollouts), and the
+    median of that over the rounds: the steadier figure on a shared machine (train.py runs in this
+    process with a fixed thread count, so CPU time is the work done, but a busy neighbour core still
+    slows it; a run and GRPO's in the same round saw nearly the same neighbours, and the median drops
+    a round that did not)."""
     import train
 
     samples = {m: [] for m in methods}
     cpu = {m: [] for m in methods}
+    cpu_rounds = {m: [] for m in methods}  # per round: the CPU seconds of the run's timed steps
     extra = {m: {"completion_length": [], "oar_s_per_rollout": [], "frac_no_answer": [], "frac_scored": []} for m in methods}
     runs = list(methods) + (["trl"] if trl_python else [])
     if trl_python:
@@ -280,6 +284,7 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
                 lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()][1:]
                 samples[m] += [ln["time/step_s"] for ln in lines]
                 cpu[m] += [ln["time/step_cpu_s"] for ln in lines]
+                cpu_rounds[m].append(sum(ln["time/step_cpu_s"] for ln in lines))
                 extra[m]["completion_length"] += [ln["completion/length"] for ln in lines]
                 extra[m]["oar_s_per_rollout"] += [ln["oar/seconds_per_rollout"] for ln in lines]
                 extra[m]["frac_no_answer"] += [ln["oar/frac_no_answer"] for ln in lines]
@@ -290,7 +295,8 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
     base = res["median_step_s"]["grpo"]
     res["ratio_vs_grpo"] = {m: res["median_step_s"][m] / base for m in samples if m != "grpo"}
     res["step_cpu_s"] = cpu
-    res["cpu_ratio_vs_grpo"] = {m: sum(cpu[m]) / sum(cpu["grpo"]) for m in methods if m != "grpo"}
+    res["cpu_ratio_vs_grpo"] = {m: med([a / b for a, b in zip(cpu_rounds[m], cpu_rounds["grpo"])]) for m in methods if m != "grpo"}
+    res["cpu_ratio_vs_grpo_by_round"] = {m: [a / b for a, b in zip(cpu_rounds[m], cpu_rounds["grpo"])] for m in methods if m != "grpo"}
     return res
 
 
