@@ -36,7 +36,9 @@ LORA = ["--lora_r", "4", "--lora_alpha", "8"]
 
 def _args(model, out, *extra):
     return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out), "--steps", "2",
-            "--save_every", "1", "--micro_batch_size", "2", *TINY, "--method", "oar-g", "--kl_beta", "0.1", *LORA, *extra]
+            "--save_every", "1", "--micro_batch_size", "2", *TINY, "--method", "oar-g", "--noise_std", "0.1", "--kl_beta", "0.1", *LORA, *extra]
+# OAR-G at --noise_std 0.1, not 1e-3: its scores magnify float rounding ~1/noise_std-fold, and on an AMD EPYC
+# a resumed or 2-process step 2 then moved grad_norm by 5.6e-5 and 1.6e-4 relative (tests/test_distributed.py).
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +104,10 @@ def test_a_lora_run_trains_the_adapters_only_and_leaves_a_plain_merged_model(tin
     with torch.no_grad():
         want, got = forward_logits(adapted, ids, attn), forward_logits(plain, ids, attn)
         base_logits = forward_logits(AutoModelForCausalLM.from_pretrained(tiny_model).eval(), ids, attn)
-    torch.testing.assert_close(got, want)
-    assert (got - base_logits).abs().max() > 1e-4  # and it is not the base model
+    # W x + s B (A x) against (W + s B A) x: the same sum rounded in another order (logits up to ~12 differed
+    # by 2e-5 on an AMD EPYC, where float32's default atol is 1e-5); the base model is ~0.7 away.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert (got - base_logits).abs().max() > 1e-2  # and it is not the base model
 
 
 def test_eval_loads_the_merged_final(one_process, tiny_model, tmp_path):
