@@ -62,12 +62,12 @@ def head_choice(probs: torch.Tensor, u: torch.Tensor, k: int = HEAD) -> tuple[to
     """(token (B,), sure (B,)): `sorted_choice`'s token at top-p 1 wherever `sure`, found among the k
     most likely tokens; rows not sure must be sorted. Float32 probabilities on a CPU (module docstring)."""
     vals, idx = probs.topk(k + 1, dim=-1)  # descending, as the sort's first k + 1
-    exact = probs.double().sum(-1)  # the total in float64, in another order than the sort's
+    wide = probs.double()
+    exact = wide.sum(-1)  # the total in float64, in another order than the sort's
     total = exact.float()
-    up, down = torch.full_like(total, float("inf")), torch.zeros_like(total)
-    above = torch.nextafter(total, up)
-    midpoints = [(total.double() + torch.nextafter(total, down).double()) / 2, (total.double() + above.double()) / 2]
-    slack = probs.shape[-1] * 2.0 ** -51 * probs.double().abs().sum(-1)  # twice the two orders' combined rounding bound
+    above, below = (torch.nextafter(total, torch.full_like(total, end)) for end in (float("inf"), 0.0))
+    midpoints = [(total.double() + x.double()) / 2 for x in (below, above)]
+    slack = probs.shape[-1] * 2.0 ** -51 * wide.abs().sum(-1)  # twice the two orders' combined rounding bound
     total_sure = (exact - midpoints[0] > slack) & (midpoints[1] - exact > slack) & above.isfinite()  # the largest float32 rounds to inf above
     cdf = vals[:, :k].cumsum(-1)
     position = torch.searchsorted(cdf, (u * total).unsqueeze(-1), right=True).squeeze(-1)

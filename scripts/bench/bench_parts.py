@@ -244,20 +244,14 @@ def logprob_equality(t: int = 256, v: int = 49152) -> dict:
 # ------------------------------------------------------------------ 2./4. training steps and TRL
 def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python: str | None = None, trl_model: str | None = None) -> dict:
     """Per-step seconds of train.main for each method (and of TRL's GRPOTrainer when trl_python is
-    given), runs interleaved, the first step of every run dropped (warm-up). A method "oar-g+all" is
-    oar-g with --score_all (every rollout scored, also those with advantage 0). Learning rate 1e-12:
-    every method then samples the same rollouts at every step, while the update is still computed and applied.
-    Beside the wall-clock medians, `cpu_ratio_vs_grpo`: in each round of runs, a method's process CPU
-    seconds summed over its timed steps over GRPO's on the same steps (the same rollouts), and the
-    median of that over the rounds: the steadier figure on a shared machine (train.py runs in this
-    process with a fixed thread count, so CPU time is the work done, but a busy neighbour core still
-    slows it; a run and GRPO's in the same round saw nearly the same neighbours, and the median drops
-    a round that did not)."""
+    given), runs interleaved in rounds, the first step of every run dropped (warm-up). "oar-g+all" is oar-g
+    with --score_all. Learning rate 1e-12: every method samples the same rollouts at every step, the update
+    still computed. `cpu_ratio_vs_grpo`: the median over rounds of a method's CPU seconds over GRPO's on the
+    same steps in the same round (nearly the same busy neighbours): the steadier figure on a shared machine."""
     import train
 
     samples = {m: [] for m in methods}
     cpu = {m: [] for m in methods}
-    cpu_rounds = {m: [] for m in methods}  # per round: the CPU seconds of the run's timed steps
     extra = {m: {"completion_length": [], "oar_s_per_rollout": [], "frac_no_answer": [], "frac_scored": []} for m in methods}
     runs = list(methods) + (["trl"] if trl_python else [])
     if trl_python:
@@ -284,7 +278,6 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
                 lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()][1:]
                 samples[m] += [ln["time/step_s"] for ln in lines]
                 cpu[m] += [ln["time/step_cpu_s"] for ln in lines]
-                cpu_rounds[m].append(sum(ln["time/step_cpu_s"] for ln in lines))
                 extra[m]["completion_length"] += [ln["completion/length"] for ln in lines]
                 extra[m]["oar_s_per_rollout"] += [ln["oar/seconds_per_rollout"] for ln in lines]
                 extra[m]["frac_no_answer"] += [ln["oar/frac_no_answer"] for ln in lines]
@@ -295,8 +288,10 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
     base = res["median_step_s"]["grpo"]
     res["ratio_vs_grpo"] = {m: res["median_step_s"][m] / base for m in samples if m != "grpo"}
     res["step_cpu_s"] = cpu
-    res["cpu_ratio_vs_grpo"] = {m: med([a / b for a, b in zip(cpu_rounds[m], cpu_rounds["grpo"])]) for m in methods if m != "grpo"}
-    res["cpu_ratio_vs_grpo_by_round"] = {m: [a / b for a, b in zip(cpu_rounds[m], cpu_rounds["grpo"])] for m in methods if m != "grpo"}
+    n = steps - 1  # a run's timed steps: cpu[m] holds the rounds one after another
+    res["cpu_ratio_vs_grpo_by_round"] = {m: [sum(cpu[m][i:i + n]) / sum(cpu["grpo"][i:i + n]) for i in range(0, len(cpu["grpo"]), n)]
+                                         for m in methods if m != "grpo"}
+    res["cpu_ratio_vs_grpo"] = {m: med(r) for m, r in res["cpu_ratio_vs_grpo_by_round"].items()}
     return res
 
 
