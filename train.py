@@ -71,7 +71,8 @@ from oar.training.evaluation import evaluate
 from oar.credit import CreditSettings, credit_methods, step_credit
 from oar.training.launch import end, gather_ragged, make_accelerator, release
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
-from oar.training.models import ModelError, forward_logits, load_model, resolve_model
+from oar.training.models import ModelError, load_model, resolve_model
+from oar.lm import forward_logits
 from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
 from oar.training.runlog import RunLog, pass_metrics, sampler_gap_metrics, step_metrics

@@ -30,7 +30,7 @@ import torch
 
 from oar.gating import gate
 from oar.grpo import token_entropy
-from oar.training.models import forward_logits
+from oar.lm import forward_logits
 
 if TYPE_CHECKING:
     from oar.credit import MicroBatch, Step

@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from oar.training.models import full_cache, position_ids
+from oar.lm import full_cache, position_ids
 from oar.probes import answer_positions, check_probe, divergence, logits_at, min_rows, outcome
 
 

@@ -33,7 +33,7 @@ Rows with no answer token or no reasoning token score 0 everywhere. Scoring runs
 in eval mode (dropout off; checkpointed layers would drop the caches), and restores each module's mode.
 
 Every causal LM's own forward computes the logits (`probes.logits_at`: its head, logit scaling and
-soft-cap included, only at the last columns), and caches keep every position (`models.full_cache`):
+soft-cap included, only at the last columns), and caches keep every position (`lm.full_cache`):
 the model's masks, sliding windows included, are built in index space from the cache, and the
 left-padded prefix shifts cached keys and queries alike, so a window sees the same tokens.
 tests/test_families.py pins fast == naive on 15 families, sliding windows shorter than the sequence.
@@ -41,12 +41,11 @@ tests/test_families.py pins fast == naive on 15 families, sliding windows shorte
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from oar.training.models import forward_logits, full_cache, position_ids
+from oar.lm import eval_mode, forward_logits, full_cache, position_ids
 from oar.probes import check_probe, divergence, logits_at, min_rows, outcome, outcome_from_logits
 
 
@@ -87,23 +86,11 @@ def perturbation_scores(
         reasoning = reasoning[reasoning < end]  # a token at or after `end` cannot move the answer
         if reasoning.numel():
             rows.append(_Row(b, max(a0, 1), end, reasoning.split(span)))
-    with _eval_mode(model):  # caches are needed, and checkpointed layers drop them in training mode
+    with eval_mode(model):  # caches are needed, and checkpointed layers drop them in training mode
         for block in _blocks(rows, max_chunk_tokens // input_ids.shape[1]):
             _score_block(model, block, input_ids, attention_mask, answer_mask, scores, probe, pad_token_id, max_chunk_tokens,
                          clean, clean_kv)
     return scores
-
-
-@contextmanager
-def _eval_mode(model):
-    """Run with every module in eval mode, then give each module its own mode back."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 @dataclass
@@ -169,7 +156,7 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
             q_ids[m, group - int(start[m])] = pad_token_id
         q_mask = torch.where(real, mask[n_of[:, None], colc], 1)
         q_pos = pos[n_of[:, None], colc] + (col - colc)  # the fill continues the positions
-        # The cache keeps every position (models.full_cache). Left-padding the prefix shifts cached keys and
+        # The cache keeps every position (lm.full_cache). Left-padding the prefix shifts cached keys and
         # queries by the same s - start columns, so index-space sliding windows still see the same tokens.
         cache = None
         if s > 0:

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from oar.training.models import position_ids
-from oar.oar_perturb import _eval_mode, perturbation_scores
+from oar.lm import eval_mode, position_ids
+from oar.oar_perturb import perturbation_scores
 from oar.probes import check_probe, divergence, outcome
 
 MODES = ("exact", "window", "auto")
@@ -86,7 +86,7 @@ def window_perturbation_scores(
         raise ValueError(f"window OAR-P cannot run on this model: {reason}. Use perturb_mode exact (or auto, which falls back).")
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     pos_all = position_ids(attention_mask)
-    with _eval_mode(model):
+    with eval_mode(model):
         for b in range(input_ids.shape[0]):
             answer = answer_mask[b].nonzero().flatten()
             if answer.numel() == 0:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from oar.training.models import full_cache, position_ids
+from oar.lm import full_cache, position_ids
 
 PROBES = ("last", "answer_mean", "answer_joint")
 
@@ -63,7 +63,7 @@ def clean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     when `keep_cache` and the model kept a cache (checkpointed layers drop it in training mode), else
     None. OAR-G reads its noise-free prefix from kv and OAR-P its clean keys/values, instead of
     running the clean sequence again; the logits give the clean probe (`outcome_from_logits`)."""
-    # A cache of every position (models.full_cache): a sliding-window model's own cache keeps only its window.
+    # A cache of every position (lm.full_cache): a sliding-window model's own cache keeps only its window.
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 past_key_values=full_cache() if keep_cache else None, use_cache=keep_cache, logits_to_keep=logits_to_keep)
     cache = getattr(out, "past_key_values", None) if keep_cache else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from oar import inverse_cdf
-from oar.training.models import position_ids
+from oar.lm import position_ids
 from oar.rollout import Rollout, build_rollout, char_offsets, concat_rollouts, with_reference_answer  # noqa: F401 (re-exported)
 
 

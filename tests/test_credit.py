@@ -145,7 +145,8 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     from oar.credit import METHODS, CreditSettings, step_credit
     from oar.gating import bilevel_weights
     from oar.grpo import token_entropy
-    from oar.training.models import forward_logits, load_model
+    from oar.training.models import load_model
+    from oar.lm import forward_logits
     from oar.rewards import reward
     from oar.sampler import Rollout, format_prompt, sample
 

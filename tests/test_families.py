@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oar.grpo import token_logprobs
-from oar.training.models import forward_logits
+from oar.lm import forward_logits
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import clean_forward, divergence, outcome_from_logits

@@ -28,7 +28,7 @@ from oar.grpo import token_logprobs
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
 from oar.training import lora
-from oar.training.models import forward_logits
+from oar.lm import forward_logits
 from tinyrun import ROUNDING, TINY, check_ok, final_params, initial_params, launch, max_abs_diff, metrics, run_inprocess
 
 LORA = ["--lora_r", "4", "--lora_alpha", "8"]

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from oar.training.models import forward_logits
+from oar.lm import forward_logits
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import PROBES, divergence, outcome_from_logits

@@ -119,7 +119,7 @@ def test_a_table_of_uniforms_is_the_stream_of_single_draws(length):
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_the_sampler_returns_the_log_probs_of_its_tokens(tok, temperature):
     from oar.grpo import token_logprobs
-    from oar.training.models import forward_logits
+    from oar.lm import forward_logits
 
     model = tiny_llama(vocab_size=len(tok), seed=3)
     ro = sample(model, tok, ["Q: Compute 1 + 2.\nA:\n", "Q: 9\nA:\n"], group_size=2, seeds=[1, 2, 3, 4], max_new_tokens=9,

@@ -27,7 +27,7 @@ import random
 import zlib
 from dataclasses import dataclass
 
-from oar.training.problem import Problem
+from oar.tasks.problem import Problem
 
 OPS = ("+", "-", "*")
 TEST_PERCENT = 20  # share of all expressions that can only ever be in the test split

@@ -43,7 +43,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from oar.tasks.arith import DEFAULT_ARITH, ArithConfig, arith_problems, arith_solution
-from oar.training.data import Problem
+from oar.tasks.problem import Problem
 from oar.tasks.teacher import pad_lines, slip_lines
 
 BUILDER_VERSION = "tiny-arith-v4"

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from oar.tasks.arith import DEFAULT_ARITH, ArithConfig, arith_problems
-from oar.training.problem import Problem  # noqa: F401 (the record every loader returns; re-exported)
+from oar.tasks.problem import Problem
 
 REQUIRED_KEYS = ("problem", "answer")
 _FIX = "each line must be a JSON object with string keys 'problem' and 'answer'"

@@ -1,9 +1,6 @@
-"""Calling Hugging Face causal LMs the one way this project does, and loading them.
+"""Loading Hugging Face causal LMs: a model name (hub id, local folder, .gguf file) to (model, tokenizer).
 
-Legend: B rows, L positions, V vocabulary. Sequences are left-padded prompts followed by
-right-padded completions, so a row's real tokens need not start at position 0: every forward pass
-here passes position ids counted over the attention mask, exactly as `generate` does, so the
-log-probs of training equal those of sampling.
+Calling them (position ids, caches, a logits forward) is oar/lm.py's job.
 """
 
 from __future__ import annotations
@@ -11,41 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) 0/1 mask -> (B, L) positions counted over real tokens (padding gets 0)."""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
-
-
-def forward_logits(model, input_ids=None, attention_mask=None, *, inputs_embeds=None, logits_to_keep: int = 0) -> torch.Tensor:
-    """Logits (B, L, V) of a causal LM (the last `logits_to_keep` positions when > 0), no cache."""
-    out = model(
-        input_ids=input_ids,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        use_cache=False,
-        logits_to_keep=logits_to_keep,
-    )
-    return out.logits
-
-
-def full_cache(kv=None):
-    """A transformers cache that keeps every position of every layer, optionally holding `kv` (each
-    layer's (keys, values), (B, heads, S, head_dim)).
-
-    Why not the model's own `DynamicCache(config=...)`: for sliding-window layers (Mistral with a
-    window, Gemma 2, Gemma 3) it keeps only the last window of positions, and OAR reads every clean
-    position back. The model builds its attention masks from the cache's length and offsets in index
-    space (transformers' masking_utils), so with a cache that keeps everything it still applies its own
-    window: the attention computed is the one the model defines (tests/test_families.py pins it)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()  # no config: every layer a full DynamicLayer
-    for layer, (k, v) in enumerate(kv or []):
-        cache.update(k, v, layer)
-    return cache
 
 
 class ModelError(ValueError):

@@ -35,7 +35,7 @@ import torch
 from oar.tasks.arith import ArithConfig, arith_problems
 from oar.credit import METHODS, CreditSettings, step_credit
 from oar.grpo import group_advantages
-from oar.training.models import forward_logits
+from oar.lm import forward_logits
 from oar.rewards import reward
 from oar.sampler import char_offsets, format_prompt, sample
 from oar.tasks.teacher import filler_spans, fork_spans, slip_spans

@@ -1,7 +1,7 @@
 """A maths problem: its statement and its raw gold answer string (the one record every loader makes).
 
-Its own module so that the loaders (oar/training/data.py) and the built-in task that makes problems
-(oar/tasks/arith.py) both depend on it, and not on each other."""
+The tasks' own record (oar/tasks/arith.py makes them), which the loaders of oar/training/data.py
+return too: it lives with the tasks so that a task never imports the training machinery."""
 
 from __future__ import annotations
 
