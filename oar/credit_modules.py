@@ -2,7 +2,7 @@
 CREDIT_METHODS, which join oar/credit.py's table for the run after the protocol is checked.
 
 A module that does not import, lists no methods, breaks the protocol (oar.credit.CreditMethod's
-fields and the arguments of prepare / weigh), clashes with a built-in name or lists a name twice
+fields and the arguments of prepare / weigh; oar/credit_protocol.py), clashes with a built-in name or lists a name twice
 stops the run before anything loads, with a CreditError that names it (docs/credit-methods.md).
 """
 
@@ -14,13 +14,14 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from oar.credit import METHODS, CreditError, CreditMethod, protocol_problem
+from oar.credit_protocol import CreditError, CreditMethod, protocol_problem
 
 
 @functools.cache
-def module_methods(module: str) -> tuple[CreditMethod, ...]:
-    """The methods `module` (a dotted name or a .py path) lists in CREDIT_METHODS, checked; cached, so
-    every call of a run (check_config, train.py, CreditSettings) sees the same objects."""
+def module_methods(module: str, builtins: tuple[str, ...] = ()) -> tuple[CreditMethod, ...]:
+    """The methods `module` (a dotted name or a .py path) lists in CREDIT_METHODS, checked, none named
+    as one of `builtins` (oar.credit passes its table's names); cached, so every call of a run
+    (check_config, train.py, step_credit) sees the same objects."""
     where = f"--credit_module {module}"
     try:
         if module.endswith(".py"):
@@ -50,7 +51,7 @@ def module_methods(module: str) -> tuple[CreditMethod, ...]:
         problem = protocol_problem(m)
         if problem:
             raise CreditError(f"{where}: CREDIT_METHODS[{k}]: {problem} (the protocol: oar/credit.py, docs/credit-methods.md).")
-        if m.name in METHODS:
+        if m.name in builtins:
             raise CreditError(f"{where}: method {m.name!r} clashes with the built-in method of that name; give it another name.")
         if m.name in names:
             raise CreditError(f"{where}: method {m.name!r} is listed twice in CREDIT_METHODS.")

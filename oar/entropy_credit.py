@@ -19,22 +19,15 @@ The other entropy method, `entropy` (the paper's comparator as we read it: entro
 score through OAR's bi-level gate, mass preserved), is the gate of the update forward's entropies,
 per rollout over its reasoning tokens (`entropy_gate`).
 
-`entropy_gate` and `entropy_mask_prepare` are the two methods' parts in oar/credit.py's protocol.
+The two methods' parts in oar/credit.py's protocol, which compute the entropies with a forward of
+the policy, are `credit_adapters.entropy_gate` and `credit_adapters.entropy_mask_prepare`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
-
-from oar.gating import gate
-from oar.grpo import token_entropy
-from oar.lm import forward_logits
-
-if TYPE_CHECKING:
-    from oar.credit import MicroBatch, Step
-    from oar.sampler import Rollout
 
 
 def top_entropy_mask(entropies: torch.Tensor, valid: torch.Tensor, *, top: float = 0.2,
@@ -59,35 +52,3 @@ def linear_quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     lo = int(pos)
     hi = min(lo + 1, ordered.numel() - 1)
     return (ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)).to(values.dtype)
-
-
-@torch.no_grad()
-def step_entropies(model, ro: Rollout, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy (B, L) of the policy's next-token distribution at every completion position (0 on the
-    prompt), from a no-grad forward in micro-batches: before the update, the policy is the one that
-    the update's forward sees (one update per batch), so these are the update forward's entropies."""
-    lp = ro.prompt_width
-    out = torch.zeros(ro.input_ids.shape, device=ro.input_ids.device)
-    for start in range(0, len(ro), micro_batch_size):
-        mb = ro.select(slice(start, start + micro_batch_size))
-        logits = forward_logits(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1)
-        out[start:start + len(mb), lp:] = token_entropy(logits[:, :-1] / temperature)
-    return out
-
-
-def entropy_mask_prepare(step: Step) -> torch.Tensor:
-    """entropy-mask's weights (B, L) for the whole step: one threshold over the step's tokens on every
-    process (the loss's tokens), so every entropy first."""
-    s = step.settings
-    ent = step_entropies(step.model, step.rollouts, s.micro_batch_size, s.temperature)  # (B, L)
-    return top_entropy_mask(ent, step.rollouts.loss_tokens(s.mask_truncated), top=s.entropy_top, gather=step.gather).float()
-
-
-def entropy_gate(step: Step, state, micro: MicroBatch) -> torch.Tensor:
-    """entropy's weights (b, L): the gate of the update forward's entropies (of the distribution token t
-    was drawn from, at the sampling temperature) over the scored rollouts' reasoning tokens."""
-    mb, lp = micro.rollouts, step.rollouts.prompt_width
-    ent = token_entropy(micro.logits[:, :-1].detach() / step.settings.temperature)  # (b, T)
-    full = torch.zeros(mb.input_ids.shape, device=ent.device)
-    full[:, lp:] = ent
-    return gate(step.settings, full, mb.reasoning_mask & step.scored[micro.rows, None])

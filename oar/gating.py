@@ -20,19 +20,13 @@ to the boost branch since n_t >= 0; tau = 1 makes (n_t - tau)/(1 - tau) = 0) wit
 between branches; a row with any non-finite reasoning score gets all-ones weights (plain GRPO), and
 the caller counts such rows. `floor = 1` gives boost-only gating, `boost = 0` suppress-only.
 
-`gate` is the gate with a run's settings; `random_gate` (with `random_gate_prepare`), BEYOND THE
-PAPER, is the gate's control in oar/credit.py's protocol: what the gate alone does to learning when
-its scores carry no information.
+The gate with a run's settings (`credit_adapters.gate`) and its control, BEYOND THE PAPER, uniform
+random scores through it (`credit_adapters.random_gate`), are the credit layer's (oar/credit.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from oar.credit import CreditSettings, MicroBatch, Step
 
 
 def bilevel_weights(
@@ -72,30 +66,6 @@ def bilevel_weights(
         total = (w * active).sum(dim=1, keepdim=True)
         w = w * n_r / total.clamp(min=torch.finfo(w.dtype).tiny)
     return torch.where(active, w, torch.ones_like(w))
-
-
-def gate(s: CreditSettings, scores: torch.Tensor, reasoning: torch.Tensor) -> torch.Tensor:
-    """The bi-level gate with the run's settings: scores (b, L) over `reasoning` (b, L) -> weights (b, L)."""
-    return bilevel_weights(scores, reasoning, quantile=s.gate_quantile, boost=s.gate_boost,
-                           floor=s.gate_floor, preserve_mass=s.preserve_mass)
-
-
-def random_gate_prepare(step: Step) -> int:
-    """The step's widest prompt over every process: random_gate reads each rollout's stream at the
-    columns the step would have on one process, so the draws do not depend on the process count."""
-    return int(step.gather(torch.tensor([float(step.rollouts.prompt_width)], device=step.rollouts.input_ids.device)).max())
-
-
-def random_gate(step: Step, width: int, micro: MicroBatch) -> torch.Tensor:
-    """The gate of uniform scores (b, L): rollout i's are a stream from its own seed, read at each token's
-    column in the one-process layout (the widest prompt `width`, then the completion): the same draws
-    whatever the other prompts on this process, the micro-batching or the process count."""
-    mb, lp = micro.rollouts, step.rollouts.prompt_width
-    T = mb.input_ids.shape[1] - lp
-    full = torch.zeros(mb.input_ids.shape, device=mb.input_ids.device)
-    full[:, lp:] = torch.stack([torch.rand(width + T, generator=torch.Generator().manual_seed(seed + 104_729))[width:]
-                                for seed in step.seeds[micro.rows]]).to(full.device)
-    return gate(step.settings, full, mb.reasoning_mask & step.scored[micro.rows, None])
 
 
 def _masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:

@@ -35,18 +35,15 @@ mass identity needs every completion to end in a token of its own (the sampler's
 width (truncated); a completion that stops without one where another goes on has no token to carry
 its last TD term (it still counts in V of the prefix it stops at).
 
-`tempo_prepare` is the method's part in oar/credit.py's protocol (the whole step's weights at once).
+The method's part in oar/credit.py's protocol (the whole step's weights at once) is
+`credit_adapters.tempo_prepare`.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from oar.credit import Step
 
 
 def tempo_weights(completion_ids: torch.Tensor, completion_mask: torch.Tensor, rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
@@ -87,10 +84,3 @@ def tempo_weights(completion_ids: torch.Tensor, completion_mask: torch.Tensor, r
         warnings.warn("tempo: branch tokens of rollouts whose reward equals their group's mean get no TD term "
                       "(A_i = 0; rewards other than 0/1, e.g. a format bonus): TEMPO would credit them", stacklevel=2)
     return torch.tensor(w, dtype=torch.float32, device=completion_ids.device)
-
-
-def tempo_prepare(step: Step) -> torch.Tensor:
-    """TEMPO's weights (B, L) for the step's rollouts, 1 on the prompt columns."""
-    ro, lp = step.rollouts, step.rollouts.prompt_width
-    full = tempo_weights(ro.input_ids[:, lp:], ro.completion_mask[:, lp:], step.rewards, group_size=step.settings.group_size)
-    return torch.cat([torch.ones_like(ro.input_ids[:, :lp], dtype=full.dtype), full], dim=1)

@@ -205,7 +205,7 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     # either (as TRL's completion mask): truncate the rollout with the most top-entropy tokens
     from dataclasses import replace
 
-    from oar.credit import step_entropies
+    from oar.credit_adapters import step_entropies
 
     ent = step_entropies(model, ro, 8)
     cut = replace(ro, truncated=torch.arange(8) == top_entropy_mask(ent, ro.completion_mask).sum(1).argmax())
@@ -217,7 +217,7 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
 def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_from(tiny_model):
     """Against the definition, one prefix at a time: the entropy at completion position t is that of
     the model's next-token distribution after the tokens before t (no slicing shared with the code)."""
-    from oar.credit import step_entropies
+    from oar.credit_adapters import step_entropies
     from oar.grpo import token_entropy
     from oar.training.models import load_model
     from oar.sampler import format_prompt, sample

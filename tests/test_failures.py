@@ -87,10 +87,10 @@ def test_no_answer_all_truncated_tied_groups_are_defined(tiny_model, tmp_path, m
 
 def test_nonfinite_oar_scores_are_counted(tiny_model, tmp_path, monkeypatch, capsys):
     """Scores that are not finite give plain GRPO weights (gating's rule); the run says so."""
-    from oar import credit  # train.py's step 4 asks oar/credit.py for the weights
+    from oar import credit_adapters  # train.py's step 4 asks oar/credit.py, whose oar-g calls this module's gradient_scores
 
-    gradient_scores = credit.gradient_scores
-    monkeypatch.setattr(credit, "gradient_scores", lambda *a, **k: gradient_scores(*a, **k) * float("inf"))
+    gradient_scores = credit_adapters.gradient_scores
+    monkeypatch.setattr(credit_adapters, "gradient_scores", lambda *a, **k: gradient_scores(*a, **k) * float("inf"))
     out = tmp_path / "run"
     summary = run_inprocess(_args(tiny_model, out, "--method", "oar-g", "--steps", "1"))
     assert summary["skipped_steps"] == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from oar.credit import METHODS, CreditError, credit_methods  # noqa: F401 (METHODS: train.py re-exports it)
+from oar.credit import CreditError, credit_methods
 from oar.training import lora
 from oar.oar_perturb_window import MODES as PERTURB_MODES
 from oar.probes import PROBES

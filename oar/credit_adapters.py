@@ -1,0 +1,161 @@
+"""The built-in credit methods' parts in the protocol (oar/credit_protocol.py): each takes a `Step`
+(and a `MicroBatch`) and calls the maths, which take plain tensors.
+
+Legend: B this process's rollouts, b a micro-batch's rollouts, L positions (prompt width Lp +
+completion), T = L - Lp completion positions, V vocabulary, H hidden width.
+
+  ones                               grpo: w = 1
+  oar_scorer, oar_weights            oar-g / oar-p: oar_grad.gradient_scores or
+                                     oar_perturb.perturbation_scores through the gate
+  entropy_gate                       entropy: the update forward's token entropy through the gate
+  entropy_mask_prepare, precomputed  entropy-mask: entropy_credit.top_entropy_mask over the whole step
+  tempo_prepare, precomputed         tempo: tempo.tempo_weights over the whole step
+  oar_g_plus_tempo                   oar-g+tempo: OAR-G's weights plus TEMPO's TD share
+  random_gate_prepare, random_gate   random-gate: uniform scores from each rollout's seed, gated
+`gate` is gating.bilevel_weights with the run's settings. oar/credit.py lists them in METHODS.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from oar.credit_protocol import CreditSettings, MicroBatch, Step
+from oar.entropy_credit import top_entropy_mask
+from oar.gating import bilevel_weights
+from oar.grpo import token_entropy
+from oar.lm import forward_logits
+from oar.oar_grad import gradient_scores
+from oar.oar_perturb_window import perturbation_scores_auto
+from oar.rollout import Rollout, with_reference_answer
+from oar.tempo import tempo_weights
+
+
+def gate(s: CreditSettings, scores: torch.Tensor, reasoning: torch.Tensor) -> torch.Tensor:
+    """The bi-level gate with the run's settings: scores (b, L) over `reasoning` (b, L) -> weights (b, L)."""
+    return bilevel_weights(scores, reasoning, quantile=s.gate_quantile, boost=s.gate_boost,
+                           floor=s.gate_floor, preserve_mass=s.preserve_mass)
+
+
+def ones(step: Step, state, micro: MicroBatch) -> torch.Tensor:
+    """GRPO: w = 1 (b, L)."""
+    return torch.ones(micro.rollouts.input_ids.shape, device=micro.rollouts.input_ids.device)
+
+
+def precomputed(step: Step, state: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+    """The micro-batch's rows of weights (B, L) that prepare computed for the whole step."""
+    return state[micro.rows]
+
+
+# -- OAR-G and OAR-P -------------------------------------------------------------------------------
+
+def oar_scorer(scorer: str) -> Callable[[Step, Any, MicroBatch], tuple[torch.Tensor, int]]:
+    """OAR-G ('gradient') or OAR-P ('perturbation') as a weigh function."""
+    def weigh(step: Step, state, micro: MicroBatch):
+        rows = micro.rows
+        return oar_weights(step.settings, step.model, step.tokenizer, micro.rollouts, step.scored[rows], step.probe,
+                           micro.clean, step.seeds[rows], step.golds[rows], micro.clean_kv, scorer=scorer)
+    return weigh
+
+
+def oar_g_plus_tempo(step: Step, td: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, int]:
+    """OAR-G's weights plus TEMPO's TD share (w^TEMPO - 1: 0 off the branch tokens), prepared by tempo_prepare."""
+    w, nonfinite = oar_scorer("gradient")(step, None, micro)
+    return w + (td[micro.rows] - 1.0).to(w.device), nonfinite
+
+
+def oar_weights(s: CreditSettings, model, tokenizer, mb: Rollout, scored, probe, clean, seeds, golds, clean_kv=None, *,
+                scorer: str = "gradient") -> tuple[torch.Tensor, int]:
+    """OAR-G (scorer 'gradient') or OAR-P ('perturbation') for one micro-batch: weights (b, L), and how many
+    rollouts had a non-finite score (they get all-ones weights, as gating.bilevel_weights defines).
+    Only the rollouts marked in `scored` (b,) are scored; the others get all-ones weights. `clean`,
+    `clean_kv`: the clean outcome and keys/values from the update's forward (probes.clean_forward), or None."""
+    reasoning = mb.reasoning_mask & scored[:, None]  # (b, L) a row without reasoning tokens costs nothing and weighs 1
+    if not reasoning.any():
+        return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0
+    ids, attn, reas, ans = mb.input_ids, mb.attention_mask, reasoning, mb.answer_mask
+    if s.outcome_source == "reference":  # score against the gold answer appended after the reasoning
+        ids, attn, reas, ans = with_reference_answer(mb, tokenizer, golds, s.reference_template)
+        reas = reas & scored[:, None]
+        clean = clean_kv = None
+    if scorer == "gradient":
+        h = model.config.hidden_size
+        noise = torch.zeros(*ids.shape, h)
+        for i in reas.any(1).nonzero().flatten().tolist():  # rollout i's noise comes from its own seed: batching-independent
+            noise[i, reas[i].cpu()] = torch.randn(int(reas[i].sum()), h, generator=torch.Generator().manual_seed(seeds[i] + 7919))
+        scores = gradient_scores(model, ids, attn, reas, ans, probe=probe, noise_std=s.noise_std,
+                                 noise=noise.to(ids.device), clean=clean, clean_kv=clean_kv)
+    else:
+        scores = perturbation_scores_auto(model, ids, attn, reas, ans, probe=probe, pad_token_id=tokenizer.pad_token_id,
+                                          max_chunk_tokens=s.perturb_chunk_tokens, span=s.perturb_span, clean=clean, clean_kv=clean_kv,
+                                          mode=s.perturb_mode, window=s.perturb_window, auto_length=s.perturb_auto_length)
+    width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
+    full = torch.zeros(mb.input_ids.shape, device=scores.device)
+    full[:, :width] = scores[:, :width]
+    weights = gate(s, full, reasoning)
+    nonfinite = int((~torch.isfinite(full) & reasoning).any(1).sum())
+    return weights, nonfinite
+
+
+# -- entropy and entropy-mask ----------------------------------------------------------------------
+
+@torch.no_grad()
+def step_entropies(model, ro: Rollout, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy (B, L) of the policy's next-token distribution at every completion position (0 on the
+    prompt), from a no-grad forward in micro-batches: before the update, the policy is the one that
+    the update's forward sees (one update per batch), so these are the update forward's entropies."""
+    lp = ro.prompt_width
+    out = torch.zeros(ro.input_ids.shape, device=ro.input_ids.device)
+    for start in range(0, len(ro), micro_batch_size):
+        mb = ro.select(slice(start, start + micro_batch_size))
+        logits = forward_logits(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1)
+        out[start:start + len(mb), lp:] = token_entropy(logits[:, :-1] / temperature)
+    return out
+
+
+def entropy_mask_prepare(step: Step) -> torch.Tensor:
+    """entropy-mask's weights (B, L) for the whole step: one threshold over the step's tokens on every
+    process (the loss's tokens), so every entropy first."""
+    s = step.settings
+    ent = step_entropies(step.model, step.rollouts, s.micro_batch_size, s.temperature)  # (B, L)
+    return top_entropy_mask(ent, step.rollouts.loss_tokens(s.mask_truncated), top=s.entropy_top, gather=step.gather).float()
+
+
+def entropy_gate(step: Step, state, micro: MicroBatch) -> torch.Tensor:
+    """entropy's weights (b, L): the gate of the update forward's entropies (of the distribution token t
+    was drawn from, at the sampling temperature) over the scored rollouts' reasoning tokens."""
+    mb, lp = micro.rollouts, step.rollouts.prompt_width
+    ent = token_entropy(micro.logits[:, :-1].detach() / step.settings.temperature)  # (b, T)
+    full = torch.zeros(mb.input_ids.shape, device=ent.device)
+    full[:, lp:] = ent
+    return gate(step.settings, full, mb.reasoning_mask & step.scored[micro.rows, None])
+
+
+# -- tempo -----------------------------------------------------------------------------------------
+
+def tempo_prepare(step: Step) -> torch.Tensor:
+    """TEMPO's weights (B, L) for the step's rollouts, 1 on the prompt columns."""
+    ro, lp = step.rollouts, step.rollouts.prompt_width
+    full = tempo_weights(ro.input_ids[:, lp:], ro.completion_mask[:, lp:], step.rewards, group_size=step.settings.group_size)
+    return torch.cat([torch.ones_like(ro.input_ids[:, :lp], dtype=full.dtype), full], dim=1)
+
+
+# -- random-gate (BEYOND THE PAPER: the gate's control) --------------------------------------------
+
+def random_gate_prepare(step: Step) -> int:
+    """The step's widest prompt over every process: random_gate reads each rollout's stream at the
+    columns the step would have on one process, so the draws do not depend on the process count."""
+    return int(step.gather(torch.tensor([float(step.rollouts.prompt_width)], device=step.rollouts.input_ids.device)).max())
+
+
+def random_gate(step: Step, width: int, micro: MicroBatch) -> torch.Tensor:
+    """The gate of uniform scores (b, L): rollout i's are a stream from its own seed, read at each token's
+    column in the one-process layout (the widest prompt `width`, then the completion): the same draws
+    whatever the other prompts on this process, the micro-batching or the process count."""
+    mb, lp = micro.rollouts, step.rollouts.prompt_width
+    T = mb.input_ids.shape[1] - lp
+    full = torch.zeros(mb.input_ids.shape, device=mb.input_ids.device)
+    full[:, lp:] = torch.stack([torch.rand(width + T, generator=torch.Generator().manual_seed(seed + 104_729))[width:]
+                                for seed in step.seeds[micro.rows]]).to(full.device)
+    return gate(step.settings, full, mb.reasoning_mask & step.scored[micro.rows, None])
