@@ -1,11 +1,11 @@
 """The sampler's decode loop in fixed shapes, for a GPU to replay (issue 20).
 
-The same rollouts as `oar.sampler.decode` (the eager loop): the same prefill, the same table of
-uniforms, the same choice per token (`oar.sampler.choose`). What changes is where the state lives:
-the keys and values go into a preallocated `StaticCache` of width Lp + T rounded up (`cache_width`:
-at most 1/8 more, so that calls with nearby prompt widths share compiled shapes), the attention mask
-is one (B, width) tensor made up front, and the step counter, the positions, the done flags and the
-output tokens and log-probs are tensors updated in place. One decode
+The same rollouts as `oar.eager_decode.decode_eager` (the eager loop): the same prefill, the same
+table of uniforms, the same choice per token (`oar.eager_decode.choose`). What changes is where the
+state lives: the keys and values go into a preallocated `StaticCache` of width Lp + T rounded up
+(`cache_width`: at most 1/8 more, so that calls with nearby prompt widths share compiled shapes), the
+attention mask is one (B, width) tensor made up front, and the step counter, the positions, the done
+flags and the output tokens and log-probs are tensors updated in place. One decode
 step (forward, choice, bookkeeping) is then a function of fixed shapes with no host work in it: the
 host asks whether every row is done only every CHECK_EVERY steps. Finished rows keep being fed
 (their token is the pad, their log-prob 0) and are never compacted, so a row's numbers do not depend on
@@ -26,6 +26,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from oar.eager_decode import choose, decode_eager, draw_uniforms, prefill
 
 CHECK_EVERY = 16  # steps between the host's checks that every row is done
 _SAID: set[str] = set()
@@ -57,8 +59,6 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
                   group_size: int = 1, compiled: bool = False, check_every: int = CHECK_EVERY):
     """`oar.sampler.decode` in fixed shapes (same arguments and outputs); `compiled`: the step through
     torch.compile (a CUDA graph on a GPU)."""
-    from oar.sampler import choose, decode, draw_uniforms, prefill
-
     device, T = prompt_ids.device, max_new_tokens
     b = prompt_ids.shape[0] * group_size
     assert len(seeds) == b, (len(seeds), b)
@@ -68,7 +68,7 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
         if why not in _SAID:
             _SAID.add(why)
             print(f"oar.sampler: the fixed-shape decode loop cannot run here ({why}); the eager loop samples instead", file=sys.stderr)
-        return decode(model, prompt_ids, prompt_mask, max_new_tokens=T, temperature=temperature, top_p=top_p,
+        return decode_eager(model, prompt_ids, prompt_mask, max_new_tokens=T, temperature=temperature, top_p=top_p,
                       eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, seeds=seeds, group_size=group_size)
 
     uniforms = draw_uniforms(seeds, T, device)

@@ -148,7 +148,8 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     from oar.training.models import load_model
     from oar.lm import forward_logits
     from oar.rewards import reward
-    from oar.sampler import Rollout, format_prompt, sample
+    from oar.sampler import format_prompt, sample
+    from oar.rollout import Rollout
 
     model, tok = load_model(str(tiny_model))
     problems = [("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10")]

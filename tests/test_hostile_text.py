@@ -28,7 +28,7 @@ def _check_offsets(text, offsets, n):
 
 
 def test_char_offsets_on_broken_utf8_are_contiguous_and_fast():
-    from oar.sampler import char_offsets
+    from oar.rollout import char_offsets
 
     tok = _byte_level_tokenizer()
     ids = tok("≥ π 日本語 😀 é", add_special_tokens=False)["input_ids"]
@@ -45,7 +45,7 @@ def test_char_offsets_on_broken_utf8_are_contiguous_and_fast():
 
 
 def test_build_rollout_on_broken_utf8_finds_the_answer():
-    from oar.sampler import char_offsets, build_rollout
+    from oar.rollout import build_rollout, char_offsets
 
     tok = _byte_level_tokenizer()
     junk = tok("日本語 😀", add_special_tokens=False)["input_ids"][1:]  # begins mid-character
@@ -65,7 +65,7 @@ def test_build_rollout_on_broken_utf8_finds_the_answer():
 
 
 def test_build_rollout_on_a_huge_completion_is_fast():
-    from oar.sampler import build_rollout
+    from oar.rollout import build_rollout
     from oar.tasks.tiny_arith import make_tokenizer
 
     tok = make_tokenizer()

@@ -43,7 +43,8 @@ def test_one_oar_g_training_step_on_smollm2(tmp_path):
 def test_oar_g_scores_on_a_teacher_forced_smollm2_rollout():
     from oar.training.models import load_model
     from oar.oar_grad import gradient_scores
-    from oar.sampler import build_rollout, encode_prompts, format_prompt, stop_token_ids
+    from oar.sampler import encode_prompts, format_prompt, stop_token_ids
+    from oar.rollout import build_rollout
 
     model, tok = load_model(str(GGUF))
     ids, mask = encode_prompts(tok, [format_prompt(tok, "What is 12 + 30?")], "cpu")

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from oar.sampler import build_rollout, encode_prompts, format_prompt, sample, with_reference_answer
+from oar.sampler import encode_prompts, format_prompt, sample
+from oar.rollout import build_rollout, with_reference_answer
 from oar.tasks.tiny_arith import make_tokenizer
 
 from conftest import tiny_llama

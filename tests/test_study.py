@@ -90,7 +90,8 @@ def test_token_labels_for_multi_character_tokens():
 
 
 def test_pivotal_mask_on_a_rollout_labels_its_own_text():
-    from oar.sampler import build_rollout, encode_prompts
+    from oar.sampler import encode_prompts
+    from oar.rollout import build_rollout
     from oar.tasks.tiny_arith import make_tokenizer
 
     tok = make_tokenizer()  # 1 character = 1 token

@@ -45,7 +45,8 @@ from oar.oar_perturb import perturbation_scores
 from oar.probes import PROBES
 from oar.answers import find_answer
 from oar.rewards import reward
-from oar.sampler import char_offsets, build_rollout, encode_prompts, format_prompt, sample, stop_token_ids
+from oar.sampler import encode_prompts, format_prompt, sample, stop_token_ids
+from oar.rollout import build_rollout, char_offsets
 
 SCORERS = ("oar-p", "oar-g", "random")
 _RESULT = re.compile(r"= (-?\d+)")  # the number a line computes: right after " = "

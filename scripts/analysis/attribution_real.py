@@ -58,7 +58,8 @@ from oar.grpo import token_entropy  # noqa: E402
 from oar.oar_grad import gradient_scores  # noqa: E402
 from oar.oar_perturb import perturbation_scores  # noqa: E402
 from oar.probes import PROBES  # noqa: E402
-from oar.sampler import build_rollout, char_offsets, encode_prompts, format_prompt, stop_token_ids  # noqa: E402
+from oar.sampler import encode_prompts, format_prompt, stop_token_ids  # noqa: E402
+from oar.rollout import build_rollout, char_offsets  # noqa: E402
 from oar.training.models import load_model  # noqa: E402
 from oar.lm import forward_logits  # noqa: E402
 from scripts.analysis.attribution import precision_at_k, roc_auc, token_labels  # noqa: E402

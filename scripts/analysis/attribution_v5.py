@@ -37,7 +37,8 @@ from oar.credit import METHODS, CreditSettings, step_credit
 from oar.grpo import group_advantages
 from oar.lm import forward_logits
 from oar.rewards import reward
-from oar.sampler import char_offsets, format_prompt, sample
+from oar.sampler import format_prompt, sample
+from oar.rollout import char_offsets
 from oar.tasks.teacher import filler_spans, fork_spans, slip_spans
 from scripts.analysis.attribution import pivotal_char_spans, precision_at_k, roc_auc, token_labels
 

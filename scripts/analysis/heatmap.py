@@ -33,7 +33,7 @@ from matplotlib.colors import TwoSlopeNorm, to_hex  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from oar.gating import bilevel_weights, weight_stats  # noqa: E402
-from oar.sampler import char_offsets  # noqa: E402
+from oar.rollout import char_offsets  # noqa: E402
 from scripts.analysis.attribution import make_rollouts, pivotal_mask, scores_of, spearman  # noqa: E402
 
 CMAP = plt.get_cmap("RdBu_r")

@@ -34,7 +34,8 @@ from oar.gating import bilevel_weights  # noqa: E402
 from oar.training.models import load_model  # noqa: E402
 from oar.oar_grad import gradient_scores  # noqa: E402
 from oar.oar_perturb import perturbation_scores  # noqa: E402
-from oar.sampler import BOXED_INSTRUCTION, build_rollout, encode_prompts, format_prompt, stop_token_ids  # noqa: E402
+from oar.sampler import BOXED_INSTRUCTION, encode_prompts, format_prompt, stop_token_ids  # noqa: E402
+from oar.rollout import build_rollout  # noqa: E402
 
 
 def rollouts(tok, model, rows):

@@ -94,10 +94,10 @@ def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: i
 
 
 def choose_seconds(model, ids, attn, group_size: int, repeats: int = 10) -> tuple[float, float]:
-    """Median seconds of one step's token choice alone (`oar.sampler.choose`: softmax, the search,
+    """Median seconds of one step's token choice alone (`oar.eager_decode.choose`: softmax, the search,
     the log-prob) on the model's own next-token logits after the prompts (one row per rollout), with
     the head search and with every row sorted."""
-    from oar.sampler import choose
+    from oar.eager_decode import choose
 
     device = ids.device
     with torch.no_grad():
