@@ -27,7 +27,7 @@ from oar.gating import bilevel_weights
 from oar.grpo import token_entropy
 from oar.lm import forward_logits
 from oar.oar_grad import gradient_scores
-from oar.oar_perturb_window import perturbation_scores_auto
+from oar.oar_perturb import perturbation_scores
 from oar.rollout import Rollout, with_reference_answer
 from oar.tempo import tempo_weights
 
@@ -52,44 +52,39 @@ def precomputed(step: Step, state: torch.Tensor, micro: MicroBatch) -> torch.Ten
 
 def oar_scorer(scorer: str) -> Callable[[Step, Any, MicroBatch], tuple[torch.Tensor, int]]:
     """OAR-G ('gradient') or OAR-P ('perturbation') as a weigh function."""
-    def weigh(step: Step, state, micro: MicroBatch):
-        rows = micro.rows
-        return oar_weights(step.settings, step.model, step.tokenizer, micro.rollouts, step.scored[rows], step.probe,
-                           micro.clean, step.seeds[rows], step.golds[rows], micro.clean_kv, scorer=scorer)
+    def weigh(step: Step, state, micro: MicroBatch) -> tuple[torch.Tensor, int]:
+        return oar_weights(step, micro, scorer)
     return weigh
 
 
 def oar_g_plus_tempo(step: Step, td: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, int]:
     """OAR-G's weights plus TEMPO's TD share (w^TEMPO - 1: 0 off the branch tokens), prepared by tempo_prepare."""
-    w, nonfinite = oar_scorer("gradient")(step, None, micro)
+    w, nonfinite = oar_weights(step, micro, "gradient")
     return w + (td[micro.rows] - 1.0).to(w.device), nonfinite
 
 
-def oar_weights(s: CreditSettings, model, tokenizer, mb: Rollout, scored, probe, clean, seeds, golds, clean_kv=None, *,
-                scorer: str = "gradient") -> tuple[torch.Tensor, int]:
+def oar_weights(step: Step, micro: MicroBatch, scorer: str) -> tuple[torch.Tensor, int]:
     """OAR-G (scorer 'gradient') or OAR-P ('perturbation') for one micro-batch: weights (b, L), and how many
     rollouts had a non-finite score (they get all-ones weights, as gating.bilevel_weights defines).
-    Only the rollouts marked in `scored` (b,) are scored; the others get all-ones weights. `clean`,
-    `clean_kv`: the clean outcome and keys/values from the update's forward (probes.clean_forward), or None."""
+    Only the step's scored rollouts are scored; the others get all-ones weights. The clean outcome and
+    keys/values come from the update's forward (`micro.clean`, `micro.clean_kv`; probes.clean_forward)."""
+    s, mb, scored = step.settings, micro.rollouts, step.scored[micro.rows]
     reasoning = mb.reasoning_mask & scored[:, None]  # (b, L) a row without reasoning tokens costs nothing and weighs 1
     if not reasoning.any():
         return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0
     ids, attn, reas, ans = mb.input_ids, mb.attention_mask, reasoning, mb.answer_mask
+    clean, clean_kv = micro.clean, micro.clean_kv
     if s.outcome_source == "reference":  # score against the gold answer appended after the reasoning
-        ids, attn, reas, ans = with_reference_answer(mb, tokenizer, golds, s.reference_template)
+        ids, attn, reas, ans = with_reference_answer(mb, step.tokenizer, step.golds[micro.rows], s.reference_template)
         reas = reas & scored[:, None]
         clean = clean_kv = None
     if scorer == "gradient":
-        h = model.config.hidden_size
-        noise = torch.zeros(*ids.shape, h)
-        for i in reas.any(1).nonzero().flatten().tolist():  # rollout i's noise comes from its own seed: batching-independent
-            noise[i, reas[i].cpu()] = torch.randn(int(reas[i].sum()), h, generator=torch.Generator().manual_seed(seeds[i] + 7919))
-        scores = gradient_scores(model, ids, attn, reas, ans, probe=probe, noise_std=s.noise_std,
-                                 noise=noise.to(ids.device), clean=clean, clean_kv=clean_kv)
+        scores = gradient_scores(step.model, ids, attn, reas, ans, probe=step.probe, noise_std=s.noise_std,
+                                 seeds=step.seeds[micro.rows], clean=clean, clean_kv=clean_kv)
     else:
-        scores = perturbation_scores_auto(model, ids, attn, reas, ans, probe=probe, pad_token_id=tokenizer.pad_token_id,
-                                          max_chunk_tokens=s.perturb_chunk_tokens, span=s.perturb_span, clean=clean, clean_kv=clean_kv,
-                                          mode=s.perturb_mode, window=s.perturb_window, auto_length=s.perturb_auto_length)
+        scores = perturbation_scores(step.model, ids, attn, reas, ans, probe=step.probe, pad_token_id=step.tokenizer.pad_token_id,
+                                     mode=s.perturb_mode, window=s.perturb_window, auto_length=s.perturb_auto_length,
+                                     span=s.perturb_span, max_chunk_tokens=s.perturb_chunk_tokens, clean=clean, clean_kv=clean_kv)
     width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
     full = torch.zeros(mb.input_ids.shape, device=scores.device)
     full[:, :width] = scores[:, :width]

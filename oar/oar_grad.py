@@ -4,7 +4,8 @@ Legend: B rollouts, L sequence positions, H embedding width, V vocabulary.
 
   1. P_0 (or phi_0): the clean outcome, detached. Pass `clean` to reuse a forward the training
      step already ran (its logits at the answer positions); otherwise one no-grad forward here.
-  2. e = embed(x), detached;  e~ = e + delta,  delta ~ N(0, sigma^2 I) on reasoning positions only.
+  2. e = embed(x), detached;  e~ = e + delta,  delta ~ N(0, sigma^2 I) on reasoning positions only,
+     in training each rollout's drawn from its own seed (`seeded_noise`: batching-independent).
   3. J = KL(P_0 || P(e~))   (phi_0 - phi(e~) for answer_joint), summed over rollouts: rollouts are
      independent, so d(sum J)/d e~_i = dJ_i/d e~_i.
   4. g = dJ/de~ by `torch.autograd.grad` with respect to e~ alone: autograd then skips every
@@ -34,6 +35,7 @@ counted and keeps GRPO's weights (gating.bilevel_weights), never a silent 0.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -52,13 +54,15 @@ def gradient_scores(
     noise_std: float = 1e-3,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
+    seeds: list[int] | None = None,
     clean: torch.Tensor | None = None,
     clean_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """OAR-G scores (B, L) float32, 0 outside `reasoning_mask`. Inputs (B, L).
 
-    noise: optional standard-normal draws (B, L, H) used instead of the generator's (so a caller
-    can make each rollout's noise independent of how rollouts are batched); scaled by noise_std.
+    The noise delta / noise_std: standard-normal draws (B, L, H), from `seeds` when given (one seed per
+    rollout: `seeded_noise`, training's way, so a rollout's noise does not depend on how rollouts are
+    batched), else `noise` as given, else the generator's; scaled by noise_std.
     clean: optional precomputed clean outcome, as `probes.outcome` returns it for these rows.
     clean_kv: optional keys/values of a clean forward over these rows (per layer, each
     (B, heads, >= L', head_dim), as `probes.clean_forward` returns them): the noise-free columns are
@@ -76,6 +80,9 @@ def gradient_scores(
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     hidden = model.get_input_embeddings().embedding_dim
+    assert seeds is None or noise is None, "give seeds or noise, not both"
+    if seeds is not None:
+        noise = seeded_noise(seeds, reasoning_mask, hidden).to(input_ids.device)
     if noise is None:
         noise = torch.randn((*input_ids.shape, hidden), generator=generator,
                             device=input_ids.device if generator is None else generator.device)
@@ -96,19 +103,52 @@ def gradient_scores(
         groups.setdefault((int(first[b]), int(end[b])), []).append(b)
     for (lo, hi), rows in groups.items():
         run = torch.tensor(rows + rows[:1] * (min_rows(len(rows), hi - lo) - len(rows)), device=input_ids.device)
-        scores[run[: len(rows)], lo:hi] = _scores(model, input_ids[run, :hi], attention_mask[run, :hi], noisy[run, :hi], answer_mask[run, :hi],
-                                      noise[run, :hi], None if clean is None else clean[run], probe, noise_std, lo,
-                                      None if clean_kv is None else [(k[run, :, :lo], v[run, :, :lo]) for k, v in clean_kv])[: len(rows)]
+        group = _Group(input_ids[run, :hi], attention_mask[run, :hi], noisy[run, :hi], answer_mask[run, :hi], noise[run, :hi], lo,
+                       None if clean is None else clean[run],
+                       None if clean_kv is None else [(k[run, :, :lo], v[run, :, :lo]) for k, v in clean_kv])
+        scores[run[: len(rows)], lo:hi] = _scores(model, group, probe, noise_std)[: len(rows)]
     return scores
+
+
+NOISE_SEED_OFFSET = 7919  # rollout i's noise generator is seeded with seeds[i] + this (its sampler uses seeds[i])
+
+
+def seeded_noise(seeds: list[int], reasoning_mask: torch.Tensor, hidden: int) -> torch.Tensor:
+    """Standard-normal noise (B, L, H) float32 on the CPU: rollout i's reasoning positions get, in order,
+    the draws of its own generator seeded with seeds[i] + NOISE_SEED_OFFSET; every other position 0.
+    So a rollout's noise is a function of its seed and its reasoning tokens alone, whatever batch,
+    micro-batch or process scores it (and the noise a row gets never depends on its padding)."""
+    assert len(seeds) == reasoning_mask.shape[0], (len(seeds), reasoning_mask.shape)
+    noise = torch.zeros(*reasoning_mask.shape, hidden)
+    for i in reasoning_mask.any(1).nonzero().flatten().tolist():
+        gen = torch.Generator().manual_seed(seeds[i] + NOISE_SEED_OFFSET)
+        noise[i, reasoning_mask[i].cpu()] = torch.randn(int(reasoning_mask[i].sum()), hidden, generator=gen)
+    return noise
 
 
 GRAIN = 8  # a row's graph columns are rounded up to a multiple of this, so rows of similar length share a forward
 
 
-def _scores(model, input_ids, attention_mask, noisy, answer_mask, noise, clean, probe, noise_std, first, clean_kv):
-    """Scores of columns first .. L'-1 of rows cut a little after their last answer token, (B', L')
-    -> (B', L' - first); `noisy` marks the reasoning tokens that get noise and scores. Columns before
-    `first` hold no noise and predict no answer: they come from `clean_kv` or one forward without a graph."""
+@dataclass(frozen=True)
+class _Group:
+    """Rows scored together (B'), cut a little after their last answer token (L' columns), whose graph
+    starts at column `first`: the columns before it hold no noise and predict no answer."""
+
+    input_ids: torch.Tensor  # (B', L')
+    attention_mask: torch.Tensor  # (B', L')
+    noisy: torch.Tensor  # (B', L') bool: the reasoning tokens that get noise and scores
+    answer_mask: torch.Tensor  # (B', L') bool
+    noise: torch.Tensor  # (B', L', H) standard-normal draws
+    first: int
+    clean: torch.Tensor | None  # the rows' clean outcome, or None: computed here
+    clean_kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # keys/values of columns < first, or None: one forward here
+
+
+def _scores(model, group: _Group, probe: str, noise_std: float) -> torch.Tensor:
+    """Scores (B', L' - first) of the group's columns first .. L'-1. Columns before `first` come from
+    `clean_kv` or one forward without a graph."""
+    input_ids, attention_mask, noisy, answer_mask = group.input_ids, group.attention_mask, group.noisy, group.answer_mask
+    noise, first, clean, clean_kv = group.noise, group.first, group.clean, group.clean_kv
     end = input_ids.shape[1]
     pos, valid = answer_positions(answer_mask)  # (B, K) positions of the logits that predict answers
     targets = input_ids.gather(1, (pos + 1).clamp(max=end - 1))

@@ -42,11 +42,16 @@ tests/test_families.py pins fast == naive on 15 families, sliding windows shorte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from oar.lm import eval_mode, forward_logits, full_cache, position_ids
+from oar.oar_perturb_window import window_perturbation_scores, window_supported
 from oar.probes import check_probe, divergence, logits_at, min_rows, outcome, outcome_from_logits
+
+
+MODES = ("exact", "window", "auto")  # perturbation_scores(mode=...)
 
 
 @torch.no_grad()
@@ -63,18 +68,84 @@ def perturbation_scores(
     span: int = 1,
     clean: torch.Tensor | None = None,
     clean_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    mode: str = "exact",
+    window: int = 32,
+    auto_length: int = 512,
 ) -> torch.Tensor:
-    """OAR-P scores (B, L) float32, 0 outside `reasoning_mask`. Inputs are (B, L); exact for span=1.
+    """OAR-P scores (B, L) float32, 0 outside `reasoning_mask`. Inputs are (B, L); the one entry point
+    of OAR-P, training's included (oar/credit_adapters.py), whatever the mode:
+
+      exact   this module's computation (exact for span=1; `span` > 1 masks that many tokens at once)
+      window  oar/oar_perturb_window.py's approximation, W = `window` recomputed positions after the
+              masked one (linear in the reasoning length)
+      auto    exact for a row whose scored stretch (first reasoning token to last answer token) is
+              shorter than `auto_length` positions, window for longer rows. Rows are scored
+              independently, so splitting a batch by mode gives each row the number its mode defines.
+    The window mode falls back to exact, saying so once, on models where it is not supported
+    (`oar_perturb_window.window_supported`).
 
     clean, clean_kv: optionally the clean outcome (as `probes.outcome` returns it) and the keys/values
     (per layer, each (B, heads, >= L', head_dim)) of a clean forward over these rows, as
     `probes.clean_forward` gives them from the update's own forward: then no clean pass runs here
     (without clean_kv, `clean` is not used: the clean pass gives both).
     """
+    assert mode in MODES, f"perturb mode must be one of {MODES}, got {mode!r}"
     assert clean_kv is None or clean is not None, "clean_kv needs the clean outcome too"
     check_probe(probe)
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
     assert span >= 1 and max_chunk_tokens >= 1
+    batch = _Batch(input_ids, attention_mask, answer_mask, probe, pad_token_id, clean, clean_kv)
+    if mode == "exact":
+        return _exact_scores(model, batch, reasoning_mask, span, max_chunk_tokens)
+    reason = window_supported(model.config, input_ids.shape[1])
+    if reason is not None:
+        _say_once(f"OAR-P window mode unavailable ({reason}): exact OAR-P scores every rollout instead")
+        return _exact_scores(model, batch, reasoning_mask, span, max_chunk_tokens)
+    first = torch.where(reasoning_mask.any(1), reasoning_mask.float().argmax(1), input_ids.shape[1])  # (B,)
+    last = torch.where(answer_mask.any(1), input_ids.shape[1] - 1 - answer_mask.flip(1).float().argmax(1), -1)  # (B,)
+    long = (last - first >= auto_length) if mode == "auto" else torch.ones_like(first, dtype=torch.bool)  # (B,)
+    scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    for use_window, rows in ((True, long), (False, ~long)):
+        if not (reasoning_mask & rows[:, None]).any():
+            continue
+        if use_window and mode == "auto":
+            _say_once(f"OAR-P: rows with >= {auto_length} positions from reasoning to answer use the window mode (W={window})")
+        reas = reasoning_mask & rows[:, None]
+        if use_window:
+            scores += window_perturbation_scores(model, input_ids, attention_mask, reas, answer_mask, window=window, probe=probe,
+                                                 pad_token_id=pad_token_id, clean=clean, clean_kv=clean_kv)
+        else:
+            scores += _exact_scores(model, batch, reas, span, max_chunk_tokens)
+    return scores
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Log a mode decision once per process (a run makes it on every micro-batch)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        print(f"[oar] {message}", flush=True)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """What every part of an exact OAR-P call reads: the rows (B, L), the probe and the clean pass."""
+
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    answer_mask: torch.Tensor  # (B, L) bool
+    probe: str
+    pad_token_id: int  # the token a masked position is replaced by
+    clean: torch.Tensor | None  # the caller's clean outcome, or None
+    clean_kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # and its keys/values, or None: a clean pass runs here
+
+
+def _exact_scores(model, batch: _Batch, reasoning_mask: torch.Tensor, span: int, budget: int) -> torch.Tensor:
+    """OAR-P's exact mode (exact for span 1) over the rows' `reasoning_mask` tokens (B, L) -> scores (B, L) float32.
+    budget: at most this many (cached + recomputed) positions per forward."""
+    input_ids, answer_mask = batch.input_ids, batch.answer_mask
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     rows = []
     for b in range(input_ids.shape[0]):
@@ -87,9 +158,8 @@ def perturbation_scores(
         if reasoning.numel():
             rows.append(_Row(b, max(a0, 1), end, reasoning.split(span)))
     with eval_mode(model):  # caches are needed, and checkpointed layers drop them in training mode
-        for block in _blocks(rows, max_chunk_tokens // input_ids.shape[1]):
-            _score_block(model, block, input_ids, attention_mask, answer_mask, scores, probe, pad_token_id, max_chunk_tokens,
-                         clean, clean_kv)
+        for block in _blocks(rows, budget // input_ids.shape[1]):
+            _score_block(model, block, batch, scores, budget)
     return scores
 
 
@@ -110,14 +180,17 @@ def _blocks(rows: list[_Row], most: int):
 GRAIN = 4  # recomputed lengths are rounded up to a multiple of this (copies of one chunk share a shape)
 
 
-def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, probe, pad_token_id, budget, clean, clean_kv):
+def _score_block(model, block: list[_Row], batch: _Batch, scores: torch.Tensor, budget: int) -> None:
     """Clean pass over the block's rows, then every masked copy of those rows, packed in chunks.
 
     Every copy's computation has a shape fixed by the copy alone (and the batch width L): it
     recomputes round_up(end - start, GRAIN) positions after a cache left-padded to
     L + GRAIN - 1 - that many. So a copy's score does not depend on which rollouts share its
     chunk, and micro-batching cannot change it (tests/test_distributed.py checks whole updates).
+    Writes the block's scores into `scores` (B, L).
     """
+    input_ids, attention_mask, answer_mask = batch.input_ids, batch.attention_mask, batch.answer_mask
+    probe, pad_token_id, clean, clean_kv = batch.probe, batch.pad_token_id, batch.clean, batch.clean_kv
     idx = torch.tensor([r.b for r in block], device=input_ids.device)
     width = input_ids.shape[1]  # the full width, whatever rows the block holds
     ids, mask = input_ids[idx], attention_mask[idx]  # (n, L)
@@ -138,10 +211,10 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
     keys = width + GRAIN - 1  # cached + recomputed positions of every copy
 
     def outcomes(chunk):
-        """The probe of each copy (n, group, start, padded length) of a chunk, duplicates included."""
-        n = chunk[0][3]
-        n_of = torch.tensor([c[0] for c in chunk], device=idx.device)  # (c,) block row of each copy
-        start = torch.tensor([c[2] for c in chunk], device=idx.device)  # (c,)
+        """The probe of each copy (a _Copy) of a chunk, duplicates included."""
+        n = chunk[0].length
+        n_of = torch.tensor([c.row for c in chunk], device=idx.device)  # (c,) block row of each copy
+        start = torch.tensor([c.start for c in chunk], device=idx.device)  # (c,)
         s = keys - n
         # Cached prefix of copy m: clean positions 0 .. start_m - 1, left-padded to s (pads masked out).
         src = torch.arange(s, device=idx.device)[None] - (s - start[:, None])  # (c, S)
@@ -149,11 +222,11 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
         # Recomputed part: positions start_m .. end_m - 1, right-filled with pads (causal: they
         # cannot reach a real position); the masked group is replaced by the pad token.
         col = start[:, None] + torch.arange(n, device=idx.device)[None]  # (c, N)
-        real = col < torch.tensor([block[c[0]].end for c in chunk], device=idx.device)[:, None]
+        real = col < torch.tensor([block[c.row].end for c in chunk], device=idx.device)[:, None]
         colc = col.clamp(max=width - 1)
         q_ids = torch.where(real, ids[n_of[:, None], colc], pad_token_id)
-        for m, (_, group, _, _) in enumerate(chunk):
-            q_ids[m, group - int(start[m])] = pad_token_id
+        for m, c in enumerate(chunk):
+            q_ids[m, c.group - int(start[m])] = pad_token_id
         q_mask = torch.where(real, mask[n_of[:, None], colc], 1)
         q_pos = pos[n_of[:, None], colc] + (col - colc)  # the fill continues the positions
         # The cache keeps every position (lm.full_cache). Left-padding the prefix shifts cached keys and
@@ -169,35 +242,48 @@ def _score_block(model, block, input_ids, attention_mask, answer_mask, scores, p
 
     def packed(copies):
         """(chunk of real copies, their block rows, their outcomes) for copies packed in chunks."""
-        copies = sorted(copies, key=lambda c: c[3], reverse=True)
+        copies = sorted(copies, key=lambda c: c.length, reverse=True)
         for chunk in _chunks(copies, max(1, budget // keys)):
             n_real = len(chunk)
-            chunk = chunk + [chunk[0]] * (min_rows(n_real, chunk[0][3]) - n_real)  # duplicates keep the matmuls' kernels fixed
+            chunk = chunk + [chunk[0]] * (min_rows(n_real, chunk[0].length) - n_real)  # duplicates keep the matmuls' kernels fixed
             n_of, probes = outcomes(chunk)
             yield chunk[:n_real], n_of[:n_real], probes[:n_real]
 
     if clean_kv is None:  # the clean probe: an unmasked copy of each row (from a0 - 1), as exact as the masked ones
         none = torch.zeros(0, dtype=torch.long, device=idx.device)
         rows_clean = {}
-        for chunk, _, probes in packed([(n, none, r.a0 - 1, -(-(r.end - r.a0 + 1) // GRAIN) * GRAIN) for n, r in enumerate(block)]):
-            rows_clean.update({c[0]: probes[m] for m, c in enumerate(chunk)})
+        for chunk, _, probes in packed([_Copy(n, none, r.a0 - 1, _rounded(r.end - (r.a0 - 1))) for n, r in enumerate(block)]):
+            rows_clean.update({c.row: probes[m] for m, c in enumerate(chunk)})
         clean = torch.stack([rows_clean[n] for n in range(len(block))])  # (n, V) or (n,)
 
     # One copy per masked group: recompute from start = min(first masked, a0 - 1) to end - 1.
-    copies = [(n, g, min(int(g[0]), r.a0 - 1), 0) for n, r in enumerate(block) for g in r.groups]
-    copies = [(n, g, start, -(-(block[n].end - start) // GRAIN) * GRAIN) for n, g, start, _ in copies]
+    starts = [(n, g, min(int(g[0]), r.a0 - 1)) for n, r in enumerate(block) for g in r.groups]
+    copies = [_Copy(n, g, start, _rounded(block[n].end - start)) for n, g, start in starts]
     for chunk, n_of, masked in packed(copies):
         s_m = divergence(clean[n_of], masked, probe).float()
-        for m, (row_n, group, _, _) in enumerate(chunk):
-            scores[block[row_n].b, group] = s_m[m]
+        for m, c in enumerate(chunk):
+            scores[block[c.row].b, c.group] = s_m[m]
 
 
+class _Copy(NamedTuple):
+    """One masked copy of a block's row: the positions it masks and the stretch it recomputes."""
 
-def _chunks(copies, most: int):
+    row: int  # the row's index in its block
+    group: torch.Tensor  # positions replaced by the pad token (empty: the clean copy)
+    start: int  # first recomputed position
+    length: int  # recomputed positions start .. end - 1, rounded up to a multiple of GRAIN
+
+
+def _rounded(n: int) -> int:
+    """n rounded up to a multiple of GRAIN."""
+    return -(-n // GRAIN) * GRAIN
+
+
+def _chunks(copies: list[_Copy], most: int):
     """Consecutive copies with the same padded length, at most `most` per chunk."""
     chunk = []
     for c in copies:
-        if chunk and (len(chunk) == most or c[3] != chunk[0][3]):
+        if chunk and (len(chunk) == most or c.length != chunk[0].length):
             yield chunk
             chunk = []
         chunk.append(c)

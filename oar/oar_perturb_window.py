@@ -27,18 +27,18 @@ The mask is boolean for `sdpa` and additive float (0 / dtype min) for `eager`.
 
 Limits, checked: attention implementations other than sdpa/eager (flash kernels take no 4D mask)
 and sliding-window attention shorter than the row (one 4D mask would override every layer's window)
-are refused by `window_supported`; `perturbation_scores_auto` then runs exact OAR-P and says so once.
+are refused by `window_supported`; `oar_perturb.perturbation_scores` (the entry point, mode 'window'
+or 'auto') then runs exact OAR-P and says so once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from oar.lm import eval_mode, position_ids
-from oar.oar_perturb import perturbation_scores
+from oar.lm import eval_mode, full_cache, position_ids
 from oar.probes import check_probe, divergence, outcome
-
-MODES = ("exact", "window", "auto")
 
 
 def window_supported(config, length: int) -> str | None:
@@ -97,14 +97,30 @@ def window_perturbation_scores(
             if js.numel():
                 kv = None if clean_kv is None else [(k[b : b + 1, :, :end], v[b : b + 1, :, :end]) for k, v in clean_kv]
                 c_out = None if clean_kv is None else clean[b : b + 1]
-                scores[b, js] = _score_row(model, input_ids[b, :end], attention_mask[b, :end], pos_all[b, :end],
-                                           input_ids[b, a0 : end + 1], answer_mask[b, a0 : end + 1], js, a0, window,
-                                           probe, pad_token_id, max_chunk_tokens, c_out, kv)
+                row = _CutRow(input_ids[b, :end], attention_mask[b, :end], pos_all[b, :end], input_ids[b, a0 : end + 1],
+                              answer_mask[b, a0 : end + 1], a0, c_out, kv)
+                scores[b, js] = _score_row(model, row, js, window, probe, pad_token_id, max_chunk_tokens)
     return scores
 
 
-def _score_row(model, ids, mask, pos, targets, valid, js, a0, window, probe, pad, budget, clean, kv):
-    """Scores (n_js,) of one row cut to E = len(ids) positions; targets/valid (K,) are the answer tokens."""
+@dataclass(frozen=True)
+class _CutRow:
+    """One row cut to E positions (0 .. E-1, E = its last answer token), and its clean pass if given."""
+
+    ids: torch.Tensor  # (E,)
+    mask: torch.Tensor  # (E,) attention mask
+    pos: torch.Tensor  # (E,) position ids
+    targets: torch.Tensor  # (K,) the answer tokens a0 .. E
+    valid: torch.Tensor  # (K,) bool: which of them are answer tokens
+    a0: int  # first answer token (>= 1)
+    clean: torch.Tensor | None  # (1, V) or (1,): the clean outcome, with kv; None: a clean pass runs here
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer (1, heads, E, d)
+
+
+def _score_row(model, row: _CutRow, js: torch.Tensor, window: int, probe: str, pad: int, budget: int) -> torch.Tensor:
+    """Scores (n_js,) of masking each of the row's positions `js` in turn, W = `window`, at most
+    `budget` recomputed positions per forward; `pad` replaces the masked token."""
+    ids, mask, pos, targets, valid, a0, clean, kv = row.ids, row.mask, row.pos, row.targets, row.valid, row.a0, row.clean, row.kv
     dev, end, k = ids.device, ids.shape[0], targets.shape[0]
     answer_slots = torch.arange(a0 - 1, end, device=dev)  # (K,)
     if kv is None:  # the clean pass: keys/values of positions 0 .. E-1 and the clean outcome
@@ -138,11 +154,7 @@ def _score_row(model, ids, mask, pos, targets, valid, js, a0, window, probe, pad
         to_new[torch.arange(c), :, torch.arange(c)] = own
         allowed = torch.cat([to_cache.reshape(c * n, end), to_new.reshape(c * n, c * n)], 1)
         bias = _attention_bias(allowed, model, kv[0][0].dtype)
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        for layer, (key, value) in enumerate(kv):
-            cache.update(key, value, layer)
+        cache = full_cache(kv)  # the clean keys/values of positions 0 .. E-1, every layer in full
         keep = (torch.arange(c, device=dev)[:, None] * n + window + 1 + torch.arange(k, device=dev)[None]).flatten()
         logits = model(input_ids=q_ids.reshape(1, -1), attention_mask=bias[None, None], position_ids=pos[slot_pos].reshape(1, -1),
                        past_key_values=cache, use_cache=True, logits_to_keep=keep).logits  # (1, c K, V)
@@ -157,49 +169,3 @@ def _attention_bias(allowed: torch.Tensor, model, dtype) -> torch.Tensor:
     if model.config._attn_implementation == "eager":
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
     return allowed
-
-
-_SAID: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    """Log a mode decision once per process (a run makes it on every micro-batch)."""
-    if message not in _SAID:
-        _SAID.add(message)
-        print(f"[oar] {message}", flush=True)
-
-
-def perturbation_scores_auto(model, input_ids, attention_mask, reasoning_mask, answer_mask, *, mode: str = "exact",
-                             window: int = 64, auto_length: int = 512, probe: str = "answer_mean", pad_token_id: int,
-                             max_chunk_tokens: int = 8192, span: int = 1, clean=None, clean_kv=None) -> torch.Tensor:
-    """OAR-P scores (B, L) by `mode`: exact (oar_perturb.perturbation_scores, with `span`), window
-    (this module's, W = `window`), or auto: exact for a row whose scored stretch (first reasoning
-    token to the answer) is shorter than `auto_length` positions, window for longer rows. Rows are
-    scored independently, so splitting a batch by mode gives each row the number its mode defines.
-    The window mode falls back to exact, saying so once, on models where it is not supported."""
-    assert mode in MODES, f"perturb mode must be one of {MODES}, got {mode!r}"
-    if mode == "exact":
-        return perturbation_scores(model, input_ids, attention_mask, reasoning_mask, answer_mask, probe=probe,
-                                   pad_token_id=pad_token_id, max_chunk_tokens=max_chunk_tokens, span=span, clean=clean, clean_kv=clean_kv)
-    reason = window_supported(model.config, input_ids.shape[1])
-    if reason is not None:
-        _say_once(f"OAR-P window mode unavailable ({reason}): exact OAR-P scores every rollout instead")
-        return perturbation_scores_auto(model, input_ids, attention_mask, reasoning_mask, answer_mask, mode="exact", probe=probe,
-                                        pad_token_id=pad_token_id, max_chunk_tokens=max_chunk_tokens, span=span, clean=clean, clean_kv=clean_kv)
-    first = torch.where(reasoning_mask.any(1), reasoning_mask.float().argmax(1), input_ids.shape[1])  # (B,)
-    last = torch.where(answer_mask.any(1), input_ids.shape[1] - 1 - answer_mask.flip(1).float().argmax(1), -1)  # (B,)
-    long = (last - first >= auto_length) if mode == "auto" else torch.ones_like(first, dtype=torch.bool)  # (B,)
-    scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    for use_window, rows in ((True, long), (False, ~long)):
-        if not (reasoning_mask & rows[:, None]).any():
-            continue
-        if use_window and mode == "auto":
-            _say_once(f"OAR-P: rows with >= {auto_length} positions from reasoning to answer use the window mode (W={window})")
-        reas = reasoning_mask & rows[:, None]
-        if use_window:
-            scores += window_perturbation_scores(model, input_ids, attention_mask, reas, answer_mask, window=window, probe=probe,
-                                                 pad_token_id=pad_token_id, clean=clean, clean_kv=clean_kv)
-        else:
-            scores += perturbation_scores(model, input_ids, attention_mask, reas, answer_mask, probe=probe, pad_token_id=pad_token_id,
-                                          max_chunk_tokens=max_chunk_tokens, span=span, clean=clean, clean_kv=clean_kv)
-    return scores

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from oar.gating import bilevel_weights
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
-from oar.oar_perturb_window import perturbation_scores_auto
 from oar.probes import PROBES, divergence
 
 from conftest import padded_batch, tiny_llama
@@ -124,7 +123,7 @@ def _batch_with_a_nan_row():
 SCORERS = {
     "oar-p": lambda m, ids, attn, reas, ans, probe: perturbation_scores(m, ids, attn, reas, ans, probe=probe, pad_token_id=0),
     "oar-p-naive": lambda m, ids, attn, reas, ans, probe: perturbation_scores_naive(m, ids, attn, reas, ans, probe=probe, pad_token_id=0),
-    "oar-p-window": lambda m, ids, attn, reas, ans, probe: perturbation_scores_auto(
+    "oar-p-window": lambda m, ids, attn, reas, ans, probe: perturbation_scores(
         m, ids, attn, reas, ans, probe=probe, pad_token_id=0, mode="window", window=2),
     "oar-g": lambda m, ids, attn, reas, ans, probe: gradient_scores(
         m, ids, attn, reas, ans, probe=probe, noise=torch.randn(*ids.shape, m.config.hidden_size, generator=torch.Generator().manual_seed(0))),

@@ -8,8 +8,8 @@
     shrinks to zero as the window grows (monotone in the last step: W = answer distance is exact);
   * the clean keys/values of the update's forward give the same scores as a clean pass of its own;
   * property (hypothesis): a copy whose window reaches the answer is exact, whatever the row;
-  * perturbation_scores_auto: exact below the switch length, window above it; a sliding window
-    shorter than the row is refused by the window mode and sends auto to exact.
+  * perturbation_scores(mode="auto"), the entry point: exact below the switch length, window above
+    it; a sliding window shorter than the row is refused by the window mode and sends auto to exact.
 """
 
 import pytest
@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar.oar_perturb import perturbation_scores_naive
-from oar.oar_perturb_window import perturbation_scores_auto, window_perturbation_scores, window_supported
+from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
+from oar.oar_perturb_window import window_perturbation_scores, window_supported
 from oar.probes import PROBES, clean_forward, outcome_from_logits
 
 from conftest import tiny_llama
@@ -87,7 +87,7 @@ def test_auto_uses_exact_below_the_switch_and_window_above(capsys):
     ids, attn, reas, ans = ragged_batch(seed=4)
     naive = perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0)
     win = window_perturbation_scores(model, ids, attn, reas, ans, window=0, pad_token_id=0)
-    auto = perturbation_scores_auto(model, ids, attn, reas, ans, mode="auto", window=0, auto_length=10, pad_token_id=0)
+    auto = perturbation_scores(model, ids, attn, reas, ans, mode="auto", window=0, auto_length=10, pad_token_id=0)
     span = torch.tensor([10, 7, 7, 13, 0, 9])  # first reasoning token to last answer token, per layout of ragged_batch
     for b in range(ids.shape[0]):
         ref = win[b] if span[b] >= 10 else naive[b]
@@ -102,13 +102,12 @@ def test_sliding_window_shorter_than_the_row_is_refused_and_auto_falls_back(monk
     assert window_supported(model.config, 4) is None  # a window as long as the row changes nothing
     with pytest.raises(ValueError, match="sliding-window"):
         window_perturbation_scores(model, ids, attn, reas, ans, window=2, pad_token_id=0)
-    # The fallback is the exact path (whose sliding-window support is oar_perturb's business): record the call.
-    import oar.oar_perturb_window as pw
-
-    calls = []
-    monkeypatch.setattr(pw, "perturbation_scores", lambda *a, **k: calls.append(k) or torch.full(ids.shape, 7.0))
-    auto = perturbation_scores_auto(model, ids, attn, reas, ans, mode="auto", window=2, auto_length=1, pad_token_id=0)
-    assert (auto == 7.0).all() and len(calls) == 1
+    # The fallback is the exact path (whose sliding-window support is oar_perturb's business): every row's
+    # numbers are exact's, bit for bit, though every row is past the switch length.
+    exact = perturbation_scores(model, ids, attn, reas, ans, mode="exact", pad_token_id=0)
+    for mode in ("auto", "window"):
+        fallback = perturbation_scores(model, ids, attn, reas, ans, mode=mode, window=2, auto_length=1, pad_token_id=0)
+        assert torch.equal(fallback, exact) and exact.abs().sum() > 0, mode
     assert "window mode unavailable" in capsys.readouterr().out
 
 
@@ -116,12 +115,12 @@ def test_training_runs_the_window_mode_and_names_bad_settings(tiny_model, tmp_pa
     """train.py --perturb_mode window scores through window_perturbation_scores (W = --perturb_window),
     and impossible settings are named before anything loads."""
     import train
-    import oar.oar_perturb_window as pw
+    import oar.oar_perturb as oar_perturb  # the entry point training calls, which calls the window file
     from tinyrun import TINY, metrics, run_inprocess
 
     seen = []
-    real = pw.window_perturbation_scores
-    monkeypatch.setattr(pw, "window_perturbation_scores", lambda *a, **k: seen.append(k["window"]) or real(*a, **k))
+    real = oar_perturb.window_perturbation_scores
+    monkeypatch.setattr(oar_perturb, "window_perturbation_scores", lambda *a, **k: seen.append(k["window"]) or real(*a, **k))
     out = tmp_path / "run"
     run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out), "--micro_batch_size", "8", *TINY,
                    "--method", "oar-p", "--steps", "1", "--score_all", "--perturb_mode", "window", "--perturb_window", "3"])

@@ -14,7 +14,7 @@ import torch
 
 from oar.credit import CreditError, credit_methods
 from oar.training import lora
-from oar.oar_perturb_window import MODES as PERTURB_MODES
+from oar.oar_perturb import MODES as PERTURB_MODES
 from oar.probes import PROBES
 from oar.sampler import DECODE_LOOPS
 
