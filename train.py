@@ -65,7 +65,7 @@ import torch
 
 from oar.training import checkpoint as ckpt
 from oar.training import lora, sharding
-from oar.training.config import RESUMABLE, Config, check_config, check_resume, micro_batch, parse_args  # noqa: F401 (re-exported for scripts)
+from oar.training.config import Config, check_config, check_resume, micro_batch, parse_args
 from oar.training.data import DataError, load_problems, prompt_order, rollout_seeds
 from oar.training.evaluation import evaluate
 from oar.credit import CreditSettings, credit_methods, step_credit

@@ -97,13 +97,13 @@ BROKEN = {  # module text (None: no such file) -> what the message must say besi
 
 @pytest.mark.parametrize("case", BROKEN)
 def test_a_module_that_cannot_serve_stops_the_run_before_the_model_loads(tiny_model, tmp_path, monkeypatch, case):
-    import train
+    from tinyrun import train_module
 
     text, needle = BROKEN[case]
     module = tmp_path / f"{case.replace(' ', '_')}.py"
     if text is not None:
         module.write_text(text)
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(train_module(), "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stop:
         run_inprocess(_args(tiny_model, out, 8, module, "mine"))
@@ -137,11 +137,11 @@ def test_a_method_breaking_the_protocol_at_run_time_is_named(tiny_model, tmp_pat
 
 
 def test_a_method_name_the_table_lacks_is_named_with_the_choices():
-    import train
+    from oar.training.config import check_config, parse_args
 
     builtins = "grpo, oar-g, oar-p, entropy, entropy-mask, tempo, oar-g+tempo, random-gate"
     for extra, message in (([], f"--method mine: choose one of {builtins} (or name a module that defines it with --credit_module)."),
                            (["--credit_module", str(PLUGIN)], f"--method mine: choose one of {builtins}, equal-mass (with --credit_module {PLUGIN}).")):
         with pytest.raises(ValueError) as err:
-            train.check_config(train.parse_args(["--method", "mine", *extra]), num_processes=1)
+            check_config(parse_args(["--method", "mine", *extra]), num_processes=1)
         assert str(err.value) == message

@@ -1,5 +1,6 @@
-"""The README and the pages under docs/ name files that exist, link to pages that exist, and the README
-stays short. Generated study reports (docs/results*/, docs/bench/) are frozen records of their time and
+"""The README, the pages under docs/ and the lab notebook's index (research/README.md) name files that
+exist, link to pages that exist, and name commands that run; the README stays short. Generated study
+reports (research/*/ but the real-model study's page, docs/bench/) are frozen records of their time and
 are not checked."""
 
 import re
@@ -8,10 +9,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "results-real" / "README.md"]
-# a repository file written in the text: scripts/..., oar/..., tests/..., examples/..., configs/..., docs/... with an
-# extension (names such as the metric oar/frac_scored have none)
-PATH = re.compile(r"(?<![\w./-])((?:scripts|oar|tests|examples|configs|docs)/[\w./-]*\.[A-Za-z]+)(?![\w/])")
+RESEARCH = ROOT / "research" / "README.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), RESEARCH, ROOT / "research" / "real_smollm2" / "README.md"]
+# a repository file written in the text: scripts/..., oar/..., tests/..., examples/..., configs/..., docs/...,
+# research/... with an extension (names such as the metric oar/frac_scored have none)
+PATH = re.compile(r"(?<![\w./-])((?:scripts|oar|tests|examples|configs|docs|research)/[\w./-]*\.[A-Za-z]+)(?![\w/])")
+# a command in a fenced block: `python path/to/script.py ...` (after any VAR=value prefix)
+COMMAND = re.compile(r"^(?:\w+=\S+\s+)*python\s+([\w./-]+\.py)\b", re.MULTILINE)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -44,3 +48,32 @@ def test_the_readme_fits_on_a_few_screens_and_links_every_page():
     unlinked = [p.name for p in (ROOT / "docs").glob("*.md") if f"docs/{p.name}" not in linked]
     assert not unlinked, f"README.md does not link {unlinked}"
     assert "python -m pytest -q" in text and "pip install -r requirements.txt && accelerate launch train.py" in text
+
+
+def _commands(text: str) -> list[str]:
+    blocks = re.findall(r"```(?:bash)?\n(.*?)```", text, re.DOTALL)
+    return sorted({m.group(1) for block in blocks for m in COMMAND.finditer(block)})
+
+
+@pytest.mark.slow  # each --help imports torch: 10-25 s a script on 2 shared cores
+def test_every_study_in_the_notebook_names_a_page_and_commands_that_run():
+    import subprocess
+    import sys
+
+    text = RESEARCH.read_text()
+    studies = [d.name for d in sorted((ROOT / "research").iterdir()) if d.is_dir() and d.name not in ("common", "__pycache__")]
+    unlisted = [s for s in studies if f"`{s}/`" not in text]
+    assert not unlisted, f"research/README.md has no section for {unlisted}"
+    scripts = _commands(text)
+    assert len(scripts) >= 5, scripts
+    failed = {}
+    for script in scripts:
+        proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+        if proc.returncode != 0:
+            failed[script] = proc.stderr[-500:]
+    assert not failed, f"research/README.md's commands whose --help fails: {failed}"
+
+
+def test_the_command_finder_reads_fenced_blocks_only():
+    text = "run `python a.py`\n```bash\nOMP_NUM_THREADS=1 python research/x/y.py --n 2\npython z.py   # note\n```\n"
+    assert _commands(text) == ["research/x/y.py", "z.py"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import train
-from tinyrun import EVAL, TINY, TRAIN, final_params, metrics, run_inprocess, run_script
+from oar.training.config import Config, check_config, micro_batch, parse_args
+from tinyrun import EVAL, TINY, TRAIN, final_params, metrics, run_inprocess, run_script, train_module
 
 
 def _args(model, out, *extra):
@@ -61,8 +61,8 @@ def test_a_nonfinite_loss_is_skipped_even_when_the_gradient_is_finite(tiny_model
         calls.append(1)
         return (loss + float("nan"), stats) if len(calls) == 2 else (loss, stats)
 
-    policy_loss = train.policy_loss
-    monkeypatch.setattr(train, "policy_loss", loss_with_a_nan_at_step_2)
+    policy_loss = train_module().policy_loss
+    monkeypatch.setattr(train_module(), "policy_loss", loss_with_a_nan_at_step_2)
     summary = run_inprocess(_args(tiny_model, tmp_path / "run", "--method", "grpo", "--steps", "3"))
     assert summary["skipped_steps"] == 1
     assert "step 2: non-finite loss in 1 micro-batches, update skipped (1 skipped so far)" in capsys.readouterr().out
@@ -248,9 +248,9 @@ IMPOSSIBLE = {  # setting -> a word the message must contain
 
 @pytest.mark.parametrize("setting", IMPOSSIBLE, ids=lambda s: "=".join(s))
 def test_impossible_settings_are_named(setting):
-    cfg = train.parse_args(["--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "8", *setting])
+    cfg = parse_args(["--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "8", *setting])
     with pytest.raises(ValueError) as err:
-        train.check_config(cfg, num_processes=2)
+        check_config(cfg, num_processes=2)
     assert IMPOSSIBLE[setting] in str(err.value)
 
 
@@ -262,9 +262,9 @@ def test_every_impossible_setting_is_named_at_once(tiny_model, tmp_path):
 
 def test_a_micro_batch_larger_than_a_process_rollouts_is_one_micro_batch():
     # the default 64 on 8 processes x 4 prompts x 8 rollouts: one micro-batch of 32 each, not an error
-    cfg = train.parse_args(["--prompts_per_step", "32", "--group_size", "8"])
-    train.check_config(cfg, num_processes=8)
-    assert train.micro_batch(cfg, 8) == 32 and train.micro_batch(cfg, 2) == 64 and train.micro_batch(cfg, 1) == 64
+    cfg = parse_args(["--prompts_per_step", "32", "--group_size", "8"])
+    check_config(cfg, num_processes=8)
+    assert micro_batch(cfg, 8) == 32 and micro_batch(cfg, 2) == 64 and micro_batch(cfg, 1) == 64
 
 
 def test_output_dir_that_is_a_file_is_named(tiny_model, tmp_path):
@@ -275,7 +275,7 @@ def test_output_dir_that_is_a_file_is_named(tiny_model, tmp_path):
 
 
 def test_the_default_config_is_possible():
-    train.check_config(train.Config(), num_processes=1)
+    check_config(Config(), num_processes=1)
 
 
 def test_resume_without_a_checkpoint_and_a_rerun_over_one_are_named(tiny_model, tmp_path):

@@ -212,9 +212,9 @@ def test_two_processes_equal_one_also_resumed(tiny_model, one_process, tmp_path,
     (["--lora_r", "0"], "--lora_alpha 8.0 without --lora_r"),
 ])
 def test_impossible_lora_settings_stop_before_anything_loads(tiny_model, tmp_path, flags, message, monkeypatch):
-    import train
+    from tinyrun import train_module
 
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(train_module(), "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match="^train.py: error: ") as stop:
         run_inprocess(_args(tiny_model, tmp_path / "run", *flags))
     assert message in str(stop.value)
@@ -223,9 +223,9 @@ def test_impossible_lora_settings_stop_before_anything_loads(tiny_model, tmp_pat
 
 
 def test_resume_refuses_changed_lora_settings(tiny_model, one_process, monkeypatch):
-    import train
+    from tinyrun import train_module
 
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(train_module(), "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as stop:
         run_inprocess(_args(tiny_model, one_process, "--resume", "--steps", "3", "--lora_r", "8", "--lora_target_modules", "q_proj"))
     assert "--lora_r 8 (the checkpoint has 4)" in str(stop.value)

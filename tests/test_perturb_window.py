@@ -114,8 +114,8 @@ def test_sliding_window_shorter_than_the_row_is_refused_and_auto_falls_back(monk
 def test_training_runs_the_window_mode_and_names_bad_settings(tiny_model, tmp_path, monkeypatch, capsys):
     """train.py --perturb_mode window scores through window_perturbation_scores (W = --perturb_window),
     and impossible settings are named before anything loads."""
-    import train
     import oar.oar_perturb as oar_perturb  # the entry point training calls, which calls the window file
+    from oar.training.config import check_config, parse_args
     from tinyrun import TINY, metrics, run_inprocess
 
     seen = []
@@ -130,7 +130,7 @@ def test_training_runs_the_window_mode_and_names_bad_settings(tiny_model, tmp_pa
                            (["--perturb_window", "-1"], "--perturb_window must be >= 0"),
                            (["--perturb_span", "2"], "use it with --perturb_mode exact")):
         with pytest.raises(ValueError, match=words):
-            train.check_config(train.parse_args(["--micro_batch_size", "8", *TINY, *setting]), 1)
+            check_config(parse_args(["--micro_batch_size", "8", *TINY, *setting]), 1)
 
 
 _MODEL = {}

@@ -1,4 +1,4 @@
-"""Planted GSM8K errors (scripts/analysis/plant_gsm8k.py): hand-checked plants on inline solutions, no model."""
+"""Planted GSM8K errors (research/real_smollm2/plant_gsm8k.py): hand-checked plants on inline solutions, no model."""
 
 import json
 from fractions import Fraction
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from oar.answers import find_answer
-from scripts.analysis.plant_gsm8k import Skip, fmt, parse, plant, render, try_plant, uses
+from research.real_smollm2.plant_gsm8k import Skip, fmt, parse, plant, render, try_plant, uses
 
 JANET = ("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
          "She makes 9 * 2 = $<<9*2=18>>18 every day at the farmer’s market.\n#### 18")

@@ -1,4 +1,4 @@
-"""scripts/studies/report_real.py: paired differences from a hand-made ledger, worked by hand."""
+"""research/real_smollm2/report_real.py: paired differences from a hand-made ledger, worked by hand."""
 
 import json
 import math
@@ -16,7 +16,7 @@ def _run(ledger, method, seed, before, mid, after, cpu=600.0):
 
 
 def test_paired_differences_and_their_standard_errors_by_hand(tmp_path):
-    from scripts.studies import report_real
+    from research.real_smollm2 import report_real
 
     ledger = tmp_path / "ledger"
     for seed, (g, o) in enumerate([(0.50, 0.55), (0.60, 0.60), (0.40, 0.50)]):
@@ -43,7 +43,7 @@ def test_the_committed_task_is_what_study_real_makes_and_a_changed_file_stops_it
     import shutil
     from pathlib import Path
 
-    from scripts.studies import study_real
+    from research.real_smollm2 import study_real
 
     repo = Path(__file__).resolve().parents[1]
     study_real.write_data(repo)  # raises SystemExit if the committed splits differ from oar/tasks/arith.py's
@@ -58,7 +58,7 @@ def test_the_committed_task_is_what_study_real_makes_and_a_changed_file_stops_it
 
 
 def test_the_ledger_records_the_model_file_and_refuses_another(tmp_path):
-    from scripts.studies import study_real
+    from research.real_smollm2 import study_real
 
     model, other, ledger = tmp_path / "m.gguf", tmp_path / "o.gguf", tmp_path / "ledger"
     model.write_bytes(b"weights")

@@ -1,4 +1,4 @@
-"""scripts/studies/study_ledger.py: finished runs move to a new machine only with the weights they started from."""
+"""research/common/study_ledger.py: finished runs move to a new machine only with the weights they started from."""
 
 import json
 from pathlib import Path
@@ -28,7 +28,7 @@ def _finished_run(root, model, name="grpo-s0"):
 
 def _recorded(tmp_path):
     """A ledger with slip's model and one finished run, made on 'machine a'."""
-    from scripts.studies import study_ledger
+    from research.common import study_ledger
 
     ledger, a = tmp_path / "ledger", tmp_path / "a"
     model_a = _model(a / "models" / "slip", 1.0)
@@ -39,7 +39,7 @@ def _recorded(tmp_path):
 
 
 def test_a_run_recorded_on_one_machine_is_restored_on_another_with_its_paths(tmp_path):
-    from scripts.studies import study_ledger
+    from research.common import study_ledger
 
     ledger, a, model_a = _recorded(tmp_path)
     kept = ledger / "runs" / "slip" / "grpo-s0"
@@ -63,7 +63,7 @@ def test_a_run_recorded_on_one_machine_is_restored_on_another_with_its_paths(tmp
 
 
 def test_a_rebuild_with_other_weights_stops_the_study(tmp_path):
-    from scripts.studies import study_ledger
+    from research.common import study_ledger
 
     ledger = tmp_path / "ledger"
     study_ledger.check_build(ledger, "slip", _model(tmp_path / "a", 1.0))
@@ -72,7 +72,7 @@ def test_a_rebuild_with_other_weights_stops_the_study(tmp_path):
 
 
 def test_runs_without_their_build_record_or_incomplete_are_refused(tmp_path):
-    from scripts.studies import study_ledger
+    from research.common import study_ledger
 
     ledger, a, model_a = _recorded(tmp_path)
     (ledger / "runs" / "slip" / "grpo-s0" / "metrics.jsonl").unlink()
@@ -84,7 +84,7 @@ def test_runs_without_their_build_record_or_incomplete_are_refused(tmp_path):
 
 
 def test_a_run_from_other_weights_is_refused(tmp_path):
-    from scripts.studies import study_ledger
+    from research.common import study_ledger
 
     ledger, a, model_a = _recorded(tmp_path)
     (ledger / "runs" / "slip" / "grpo-s0" / "ledger.json").write_text(json.dumps({"weights_sha256": "other"}))
@@ -93,7 +93,7 @@ def test_a_run_from_other_weights_is_refused(tmp_path):
 
 
 def test_an_unfinished_run_is_not_recorded(tmp_path):
-    from scripts.studies import study_ledger
+    from research.common import study_ledger
 
     (tmp_path / "slip" / "grpo-s0").mkdir(parents=True)
     with pytest.raises(ValueError, match="not a finished run"):
@@ -104,11 +104,11 @@ def test_one_testbed_is_claimed_by_one_process(tmp_path):
     import subprocess
     import sys
 
-    from scripts.studies.study_v5 import _claim
+    from research.testbeds_v5.study_v5 import _claim
 
     held = _claim(tmp_path, "fork")
     assert held is not None and _claim(tmp_path, "slip") is not None
-    other = "import sys; sys.path.insert(0, '.'); from pathlib import Path; from scripts.studies.study_v5 import _claim; " \
+    other = "import sys; sys.path.insert(0, '.'); from pathlib import Path; from research.testbeds_v5.study_v5 import _claim; " \
             f"print(_claim(Path({str(tmp_path)!r}), 'fork') is None, _claim(Path({str(tmp_path)!r}), 'filler') is None)"
     repo = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", other], cwd=repo, capture_output=True, text=True, check=True).stdout.split() == ["True", "False"]
@@ -119,7 +119,7 @@ def test_held_out_completions_are_added_to_a_kept_run_once_and_gzipped(tmp_path)
     after gunzip and the same bytes from any machine; the entry's other files are not touched."""
     import gzip
 
-    from scripts.studies import study_ledger
+    from research.common import study_ledger
 
     ledger, a, _ = _recorded(tmp_path)  # recorded without eval_final.jsonl
     kept = ledger / "runs" / "slip" / "grpo-s0"

@@ -1,4 +1,4 @@
-"""scripts/studies/study_v5.py's plan and scripts/analysis/attribution_v5.py on the session's briefly trained tiny model."""
+"""research/testbeds_v5/study_v5.py's plan and research/testbeds_v5/attribution_v5.py on the session's briefly trained tiny model."""
 
 import itertools
 import math
@@ -14,7 +14,7 @@ from oar.tasks.testbeds import TESTBEDS
 
 
 def test_plan_puts_seed_0_of_everything_first_with_one_budget(tmp_path):
-    from scripts.studies.study_v5 import parse_args, plan
+    from research.testbeds_v5.study_v5 import parse_args, plan
 
     runs = plan(parse_args(["--root", str(tmp_path)]))
     assert len(runs) == 6 * 3 * 5 and {r["seed"] for r in runs[:18]} == {0}
@@ -24,7 +24,7 @@ def test_plan_puts_seed_0_of_everything_first_with_one_budget(tmp_path):
 
 def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model, monkeypatch):
     from oar.training.models import load_model
-    from scripts.analysis import attribution_v5
+    from research.testbeds_v5 import attribution_v5
 
     model, tok = load_model(str(tiny_model))
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def test_attribution_v5_weighs_the_same_rollouts_with_every_method(tiny_model, m
 
 
 def test_clustered_standard_error_by_hand():
-    from scripts.analysis.attribution_v5 import clustered_mean
+    from research.testbeds_v5.attribution_v5 import clustered_mean
 
     # mean 2.5; cluster sums of deviations -2 and +2: sqrt((4 + 4) * 2 / 1) / 4 = 1
     assert clustered_mean([1.0, 2.0, 3.0, 4.0], [0, 0, 1, 1], "x") == {"x": 2.5, "x_n": 4, "x_se": 1.0}
@@ -62,7 +62,7 @@ def test_clustered_standard_error_by_hand():
 def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
     import json
 
-    from scripts.studies import report_v5
+    from research.testbeds_v5 import report_v5
 
     runs = [{"name": f"fork/{m}", "testbed": "fork", "method": m, "seed": s, "settings": {}} for s in (0, 1, 2) for m in ("grpo", "tempo")]
     (tmp_path / "plan.json").write_text(json.dumps({"runs": runs, "settings": {"steps": 2, "eval_every": 1}, "command": "x"}))
@@ -109,7 +109,7 @@ def test_report_v5_pairs_seeds_and_labels_a_partial_study(tmp_path):
 def test_report_v5_from_the_ledger_alone(tmp_path):
     import json
 
-    from scripts.studies import report_v5
+    from research.testbeds_v5 import report_v5
 
     for m, acc in (("grpo", 0.40), ("tempo", 0.45), ("oar-g+tempo", 0.47)):  # the last is beyond the plan
         d = tmp_path / "runs" / "fork" / f"{m}-s0"
@@ -140,7 +140,7 @@ def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
     again: skipped; with its summary gone (stopped after its last checkpoint): resumed, not restarted."""
     import json
 
-    from scripts.studies.study_v5 import main
+    from research.testbeds_v5.study_v5 import main
 
     argv = ["--root", str(tmp_path), "--scale", "tiny", "--testbeds", "fork", "--methods", "grpo", "--seeds", "0"]
     run = tmp_path / "fork" / "grpo-s0"
@@ -156,13 +156,13 @@ def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
     assert main(argv) == 0 and (run / "summary.json").exists() and timing()["invocations"] == 2
     assert "resume grpo-s0" in capsys.readouterr().out
     assert timing()["unmeasured"] == 1  # the killed invocation's time is lost, and the run says so
-    from scripts.studies.runs import read_run
+    from research.common.runs import read_run
 
     assert math.isnan(read_run(run)["cpu_seconds"]) and math.isnan(read_run(run)["wall_seconds"])
 
 
 def test_a_run_is_fully_timed_only_when_every_invocation_recorded_its_time():
-    from scripts.studies.runs import fully_timed
+    from research.common.runs import fully_timed
 
     whole = {"seconds": 10.0, "cpu_seconds": 8.0, "invocations": 1, "unmeasured": 0}
     assert fully_timed(whole, {"resume": False}) and fully_timed(whole | {"invocations": 2}, {"resume": True})
@@ -181,8 +181,8 @@ def test_a_run_finished_before_a_setting_existed_is_still_finished(tmp_path):
     from dataclasses import asdict
     from types import SimpleNamespace
 
-    from scripts.studies.study_run import run_one
-    from train import Config
+    from research.common.study_run import run_one
+    from oar.training.config import Config
 
     run = {"name": "grpo", "seed": 0, "settings": {"model": "some/model", "method": "grpo"}}
     out = tmp_path / "grpo-s0"

@@ -9,6 +9,8 @@ then pass trivially. A few seconds of supervised training on 1-operation, 1-digi
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import socket
@@ -95,17 +97,30 @@ def launch(args: list[str], num_processes: int = 2, timeout: int = 180, script: 
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
+@functools.cache
+def train_module():
+    """train.py loaded by its path, once per process: the one way tests (and scripts/bench/bench_parts.py) run
+    the training loop in-process, and the module whose globals a test may patch (`load_model`, `policy_loss`)
+    to see what the loop calls. train.py is an entry point, not a library: settings come from
+    oar.training.config, and nothing else imports it."""
+    spec = importlib.util.spec_from_file_location("train_entry_point", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_inprocess(args: list[str]) -> dict:
-    """train.main on parsed `args` in this process (cheap: no interpreter start, no imports)."""
-    import train
+    """train.py's main on parsed `args` in this process (cheap: no interpreter start, no imports)."""
     from accelerate.state import AcceleratorState, GradientState
+
+    from oar.training.config import parse_args
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a fresh Accelerator for each run
     GradientState._reset_state()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return train.main(train.parse_args(args))
+        return train_module().main(parse_args(args))
     finally:
         torch.set_num_threads(threads)
 

@@ -4,7 +4,7 @@
     python scripts/analysis/heatmap.py --model tiny-arith --rollout gold    # the starting model on a worked solution
     python scripts/analysis/heatmap.py --run runs/study/oar-p-s1 --index 7 --seed 3 --out /tmp/hm
 
-Writes <out>.html (hover a token for its weight and score) and <out>.png (default docs/results/heatmap).
+Writes <out>.html (hover a token for its weight and score) and <out>.png (default research/arith_v3/heatmap).
 Both methods score the SAME rollout; weights are gating.bilevel_weights of each score with the run's
 probe and gating settings (train.py's defaults with --model). Colours: blue = suppressed (w < 1),
 white = 1, red = boosted (w > 1); tokens outside the reasoning span (marker, answer, EOS) are framed
@@ -187,7 +187,7 @@ def main(argv=None) -> None:
     from oar.training.models import load_model
     from oar.tasks.tiny_arith_cache import model_source
     from oar.rewards import reward
-    from train import Config
+    from oar.training.config import Config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     src = p.add_mutually_exclusive_group()
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
     p.add_argument("--rollout", default="sample", choices=["sample", "greedy", "gold"])
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the first that gives an answer is kept) and OAR-G noise")
     p.add_argument("--probe", default=None, help="override the run's probe")
-    p.add_argument("--out", default="docs/results/heatmap", help="output path without extension")
+    p.add_argument("--out", default="research/arith_v3/heatmap", help="output path without extension")
     a = p.parse_args(argv)
     cfg = dict(vars(Config()))
     if a.run:

@@ -248,7 +248,8 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
     with --score_all. Learning rate 1e-12: every method samples the same rollouts at every step, the update
     still computed. `cpu_ratio_vs_grpo`: the median over rounds of a method's CPU seconds over GRPO's on the
     same steps in the same round (nearly the same busy neighbours): the steadier figure on a shared machine."""
-    import train
+    from oar.training.config import Config
+    from tests.tinyrun import train_module  # train.py's main, loaded by its path (train.py is not a library)
 
     samples = {m: [] for m in methods}
     cpu = {m: [] for m in methods}
@@ -261,7 +262,7 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
             for m in (runs if r % 2 == 0 else runs[::-1]):
                 out = Path(tmp) / f"{m}-{r}"
                 if m == "trl":
-                    same = [f"--{k}={getattr(train.Config(**settings), k)}" for k in ("prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size")]
+                    same = [f"--{k}={getattr(Config(**settings), k)}" for k in ("prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size")]
                     cmd = [trl_python, str(ROOT / "scripts" / "bench_trl.py"), "--model", trl_model, "--steps", str(steps), *same,
                            "--json", str(out) + ".json"]
                     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -271,10 +272,10 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
                     extra["trl"]["version"] = got["trl_version"]
                     continue
                 method, _, variant = m.partition("+")
-                cfg = train.Config(**settings, method=method, score_all=variant == "all", steps=steps, output_dir=str(out),
+                cfg = Config(**settings, method=method, score_all=variant == "all", steps=steps, output_dir=str(out),
                                    learning_rate=1e-12, eval_size=1, eval_every=0, save_every=0)
                 with contextlib.redirect_stdout(io.StringIO()):
-                    train.main(cfg)
+                    train_module().main(cfg)
                 lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()][1:]
                 samples[m] += [ln["time/step_s"] for ln in lines]
                 cpu[m] += [ln["time/step_cpu_s"] for ln in lines]

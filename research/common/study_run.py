@@ -1,0 +1,120 @@
+"""One run of a study: train.py as a child process, resumable, timed, checked against what it was asked to train.
+
+`run_one` brings a run folder to completion: a folder with summary.json is done (and must hold the
+settings and starting model asked for), one with a checkpoint resumes with --resume, one with neither
+starts again. Each invocation adds its wall-clock and CPU seconds, the starting model and the code's
+hash to the folder's study_time.json (one killed before it could adds to its count of unmeasured
+invocations). Used by research/testbeds_v5/study_v5.py (issue 14) and research/real_smollm2/study_real.py (issue 21); the issue-6 study's script is retired (its results: research/arith_v4/).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from oar.training.checkpoint import latest_checkpoint, write_json_atomic  # noqa: E402
+from oar.training.config import RESUMABLE, Config  # noqa: E402
+
+
+def effective(settings: dict) -> dict:
+    return asdict(Config()) | settings
+
+
+def run_dir(args, run) -> Path:
+    return args.root / f"{run['name']}-s{run['seed']}"
+
+
+def command(settings: dict, out: Path, seed: int, resume: bool) -> list[str]:
+    cmd = [sys.executable, str(ROOT / "train.py")]
+    for key, value in (settings | {"seed": seed, "output_dir": str(out)}).items():
+        cmd += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return cmd + (["--resume", "true"] if resume else [])
+
+
+def run_one(args, run) -> str:
+    """Bring one run to completion: 'done' (skipped), 'ok' or 'failed'."""
+    out = run_dir(args, run)
+    if (out / "summary.json").exists():
+        saved = json.loads((out / "config.json").read_text())
+        ignore = (RESUMABLE - {"steps"}) | {"resume"}  # settings that do not change what is trained
+        # a setting newer than the run (absent from its config.json) ran as its default: new settings default to the old behaviour
+        saved = asdict(Config()) | saved
+        wrong = {k: (v, saved.get(k)) for k, v in effective(run["settings"] | {"seed": run["seed"]}).items()
+                 if k not in ignore and saved.get(k) != v}
+        built = json.loads((out / "study_time.json").read_text()).get("model") if (out / "study_time.json").exists() else None
+        if None not in (built, model_ident(run["settings"]["model"])) and built != model_ident(run["settings"]["model"]):
+            wrong["model build"] = (model_ident(run["settings"]["model"]), built)
+        if wrong:
+            raise SystemExit(f"study.py: error: {out} is a finished run with other settings {wrong} (wanted, found); "
+                             f"use another --root, or delete the folder to rerun it.")
+        return "done"
+    resume = latest_checkpoint(out) is not None
+    if out.exists() and not resume:
+        shutil.rmtree(out)  # interrupted before its first checkpoint: nothing worth keeping
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = command(run["settings"], out, run["seed"], resume)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    print(f"[study] {'resume' if resume else 'start '} {out.name}: {' '.join(cmd[1:])}", flush=True)
+    # An invocation is marked open while it runs: one killed outright (SIGKILL, the machine gone) never
+    # writes its time, and the next one counts it as unmeasured, so the report does not show a partial time as whole.
+    before = json.loads((out / "study_time.json").read_text()) if (out / "study_time.json").exists() else {}
+    unmeasured = before.get("unmeasured", 0) + int(bool(before.get("open")))
+    write_json_atomic(out / "study_time.json", before | {"open": True, "unmeasured": unmeasured})
+    start, cpu = time.time(), _child_cpu()
+    try:
+        with open(out / "train.log", "a") as log:
+            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    finally:  # also when the study is stopped: a resumed run's time adds up over its invocations
+        write_json_atomic(out / "study_time.json", {
+            "seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
+            "invocations": before.get("invocations", 0) + 1, "unmeasured": unmeasured, "model": model_ident(run["settings"]["model"]),
+            "code": sorted(set(before.get("code", [])) | {code_version()})})
+    if code != 0:
+        tail = (out / "train.log").read_text().splitlines()[-15:]
+        print(f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail), flush=True)
+        return "failed"
+    print(f"[study] done   {out.name} in {(time.time() - start) / 60:.1f} min", flush=True)
+    return "ok"
+
+
+def code_version() -> str:
+    """A hash of the code a run executes (train.py, oar/**/*.py), committed or not: the report warns
+    when the runs it compares were made by different code (the tree may change during a study)."""
+    digest = hashlib.sha1()
+    for path in [ROOT / "train.py", *sorted((ROOT / "oar").rglob("*.py"))]:
+        digest.update(path.relative_to(ROOT).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def _child_cpu() -> float:
+    """CPU seconds of finished children: on cores shared with other jobs, steadier than wall-clock."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def model_ident(model: str) -> str | None:
+    """What a run started from: the name, or for tiny-arith its builder version and a hash of the
+    recipe it was built with (a recipe change without a version bump must not pass as the same
+    model); None while tiny-arith is not built (nothing to compare)."""
+    if model != "tiny-arith":
+        return model
+    from oar.tasks.tiny_arith import BUILDER_VERSION
+    from oar.tasks.tiny_arith_cache import default_model_dir, shipped_model
+
+    info = (shipped_model() or default_model_dir()) / "build_info.json"
+    if not info.exists():
+        return None
+    built = json.loads(info.read_text())
+    digest = hashlib.sha1(json.dumps([built["recipe"], built["seed"]], sort_keys=True).encode()).hexdigest()[:10]
+    return f"{BUILDER_VERSION}:{digest}"
