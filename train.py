@@ -8,9 +8,9 @@
 One step, in the order of the paper:
   1. rollout     G samples for each of this process's prompts (a prompt's group stays on one process)
   2. reward      1 if the extracted final answer matches the gold answer
-  3. advantage   group-relative A_i (SPEC §1)
+  3. advantage   group-relative A_i (maths §1.1)
   4. update      per micro-batch: forward -> log-probs; token credit -> weights w_it (oar/credit.py's table: OAR's
-                 scores through the bi-level gate, SPEC §3-5, a comparator, or a --credit_module's); loss with token advantages
+                 scores through the bi-level gate, maths §3-5, a comparator, or a --credit_module's); loss with token advantages
                  A_i w_it; backward. GRPO is the same path with w = 1.
   5. step        clip the gradient norm, optimizer step (steps 4-5 run --num_iterations times), LR-schedule step
   6. log / eval / checkpoint

@@ -1,7 +1,7 @@
 r"""Where the final answer of a completion is: its text and span A_i (the probes read it), and the reasoning before it.
 
-`find_answer` gives the final answer of a completion and its character span; SPEC's reasoning span
-R_i is `text[:marker_start]`. Markers: the last `\boxed{..}` / `\fbox{..}` (nested braces matched,
+`find_answer` gives the final answer of a completion and its character span; the reasoning span
+R_i of maths §0 is `text[:marker_start]`. Markers: the last `\boxed{..}` / `\fbox{..}` (nested braces matched,
 `\{ \}` skipped; also `\boxed 5`); the text after the last `####` to the end of its line (GSM8K);
 the text after the last "the (final) answer is" (any case) to the end of its sentence or line.
 For the last two, wrapping `$`, `\(..\)`, `**`, a leading `:` and a trailing `.` are trimmed.

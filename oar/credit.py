@@ -4,11 +4,11 @@ Legend: B this process's rollouts (P prompts x G, a prompt's group contiguous an
 b a micro-batch's rollouts, L positions (prompt width Lp + completion), T = L - Lp completion
 positions, V vocabulary.
 
-The loss takes token advantages A_it = A_i w_it (SPEC §1, STYLE 4) and never branches on the method:
+The loss takes token advantages A_it = A_i w_it (maths §1.2) and never branches on the method:
 a method is only a way to fill w. `train.py --method NAME` picks one from the table, METHODS:
 
   grpo          w = 1                                                      (the reference)
-  oar-g, oar-p  OAR's scores through the bi-level gate (SPEC §3-5; oar_grad.py, oar_perturb.py)
+  oar-g, oar-p  OAR's scores through the bi-level gate (maths §3-5; oar_grad.py, oar_perturb.py)
   entropy       the update forward's token entropy through the same gate     (oar/entropy_credit.py)
   entropy-mask  1 on the top-rho entropy tokens of the whole step, else 0    (oar/entropy_credit.py)
   tempo         prefix-tree credit from the group's own rewards, may be < 0 (oar/tempo.py)

@@ -74,7 +74,7 @@ class Step:
     scored: torch.Tensor  # (B,) bool: the rollouts whose weights matter (A_i != 0 and a valid token)
     seeds: list[int]  # (B,) each rollout's own seed: draw randomness from it to stay batching-independent
     golds: list[str]  # (B,) gold answers
-    probe: str  # this step's outcome probe (SPEC §2)
+    probe: str  # this step's outcome probe (maths §2)
     gather: Callable[[torch.Tensor], torch.Tensor]  # every process's 1-D tensor concatenated (identity on one)
 
 

@@ -1,4 +1,4 @@
-"""Bi-level gating: token importance scores -> token weights w_it, rollout mass preserved (SPEC §5).
+"""Bi-level gating: token importance scores -> token weights w_it, rollout mass preserved (maths §5).
 
 Legend: B rollouts, L positions (any length axis: the full sequence or the completion only).
 
@@ -85,7 +85,7 @@ def _masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torc
 
 
 def weight_stats(weights: torch.Tensor, reasoning_mask: torch.Tensor, *, all_sum=None, all_max=None) -> dict[str, float]:
-    """SPEC §6 diagnostics over reasoning tokens: mean/max weight, boosted/suppressed fractions and
+    """maths §6 diagnostics over reasoning tokens: mean/max weight, boosted/suppressed fractions and
     the ESS ratio (sum w)^2 / (n_R sum w^2), averaged over rollouts that have reasoning tokens.
 
     all_sum, all_max: optional functions that sum / take the maximum of a 1-D tensor over processes,

@@ -3,7 +3,7 @@
 Legend: B rollouts (P prompts x G rollouts, a prompt's G rollouts contiguous), T completion length,
 V vocabulary. Masks are bool (B, T).
 
-SPEC §1, with the conventions TRL and verl share so results compare:
+maths §1, with the conventions TRL and verl share so results compare:
   A_i      = (r_i - mean_g r) / (std_g r + 1e-4)              std unbiased (ddof = 1)
   rho_it   = exp(logpi_theta - logpi_old)
   l_it     = -min(rho A_it, clip(rho, 1 - eps_low, 1 + eps_high) A_it) + beta_KL k3_it
@@ -23,7 +23,7 @@ ADVANTAGE_EPS = 1e-4
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
-    """Group-relative advantages A_i (SPEC §1). `rewards` (B,) -> (B,).
+    """Group-relative advantages A_i (maths §1.1). `rewards` (B,) -> (B,).
 
     scale="group": divide by each group's unbiased std + 1e-4 (GRPO, the default);
     scale="batch": divide by the unbiased std of the whole batch + 1e-4 (Dr. GRPO-style robustness);
@@ -129,7 +129,7 @@ def policy_loss(
     num_sequences: float | None = None,
     num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate loss with token-level advantages (SPEC §1). All inputs (B, T).
+    """Clipped surrogate loss with token-level advantages (maths §1.3, §1.4). All inputs (B, T).
 
     The normalizer is named, so the loss is exact under accumulation and across processes:
       seq_mean:   sum_i [sum_t l_it m_it / sum_t m_it] / num_sequences

@@ -1,4 +1,4 @@
-"""OAR-G: token importance from one gradient x input pass on noised embeddings (SPEC §4).
+"""OAR-G: token importance from one gradient x input pass on noised embeddings (maths §4).
 
 Legend: B rollouts, L sequence positions, H embedding width, V vocabulary.
 

@@ -1,4 +1,4 @@
-"""OAR-P: token importance by counterfactual perturbation (SPEC §3).
+"""OAR-P: token importance by counterfactual perturbation (maths §3).
 
 Legend: B rollouts, L sequence positions, H hidden width, V vocabulary, K answer-predicting
 positions of a row, c masked copies in one chunk, S cached positions, N recomputed positions.

@@ -8,7 +8,7 @@ Exact OAR-P (oar/oar_perturb.py) masks token j and recomputes every position j .
 ~ R^2/2 token-forwards per rollout. The window mode recomputes only
     P_j = {j, ..., j + W}  U  {a0 - 1, ..., E - 1}      (the window and the answer-predicting positions)
 and lets them attend, at every layer, to the CLEAN keys/values of every other position < E:
-    s_j^W = D(P_clean, P_masked^W(j)),  D = KL(P_clean || .) or phi_clean - phi(.) as in SPEC §3.
+    s_j^W = D(P_clean, P_masked^W(j)),  D = KL(P_clean || .) or phi_clean - phi(.) as in maths §3.1.
 Cost: R (W + 1 + K) positions per rollout instead of R^2/2, each attending to at most E + c N keys.
 What it leaves out: the change that masking j makes to the keys/values of positions j+W+1 .. a0-2,
 i.e. influence that travels through an intermediate token more than W positions later. The answer

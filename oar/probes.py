@@ -1,4 +1,4 @@
-"""Outcome probes: the model's own final-answer distribution, read off one forward pass (SPEC §2).
+"""Outcome probes: the model's own final-answer distribution, read off one forward pass (maths §2).
 
 Legend: B rollouts, L sequence positions, K answer tokens (padded to the longest answer), V vocab.
 z_p are the logits at position p; they predict token p + 1, so answer token k is read at k - 1.
@@ -9,7 +9,7 @@ z_p are the logits at position p; they predict token p + 1, so answer token k is
 
 `outcome` returns log P (B, V) for the two distribution probes and phi (B,) for answer_joint;
 `divergence` turns a clean and a perturbed outcome into an importance score: KL(P_clean || P_pert)
-for distributions, phi_clean - phi_pert for answer_joint (SPEC §3/§4). Rows whose answer mask is
+for distributions, phi_clean - phi_pert for answer_joint (maths §3, §4). Rows whose answer mask is
 empty give a meaningless outcome; the scorers zero their scores.
 """
 

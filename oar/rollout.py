@@ -1,4 +1,4 @@
-"""A step's rollouts: the (B, L) layout, the masks OAR needs (SPEC §2), and the sampler's log-probs.
+"""A step's rollouts: the (B, L) layout, the masks OAR needs (maths §0), and the sampler's log-probs.
 
 Legend: P prompts, G rollouts per prompt (contiguous: rows i*G .. i*G+G-1 share prompt i),
 B = P*G rollouts, Lp padded prompt width, T completion width, L = Lp + T.

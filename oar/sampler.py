@@ -1,4 +1,4 @@
-"""Rollouts: batched sampling with a KV cache, one seeded stream per rollout (SPEC §2).
+"""Rollouts: batched sampling with a KV cache, one seeded stream per rollout (maths §0).
 
 Legend: P prompts, G rollouts per prompt (contiguous: rows i*G .. i*G+G-1 share prompt i),
 B = P*G rollouts, Lp padded prompt width, T completion width, V vocabulary. The layout of a step's

@@ -1,4 +1,4 @@
-"""Bi-level gating (SPEC §5): a hand-computed case and the invariants as hypothesis properties."""
+"""Bi-level gating (maths §5): a hand-computed case and the invariants as hypothesis properties."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""OAR-P and OAR-G on a tiny random Llama: the fast paths against the definitions (SPEC §3, §4)."""
+"""OAR-P and OAR-G on a tiny random Llama: the fast paths against the definitions (maths §3, §4)."""
 
 import copy
 import warnings
@@ -85,7 +85,7 @@ def test_oar_g_leaves_no_gradient_and_keeps_flags(batch):
 
 
 def test_oar_g_noise_is_what_makes_kl_gradients_nonzero(model, batch):
-    # At delta = 0 the KL is at its minimum: the gradient is 0 up to float rounding (SPEC §4, "why
+    # At delta = 0 the KL is at its minimum: the gradient is 0 up to float rounding (maths §4, "why
     # the noise"); with sigma = 1e-3 it is orders of magnitude larger.
     ids, attn, reas, ans = batch
     g = lambda seed: gradient_scores(model, ids, attn, reas, ans, generator=torch.Generator().manual_seed(seed))

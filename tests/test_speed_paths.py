@@ -72,7 +72,7 @@ def test_oar_p_in_training_mode_with_checkpointing_matches_eval_and_keeps_modes(
 
 
 def _oar_g_reference(model, ids, attn, reas, ans, noise, noise_std, probe):
-    """SPEC §4 the plain way: full-sequence forward on e + delta, all logits, autograd.grad."""
+    """maths §4 the plain way: full-sequence forward on e + delta, all logits, autograd.grad."""
     e = model.get_input_embeddings()(ids).detach()
     with torch.no_grad():
         clean = outcome_from_logits(forward_logits(model, ids, attn), ids, ans, probe)

@@ -7,7 +7,7 @@ saved folder loads with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(
 - Tokenizer: one token per character (printable ASCII and newline) plus `<pad>`, `<eos>`,
   `<unk>`, built with `tokenizers` and wrapped in `PreTrainedTokenizerFast`. No BOS, nothing added
   around the text, no clean-up on decode, so `decode(encode(s)) == s` for every ASCII string, and
-  every digit of an answer is its own token (the answer span of SPEC §2 is one token per digit).
+  every digit of an answer is its own token (the answer span of maths §0 is one token per digit).
   Its padding side is left, as generation needs.
 - Chat template: a user turn renders as `Q: <problem>\\n`, the generation prompt is `A:\\n`, an
   assistant turn is its content then `<eos>`. The model is trained to complete

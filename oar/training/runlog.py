@@ -106,7 +106,7 @@ def _replace_text(path: Path, text: str) -> None:
 
 
 def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule, accelerator) -> dict:
-    """SPEC §6 diagnostics of one step, on this process (train.py averages them over processes),
+    """maths §6 diagnostics of one step, on this process (train.py averages them over processes),
     except the weight statistics: they cover the rollouts that OAR scored (`scored`, (B,)) on every
     process, since a process may have scored none."""
     tokens = max(sum(s["tokens"] for s in stats), 1.0)

@@ -8,7 +8,7 @@ group advantages). Every method of oar/credit.py then weighs the SAME rollouts t
 code path train.py uses (credit.step_credit; the update forward's logits for the entropy methods).
 Rollouts with advantage 0 carry no update and are left out. Metrics are over each rollout's scope,
 its reasoning tokens plus its fork token (a rollout that answers one line early forks on the first
-`#` of its `####` marker, which is not reasoning: OAR's gate leaves it at 1 by SPEC §5), then
+`#` of its `####` marker, which is not reasoning: OAR's gate leaves it at 1 by maths §5), then
 averaged over rollouts; the standard errors are clustered by prompt (a group's rollouts share a
 prompt and are often the same text, so they are not independent draws):
 
