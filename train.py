@@ -7,7 +7,7 @@
 
 One step, in the order of the paper:
   1. rollout     G samples for each of this process's prompts (a prompt's group stays on one process)
-  2. reward      1 if the extracted final answer matches the gold answer
+  2. reward      --reward's weighted terms; by default 1 if the extracted final answer matches the gold answer
   3. advantage   group-relative A_i (maths §1.1)
   4. update      per micro-batch: forward -> log-probs; token credit -> weights w_it (oar/credit.py's table: OAR's
                  scores through the bi-level gate, maths §3-5, a comparator, or a --credit_module's); loss with token advantages
@@ -74,7 +74,7 @@ from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprob
 from oar.training.models import ModelError, load_model, resolve_model
 from oar.lm import forward_logits
 from oar.probes import clean_forward, outcome_from_logits
-from oar.rewards import reward
+from oar.reward_table import RewardError, reward_terms, score
 from oar.training.runlog import RunLog, pass_metrics, sampler_gap_metrics, step_metrics
 from oar.sampler import format_prompt, resolve_instruction, sample
 from oar.tasks.tiny_arith_cache import model_source
@@ -89,6 +89,7 @@ def main(cfg: Config) -> dict:
     try:  # every cheap check first: nothing is loaded or written when one fails
         check_config(cfg, n_proc)
         method = credit_methods(cfg.credit_module)[cfg.method]  # checked: a --credit_module that fails has stopped the run
+        terms = reward_terms(cfg.reward, cfg.reward_module)  # checked likewise
         resolve_model(cfg.model)
         train_set = load_problems(cfg.dataset, split="train", limit=cfg.train_size if cfg.dataset == "arith" else None, seed=cfg.seed)
         eval_name = cfg.eval_dataset or ("arith" if cfg.dataset == "arith" else "")
@@ -166,8 +167,10 @@ def main(cfg: Config) -> dict:
                         loop=cfg.decode_loop)
         t_rollout = time.perf_counter() - t0
 
-        # 2. reward
-        rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)], device=accelerator.device)
+        # 2. reward: --reward's weighted terms (oar/reward_table.py; by default answer correctness alone)
+        problems = [train_set[i].problem for i in idx for _ in range(cfg.group_size)]
+        totals, reward_parts = score(terms, ro.texts, golds, problems)
+        rewards = torch.tensor(totals, device=accelerator.device)
 
         # 3. group-relative advantage (a prompt's group is on this process: no gather needed)
         advantages = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)  # (B,)
@@ -265,6 +268,7 @@ def main(cfg: Config) -> dict:
         metrics = step_metrics(ro, rewards, scored, cfg.group_size, passes[0], torch.cat(w_all), norms[0], schedule, accelerator)
         metrics |= pass_metrics(passes[1:], norms[1:])  # empty for --num_iterations 1
         metrics |= sampler_gap_metrics(gaps, accelerator)
+        metrics |= {f"reward/{name}": sum(values) / len(values) for name, values in reward_parts.items()}  # unweighted
         metrics |= {"time/step_s": history["step_seconds"][-1], "time/step_cpu_s": step_cpu, "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
                     "oar/frac_nonfinite_scores": n_nonfinite / len(ro)}
         if n_nonfinite:
@@ -302,5 +306,7 @@ if __name__ == "__main__":
         main(parse_args(sys.argv[1:]))
     except KeyboardInterrupt:
         raise SystemExit("train.py: interrupted. Run the same command with --resume to continue from the last checkpoint.") from None
+    except RewardError as err:  # a --reward_module function that raised or returned a non-finite value mid-run
+        raise SystemExit(f"train.py: error: {err}") from None
     finally:
         release()  # after an error: the process group ends before the interpreter does

@@ -21,6 +21,12 @@ and, in it, cancels any alarm the caller had set. We turn them off and run parse
 deadline of our own (`_deadline`) that works in any thread and leaves signals alone. Like a signal,
 it cannot stop one C call holding the GIL (sympy computing `9^{9^{9}}` exactly), so answers over
 MV_MAX_CHARS and towers, huge powers or factorials (`_may_explode`) skip step 3. Nothing raises.
+
+The built-in terms of a run's reward (`--reward`; the table and its weights: oar/reward_table.py), each
+a function (completion, gold, problem) -> float:
+  correctness_reward  `reward`: 1 if the final answer matches the gold answer, else 0 (the paper's reward)
+  format_reward       1 if the completion has a final-answer marker with an answer in it, right or wrong
+  length_reward       the completion's length in characters (a penalty with a negative weight)
 """
 
 from __future__ import annotations
@@ -185,3 +191,19 @@ def reward(completion: str, gold: str, *, format_bonus: float = 0.0) -> float:
     if span is None:
         return 0.0
     return float(answers_match(span.answer, gold)) + format_bonus
+
+
+def correctness_reward(completion: str, gold: str, problem: str = "") -> float:
+    """`reward(completion, gold)`: 1.0 for a final answer that matches `gold`, else 0.0."""
+    return reward(completion, gold)
+
+
+def format_reward(completion: str, gold: str = "", problem: str = "") -> float:
+    """1.0 when `completion` has a final-answer marker that holds an answer, right or wrong (`find_answer`
+    finds one: a non-empty `\\boxed{..}`, `####` or "the answer is"), else 0.0."""
+    return float(find_answer(completion) is not None)
+
+
+def length_reward(completion: str, gold: str = "", problem: str = "") -> float:
+    """The completion's length in characters; with a negative weight, a length penalty."""
+    return float(len(completion))

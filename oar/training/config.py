@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from oar.credit import CreditError, credit_methods
+from oar.reward_table import RewardError, reward_terms
 from oar.training import lora
 from oar.oar_perturb import MODES as PERTURB_MODES
 from oar.probes import PROBES
@@ -38,6 +39,11 @@ class Config:
                                                           "random-gate (the last two beyond the paper; oar/credit.py), or one of --credit_module's."})
     credit_module: str = field(default="", metadata={"help": "A module (a .py file, or a dotted name on the Python path) whose CREDIT_METHODS "
                                                            "list adds methods to --method's choices (docs/credit-methods.md)."})
+    reward: str = field(default="correct", metadata={"help": "The reward: comma-separated name[:weight] terms, summed, e.g. "
+                                                        "correct,format:0.1,length:-0.001; built-ins correct | format | length, "
+                                                        "or one of --reward_module's (docs/rewards.md)."})
+    reward_module: str = field(default="", metadata={"help": "A module (a .py file, or a dotted name on the Python path) whose "
+                                                           "REWARD_FUNCTIONS dict adds rewards to --reward's choices (docs/rewards.md)."})
     output_dir: str = field(default="runs/default", metadata={"help": "Checkpoints, metrics.jsonl, summary.json, final model."})
     resume: bool = field(default=False, metadata={"help": "Resume from the newest complete checkpoint in output_dir."})
     seed: int = field(default=0, metadata={"help": "Seeds data order, sampling and OAR-G noise."})
@@ -126,6 +132,10 @@ def check_config(cfg: Config, num_processes: int) -> None:
         where = f"with --credit_module {cfg.credit_module}" if cfg.credit_module else "or name a module that defines it with --credit_module"
         need(cfg.method in methods, f"--method {cfg.method}: choose one of {', '.join(methods)} ({where}).")
     except CreditError as err:
+        problems.append(str(err))
+    try:  # likewise a --reward_module: imported, and each of its functions called once on an example
+        reward_terms(cfg.reward, cfg.reward_module)
+    except RewardError as err:
         problems.append(str(err))
     need(cfg.probe in PROBES, f"--probe {cfg.probe}: choose one of {', '.join(PROBES)}.")
     need(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO needs >= 2 rollouts per prompt for a baseline.")
