@@ -32,7 +32,9 @@ def test_load_jsonl_reads_rows_skips_blank_lines_and_ignores_extra_keys(tmp_path
     ('{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": \n', 2, ["invalid JSON"]),
     ('{"problem": "p", "answer": "1"}\n["p", "1"]\n', 2, ["expected a JSON object", "list"]),
     ('\n{"problem": "p"}\n', 2, ["missing key 'answer'", "Add 'answer'"]),
-    ('{"question": "p", "answer": "1"}\n', 1, ["missing key 'problem'"]),
+    ('{"prompt": "p", "answer": "1"}\n', 1, ["missing key 'problem' (or 'question'; keys present: ['answer', 'prompt'])"]),
+    ('{"problem": "p", "solution": "it is 7"}\n', 1, ["key 'solution' holds no final answer"]),
+    ('{"problem": "p", "answer": "So #### "}\n', 1, ["key 'answer' is empty"]),
     ('{"problem": "p", "answer": 42}\n', 1, ["'answer' must be a string", "int"]),
     ('{"problem": ["p"], "answer": "1"}\n', 1, ["'problem' must be a string", "list"]),
     ('{"problem": "  ", "answer": "1"}\n', 1, ["'problem' is empty"]),
@@ -91,11 +93,60 @@ def test_load_problems_arith_and_unknown_names():
             load_problems("no-such-dataset")
 
 
+def test_data_errors_name_no_path_outside_the_repository(tmp_path, monkeypatch):
+    """A user has the repository, not the machine it was written on: no message may point at ../shared."""
+    import importlib.util
+
+    import oar.training.data as data
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # as without `datasets`
+    with pytest.raises(DataError) as err:
+        load_problems("no-such-dataset")
+    assert "pip install -r requirements.txt" in str(err.value)
+    source = Path(data.__file__).read_text()
+    assert "shared/" not in source.split('"""', 2)[2]  # the module's code and messages, past its docstring
+
+
 def test_problems_from_records_maps_hf_fields_and_gsm8k_answers():
     records = [{"question": "Q1", "answer": "She has 3.\n#### 18"}, {"problem": "Q2", "answer": "7"}]
     assert problems_from_records(records, "hf") == [Problem("Q1", "18"), Problem("Q2", "7")]
     with pytest.raises(DataError, match="hf row 0: missing key 'answer'"):
         problems_from_records([{"question": "Q"}], "hf")
+
+
+COLUMNS = [  # one row of each column layout: GSM8K's, MATH's (answer and solution), a solution alone, ours
+    {"question": "Q1", "answer": "She has 3.\n#### 18"},
+    {"problem": "Q2", "solution": "So $x = 2$, and \\boxed{\\frac{1}{2}}.", "answer": "\\frac12"},
+    {"problem": "Q3", "solution": "3 + 4 = 7\n#### 7"},
+    {"problem": "Q4", "answer": "7", "question": "ignored: problem comes first"},
+]
+MAPPED = [Problem("Q1", "18"), Problem("Q2", "\\frac12"), Problem("Q3", "7"), Problem("Q4", "7")]
+
+
+def test_jsonl_and_hub_rows_map_their_columns_the_same_way(tmp_path, monkeypatch):
+    """question/problem and answer/solution, in a file and through `datasets.load_dataset` (replaced by
+    a local Dataset here: tests never fetch), give the same problems."""
+    datasets = pytest.importorskip("datasets")
+
+    path = write(tmp_path, "".join(json.dumps(r) + "\n" for r in COLUMNS))
+    assert load_jsonl(path) == MAPPED
+    calls = []
+
+    def load_dataset(path, name=None, *, split):
+        calls.append((path, name, split))
+        columns = ("question", "problem", "answer", "solution")  # a table: a column a row lacks holds None there
+        return datasets.Dataset.from_dict({c: [r.get(c) for r in COLUMNS] for c in columns})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert load_problems("org/set:main", split="test") == MAPPED
+    assert calls == [("org/set", "main", "test")]
+    with pytest.raises(DataError, match=r"rows.jsonl:1: key 'problem' must be a string, got NoneType"):
+        load_jsonl(write(tmp_path, '{"problem": null, "answer": "1"}\n'))
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, name=None, *, split: datasets.Dataset.from_list(COLUMNS[:1]))
+    assert load_problems("org/gsm", split="train") == MAPPED[:1]
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, name=None, *, split: datasets.Dataset.from_list(
+        [{"problem": "Q2", "solution": "\\boxed{3}", "answer": "3"}]))
+    assert load_problems("org/math", split="test") == [Problem("Q2", "3")]
 
 
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"shared data not found at {SHARED_DATA}")

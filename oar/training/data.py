@@ -5,9 +5,11 @@ rewards' job, not this module's. Every loader validates its whole input before r
 bad input stops with a `DataError` that names the file, the line and the fix, so a long run never
 starts on data it will choke on later.
 
-The JSON Lines schema is that of `shared/data/*/*.jsonl`: one object per line with string keys
-`problem` and `answer`; other keys (`id`, `solution`, `source`, ...) are ignored; blank lines are
-skipped. A step's prompts and rollout seeds (`prompt_order`, `rollout_seeds`) are functions of the
+One schema for JSON Lines files and hub data sets alike (the columns GSM8K, MATH and their copies
+use): a row's problem is its key `problem`, else `question`; its gold answer is `answer` (a GSM8K
+answer, "... #### 18", cut to what follows `####`), else `solution` cut to its final answer
+(`oar.answers`: the last `\\boxed{..}`, or what follows `####` or "the answer is"). Other keys are
+ignored; in a file, blank lines are skipped. A step's prompts and rollout seeds (`prompt_order`, `rollout_seeds`) are functions of the
 run's seed and the step alone, so a resumed run and any process count see the same data.
 """
 from __future__ import annotations
@@ -19,11 +21,13 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from oar.answers import extract_answer
 from oar.tasks.arith import DEFAULT_ARITH, ArithConfig, arith_problems
 from oar.tasks.problem import Problem
 
-REQUIRED_KEYS = ("problem", "answer")
-_FIX = "each line must be a JSON object with string keys 'problem' and 'answer'"
+PROBLEM_KEYS = ("problem", "question")  # a row's problem statement: the first of these it has
+ANSWER_KEYS = ("answer", "solution")  # its gold answer: the first of these it has (a solution: its final answer)
+_FIX = "each line must be a JSON object with string keys 'problem' (or 'question') and 'answer' (or 'solution')"
 
 
 class DataError(ValueError):
@@ -37,17 +41,28 @@ def _problem_from_record(record: Any, where: str) -> Problem:
     """
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}; {_FIX}.")
-    for key in REQUIRED_KEYS:
-        if key not in record:
-            raise DataError(f"{where}: missing key '{key}' (keys present: {sorted(record)}); "
-                            f"{_FIX}. Add '{key}' or remove the row.")
+    texts = []
+    for keys in (PROBLEM_KEYS, ANSWER_KEYS):
+        present = [k for k in keys if k in record]  # a hub table gives every row every column, None where absent
+        key = next((k for k in present if record[k] is not None), present[0] if present else None)
+        if key is None:
+            raise DataError(f"{where}: missing key '{keys[0]}' (or '{keys[1]}'; keys present: {sorted(record)}); "
+                            f"{_FIX}. Add '{keys[0]}' or remove the row.")
         value = record[key]
         if not isinstance(value, str):
             raise DataError(f"{where}: key '{key}' must be a string, got {type(value).__name__} "
                             f"({value!r:.40}); quote it, e.g. \"{key}\": \"{value}\".")
+        if key == "solution":
+            value = extract_answer(value) or ""
+            if not value:
+                raise DataError(f"{where}: key 'solution' holds no final answer (no \\boxed{{..}}, '####' or 'the answer is'); "
+                                f"add an 'answer' key or remove the row.")
+        elif key == "answer":
+            value = gsm8k_final_answer(value)
         if not value.strip():
             raise DataError(f"{where}: key '{key}' is empty; give it a value or remove the row.")
-    return Problem(problem=record["problem"], answer=record["answer"])
+        texts.append(value)
+    return Problem(problem=texts[0], answer=texts[1])
 
 
 def load_jsonl(path: str | Path) -> list[Problem]:
@@ -82,17 +97,8 @@ def gsm8k_final_answer(answer: str) -> str:
 
 
 def problems_from_records(records: Iterable[dict], source: str) -> list[Problem]:
-    """Problems from dataset rows with `question` or `problem`, and `answer` (GSM8K-style too).
-
-    Used for Hugging Face datasets, whose field names differ from our JSON Lines schema.
-    """
-    problems = []
-    for index, record in enumerate(records):
-        where = f"{source} row {index}"
-        if isinstance(record, dict) and "problem" not in record and "question" in record:
-            record = {**record, "problem": record["question"]}
-        problem = _problem_from_record(record, where)
-        problems.append(Problem(problem.problem, gsm8k_final_answer(problem.answer)))
+    """Problems from dataset rows (a Hugging Face dataset's), mapped as a file's lines are (module docstring)."""
+    problems = [_problem_from_record(record, f"{source} row {index}") for index, record in enumerate(records)]
     if not problems:
         raise DataError(f"{source}: the dataset has no rows; check the name and the split.")
     return problems
@@ -139,9 +145,9 @@ def load_problems(name: str, *, split: str = "train", limit: int | None = None, 
     if path.suffix == ".jsonl" or path.exists():
         return load_jsonl(path)[:limit]
     if importlib.util.find_spec("datasets") is None:
-        raise DataError(f"{name!r}: not 'arith', not an existing .jsonl file or folder, and the "
-                        f"`datasets` package is not installed for hub names; pass 'arith' or a "
-                        f"path to a .jsonl file (e.g. ../shared/data/gsm8k/test.jsonl).")
+        raise DataError(f"{name!r}: not 'arith', not an existing .jsonl file or folder, and the `datasets` package "
+                        f"that hub names need is not installed (pip install -r requirements.txt); pass 'arith' or "
+                        f"a path to a .jsonl file, or install it.")
     return _load_hf(name, split)[:limit]
 
 
