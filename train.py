@@ -83,7 +83,7 @@ from oar.tasks.tiny_arith_cache import model_source
 def main(cfg: Config) -> dict:
     from accelerate.utils import set_seed
 
-    accelerator = make_accelerator(log_with=[t for t in cfg.log_with.split(",") if t] or None)
+    accelerator = make_accelerator(log_with=[t for t in cfg.log_with.split(",") if t] or None, project_dir=cfg.output_dir)  # trackers write there
     n_proc, rank = accelerator.num_processes, accelerator.process_index
     local_prompts = cfg.prompts_per_step // n_proc
     try:  # every cheap check first: nothing is loaded or written when one fails

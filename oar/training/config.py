@@ -15,6 +15,7 @@ import torch
 from oar.credit import CreditError, credit_methods
 from oar.reward_table import RewardError, reward_terms
 from oar.training import lora
+from oar.training.launch import tracker_problem
 from oar.oar_perturb import MODES as PERTURB_MODES
 from oar.probes import PROBES
 from oar.sampler import DECODE_LOOPS
@@ -113,7 +114,8 @@ class Config:
     eval_batch_size: int = field(default=256, metadata={"help": "Sequences per generation batch during evaluation."})
     save_every: int = field(default=40, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
     keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept."})
-    log_with: str = field(default="", metadata={"help": "Also log to accelerate trackers: tensorboard, wandb, ... (comma-separated)."})
+    log_with: str = field(default="", metadata={"help": "Also log to accelerate trackers, comma-separated: tensorboard (installed; "
+                                                       "events in output_dir/oar), wandb, trackio, ... when installed."})
     max_bad_steps: int = field(default=3, metadata={"help": "Stop after this many non-finite steps in a row (each is skipped)."})
 
 
@@ -137,6 +139,7 @@ def check_config(cfg: Config, num_processes: int) -> None:
         reward_terms(cfg.reward, cfg.reward_module)
     except RewardError as err:
         problems.append(str(err))
+    problems += [problem for name in cfg.log_with.split(",") if name and (problem := tracker_problem(name))]
     need(cfg.probe in PROBES, f"--probe {cfg.probe}: choose one of {', '.join(PROBES)}.")
     need(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO needs >= 2 rollouts per prompt for a baseline.")
     need(cfg.prompts_per_step % num_processes == 0,

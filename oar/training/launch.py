@@ -16,8 +16,28 @@ import torch
 def make_accelerator(**kwargs):
     from accelerate import Accelerator
 
+    if kwargs.get("log_with"):  # a name that cannot log is check_config's to report (tracker_problem), not accelerate's
+        kwargs["log_with"] = [name for name in kwargs["log_with"] if not tracker_problem(name)] or None
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     return Accelerator(cpu=launched and not torch.cuda.is_available(), **kwargs)
+
+
+def tracker_problem(name: str) -> str | None:
+    """Why `--log_with name` cannot log, or None. Accelerate raises a bare ValueError on an unknown name
+    and only warns, then trains with no tracker, when the tracker's package is missing: a run that
+    was asked to log must not find out hours later that it did not."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    if name == "all":  # accelerate's name for every tracker installed
+        return None
+    if name not in LOGGER_TYPE_TO_CLASS:
+        return (f"--log_with {name}: not a tracker; choose from {', '.join(LOGGER_TYPE_TO_CLASS)} or all (comma-separated; "
+                f"tensorboard is installed by requirements.txt).")
+    if name not in {getattr(t, "value", t) for t in get_available_trackers()}:  # LoggerType members
+        fix = "pip install -r requirements.txt" if name == "tensorboard" else \
+            f"pip install {name.replace('_', '-')}, or use tensorboard (installed by requirements.txt)"
+        return f"--log_with {name}: its package is not installed; {fix}."
+    return None
 
 
 def end(accelerator) -> None:
