@@ -32,7 +32,7 @@ from oar.tasks.tiny_arith_cache import model_source
 class EvalConfig:
     """Every setting of an evaluation; saved beside the results."""
 
-    model: str = field(default="tiny-arith", metadata={"help": "Hub id, local folder (e.g. a run's final/), .gguf file, or 'tiny-arith'."})
+    model: str = field(default="tiny-arith", metadata={"help": "Hub id, local folder (e.g. a run's final/), .gguf file, 'tiny-arith' or 'smollm2'."})
     dataset: str = field(default="arith", metadata={"help": "'arith' (its held-out split), a .jsonl file, or a `datasets` name."})
     output_dir: str = field(default="runs/eval", metadata={"help": "Where eval.jsonl and eval_summary.json go."})
     split: str = field(default="test", metadata={"help": "Split for arith / folders / hub datasets."})

