@@ -2,7 +2,7 @@
 
     accelerate launch eval.py                                     # tiny-arith on 500 held-out arith problems
     accelerate launch --num_processes 8 eval.py --model runs/oar-g/final \
-        --dataset ../shared/data/math500/test.jsonl --num_samples 16 --temperature 0.6 --max_new_tokens 2048
+        --dataset HuggingFaceH4/MATH-500 --num_samples 16 --temperature 0.6 --max_new_tokens 2048
 
 Writes `<output_dir>/eval.jsonl` (one line per problem: problem, gold, completion, extracted answer,
 correct) and `<output_dir>/eval_summary.json`, and prints a one-line summary. Scoring is

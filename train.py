@@ -2,7 +2,7 @@
 
     accelerate launch train.py                                # tiny-arith on arith, OAR-G, CPU-friendly
     accelerate launch --num_processes 8 train.py --model Qwen/Qwen2.5-Math-1.5B \
-        --dataset ../shared/data/gsm8k/train.jsonl --eval_dataset ../shared/data/gsm8k/test.jsonl --method oar-g
+        --dataset openai/gsm8k:main --eval_dataset openai/gsm8k:main --method oar-g
     accelerate launch --config_file configs/fsdp2.yaml --num_processes 8 train.py --model Qwen/Qwen2.5-7B ...  # FSDP2 (docs/gpu.md)
 
 One step, in the order of the paper:
