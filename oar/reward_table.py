@@ -40,10 +40,10 @@ import math
 import numbers
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable
 
 from oar.rewards import correctness_reward, format_reward, length_reward
 

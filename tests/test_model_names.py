@@ -31,8 +31,9 @@ def hub(monkeypatch, tmp_path):
 def _train_stops(tmp_path, model) -> tuple[str, float]:
     """train.py's message for `--model model`, and the seconds its main() took (after the imports: a cold
     `import transformers` alone takes seconds on a loaded machine, and is not what is measured)."""
-    import train
     from accelerate.state import AcceleratorState, GradientState
+
+    import train
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -114,8 +115,9 @@ def test_the_real_model_page_runs_the_studys_settings():
     import ast
     import shlex
 
-    import train
     from tinyrun import ROOT
+
+    import train
 
     page = (ROOT / "docs" / "real-model.md").read_text()
     block = page.split("```bash\n", 1)[1].split("```", 1)[0]

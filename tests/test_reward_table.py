@@ -7,10 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
+from tinyrun import ROOT, TINY, TRAIN, run_inprocess, run_script
 
 from oar.reward_table import BUILTIN, EXAMPLE, RewardError, reward_terms, score
 from oar.rewards import format_reward, length_reward, reward
-from tinyrun import ROOT, TINY, TRAIN, run_inprocess, run_script
 
 EXAMPLE_MODULE = ROOT / "examples" / "closeness.py"  # docs/rewards.md's worked example
 TEXTS = ["3 + 4 = 7\n#### 7", "3 + 4 = 8\n#### 8", "no marker at all", r"so \boxed{}", "The answer is 7."]

@@ -4,7 +4,6 @@ file, and a tracker that cannot log (unknown, or its package missing) stopped be
 import json
 
 import pytest
-
 from tinyrun import TINY, run_inprocess
 
 

@@ -67,7 +67,7 @@ def _check_hub(repo_id: str) -> None:
     the error. Here: a look in the cache, then (unless HF_HUB_OFFLINE) one request without retries.
     Cached once per process (train.py and load_model both resolve the name)."""
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, HfHubHTTPError, RepositoryNotFoundError
 
     use = "pass a hub id that exists, a folder written by save_pretrained, a .gguf file, smollm2 or tiny-arith"
     try:
