@@ -135,4 +135,4 @@ def test_the_real_model_page_runs_the_studys_settings():
     literal = {k: ast.literal_eval(v) for k, v in settings.items() if isinstance(v, ast.Constant)}
     assert literal and all(getattr(cfg, k) == v for k, v in literal.items()), {k: (getattr(cfg, k), v) for k, v in literal.items()}
     assert cfg.instruction == ast.literal_eval(names["INSTRUCTION"])
-    assert cfg.dataset.endswith("results-real/data/train.jsonl") and cfg.eval_dataset.endswith("results-real/data/test.jsonl")
+    assert cfg.dataset.endswith("real_smollm2/data/train.jsonl") and cfg.eval_dataset.endswith("real_smollm2/data/test.jsonl")
