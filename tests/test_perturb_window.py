@@ -68,7 +68,9 @@ def test_short_window_is_approximate_and_converges():
     err = [(window_perturbation_scores(model, ids, attn, reas, ans, window=w, pad_token_id=0) - naive).abs().max().item()
            for w in (0, 4, 12)]
     assert err[0] > 1e-3 * naive.abs().max()  # a real approximation at W = 0 (three layers carry influence)
-    assert err[2] <= 1e-4 * naive.abs().max()  # 12 >= every reasoning-to-answer distance here: exact
+    # 12 >= every reasoning-to-answer distance here: exact up to float32 rounding, which for KLs of ~4e-3
+    # computed from logits of ~1 is a few 1e-7 absolute (4.2e-7 measured on an AMD EPYC, above 1e-4 relative)
+    assert err[2] <= max(1e-4 * naive.abs().max().item(), 1e-6)
     assert err[1] <= err[0]
 
 
