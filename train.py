@@ -49,16 +49,23 @@ Degenerate numbers, each with a defined outcome (tests/test_failures.py):
   * no valid completion token in the batch (all truncated under --mask_truncated): the normalizers are
     clamped to 1, so the loss is 0 and the gradient 0; the optimizer still steps (Adam's momentum acts);
   * a non-finite loss or gradient norm (NaN or inf logits): the update is skipped on every process,
-    counted (summary.json skipped_steps) and warned; --max_bad_steps in a row stop the run with a
+    counted (summary.json skipped_steps) and warned; Config.max_bad_steps (3) in a row stop the run with a
     message. The LR schedule advances on a skipped step, so the schedule stays a function of the step.
 """
 
 from __future__ import annotations
+# ruff: noqa: E402 (the imports below come after the command line is read)
 
 import sys
+
+if __name__ == "__main__":  # --help and a bad flag answer here, before torch and transformers load
+    from oar.training.config import parse_args
+
+    CONFIG = parse_args(sys.argv[1:])
+
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -68,7 +75,7 @@ from oar.training import lora, sharding
 from oar.training.config import Config, check_config, check_resume, micro_batch, parse_args
 from oar.training.data import DataError, load_problems, prompt_order, rollout_seeds
 from oar.training.evaluation import evaluate
-from oar.credit import CreditSettings, credit_methods, step_credit
+from oar.credit import credit_methods, step_credit
 from oar.training.launch import end, gather_ragged, make_accelerator, release
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
 from oar.training.models import ModelError, load_model, resolve_model
@@ -93,7 +100,7 @@ def main(cfg: Config) -> dict:
         resolve_model(cfg.model)
         train_set = load_problems(cfg.dataset, split="train", limit=cfg.train_size if cfg.dataset == "arith" else None, seed=cfg.seed)
         eval_name = cfg.eval_dataset or ("arith" if cfg.dataset == "arith" else "")
-        eval_set = load_problems(eval_name, split="test", limit=cfg.eval_size) if eval_name else []
+        eval_set = load_problems(eval_name, split="test", limit=cfg.eval_size or None) if eval_name else []
         resume_from = ckpt.latest_checkpoint(cfg.output_dir)
         if cfg.resume and resume_from is None:
             raise ValueError(f"--resume: no complete checkpoint in {cfg.output_dir}; drop --resume to start afresh.")
@@ -193,7 +200,7 @@ def main(cfg: Config) -> dict:
         # the micro-batches, so its weights do not depend on micro-batching or on the processes; in the
         # update forward's mixed precision (entropy-mask's entropies are that forward's).
         with accelerator.autocast():
-            credit = step_credit(CreditSettings(**{f.name: getattr(cfg, f.name) for f in fields(CreditSettings)}), policy, tokenizer,
+            credit = step_credit(cfg.credit(), policy, tokenizer,
                                  ro, rewards, advantages, scored, seeds, golds, probe, gather=lambda x: gather_ragged(accelerator, x))
         model.train()
         w_all, old_all, ref_all, passes, norms = [], [], [], [], []  # per micro-batch (w, old, ref); per pass
@@ -258,7 +265,7 @@ def main(cfg: Config) -> dict:
         history["bad_steps"] += int(skipped > 0)
         if history["bad_in_a_row"] >= cfg.max_bad_steps:
             raise SystemExit(f"train.py: error: {history['bad_in_a_row']} steps in a row had a non-finite loss or gradient "
-                             f"(--max_bad_steps {cfg.max_bad_steps}); stopping. Lower --learning_rate, check the model's "
+                             f"(a run stops at {cfg.max_bad_steps}); stopping. Lower --learning_rate, check the model's "
                              f"dtype, or resume from the last checkpoint.")
         schedule.step()
         history["step_seconds"].append(time.perf_counter() - t0)
@@ -303,7 +310,13 @@ def main(cfg: Config) -> dict:
 
 if __name__ == "__main__":
     try:
-        main(parse_args(sys.argv[1:]))
+        main(CONFIG)
+    except SystemExit as stop:  # a flag the user spelled another library's way is named as they typed it
+        if not isinstance(stop.code, str):
+            raise
+        from oar.training.config import parser
+
+        raise SystemExit(parser().as_typed(stop.code, sys.argv[1:])) from None
     except KeyboardInterrupt:
         raise SystemExit("train.py: interrupted. Run the same command with --resume to continue from the last checkpoint.") from None
     except RewardError as err:  # a --reward_module function that raised or returned a non-finite value mid-run

@@ -29,36 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from oar.credit_settings import CreditSettings
 from oar.rollout import Rollout
-
-
-@dataclass(frozen=True)
-class CreditSettings:
-    """The settings credit reads; field names are train.py's Config fields (train.py copies them).
-    `oar.credit.step_credit` checks that `method` is in the run's table."""
-
-    method: str = "grpo"
-    credit_module: str = ""
-    gate_quantile: float = 0.4
-    gate_boost: float = 2.0
-    gate_floor: float = 0.1
-    preserve_mass: bool = True
-    noise_std: float = 1e-3
-    perturb_span: int = 1
-    perturb_mode: str = "auto"
-    perturb_window: int = 32
-    perturb_auto_length: int = 512
-    perturb_chunk_tokens: int = 8192
-    outcome_source: str = "rollout"
-    reference_template: str = "#### {answer}"
-    temperature: float = 1.0
-    micro_batch_size: int = 64
-    group_size: int = 8
-    entropy_top: float = 0.2
-    mask_truncated: bool = False
-
-    def __post_init__(self):
-        assert 0.0 < self.entropy_top <= 1.0, f"entropy_top {self.entropy_top}: must lie in (0, 1]"
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ def test_eval_loads_the_merged_final(one_process, tiny_model, tmp_path):
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     summary = eval_script.main(eval_script.EvalConfig(model=str(one_process / "final"), dataset=str(tiny_model / "data.jsonl"),
-                                                      output_dir=str(tmp_path / "eval"), instruction="", max_new_tokens=20, limit=8))
+                                                      output_dir=str(tmp_path / "eval"), instruction="", max_new_tokens=20, eval_size=8))
     assert summary["problems"] == 8 and summary["accuracy"] > 0
 
 

@@ -83,7 +83,7 @@ def method_weights(method: str, model, tokenizer, ro, rewards, advantages, seeds
     from oar.training.config import Config
 
     cfg = Config(method=method, group_size=group_size, micro_batch_size=micro_batch_size)
-    settings = CreditSettings(**{k: getattr(cfg, k) for k in CreditSettings.__dataclass_fields__})
+    settings = cfg.credit()
     scored = (advantages != 0) & ro.completion_mask.any(1)
     weigh = step_credit(settings, model, tokenizer, ro, rewards, advantages, scored, seeds, golds, cfg.probe)
     out = []

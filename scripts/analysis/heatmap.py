@@ -4,7 +4,8 @@
     python scripts/analysis/heatmap.py --model tiny-arith --rollout gold    # the starting model on a worked solution
     python scripts/analysis/heatmap.py --run runs/study/oar-p-s1 --index 7 --seed 3 --out /tmp/hm
 
-Writes <out>.html (hover a token for its weight and score) and <out>.png (default research/arith_v3/heatmap).
+Writes <out>.html (hover a token for its weight and score) and <out>.png: by default <run>/heatmap with
+--run (beside the run's metrics.png), runs/heatmap/heatmap with --model.
 Both methods score the SAME rollout; weights are gating.bilevel_weights of each score with the run's
 probe and gating settings (train.py's defaults with --model). Colours: blue = suppressed (w < 1),
 white = 1, red = boosted (w > 1); tokens outside the reasoning span (marker, answer, EOS) are framed
@@ -187,6 +188,8 @@ def main(argv=None) -> None:
     from oar.training.models import load_model
     from oar.tasks.tiny_arith_cache import model_source
     from oar.rewards import reward
+    from dataclasses import asdict
+
     from oar.training.config import Config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -197,9 +200,9 @@ def main(argv=None) -> None:
     p.add_argument("--rollout", default="sample", choices=["sample", "greedy", "gold"])
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the first that gives an answer is kept) and OAR-G noise")
     p.add_argument("--probe", default=None, help="override the run's probe")
-    p.add_argument("--out", default="research/arith_v3/heatmap", help="output path without extension")
+    p.add_argument("--out", default=None, help="output path without extension (default: <run>/heatmap, or runs/heatmap/heatmap)")
     a = p.parse_args(argv)
-    cfg = dict(vars(Config()))
+    cfg = asdict(Config())
     if a.run:
         if not (Path(a.run) / "final" / "config.json").is_file():
             raise SystemExit(f"heatmap.py: error: --run {a.run}: no final/ model there (a run writes it when it finishes); "
@@ -210,11 +213,11 @@ def main(argv=None) -> None:
     model.eval()
     problem = arith_problems(a.index + 1, split="train", seed=20_000)[a.index]
     ro = choose_rollout(model, tok, problem, rollout=a.rollout, seed=a.seed, max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"])
-    gating = {"quantile": cfg["gate_quantile"], "boost": cfg["gate_boost"], "floor": cfg["gate_floor"], "preserve_mass": cfg["preserve_mass"]}
+    gating = {"quantile": cfg["gate_quantile"], "boost": cfg["gate_boost"], "floor": cfg.get("gate_floor", Config.gate_floor), "preserve_mass": cfg["preserve_mass"]}
     data = heatmap_data(model, tok, ro, probe=a.probe or cfg["probe"], gating=gating, seed=a.seed, noise_std=cfg["noise_std"])
     ok = "correct" if reward(ro.texts[0], problem.answer) else f"wrong (gold {problem.answer})"
     title = f"{a.run or a.model}: {problem.problem} — {a.rollout} rollout, {ok}"
-    out = Path(a.out)
+    out = Path(a.out or (Path(a.run) / "heatmap" if a.run else "runs/heatmap/heatmap"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".html").write_text(render_html(data, title))
     render_png(data, title, out.with_suffix(".png"))

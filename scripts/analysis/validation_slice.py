@@ -5,7 +5,7 @@
 
 Held-out (test split) problems are for reporting only; settings are chosen on this slice. It is
 drawn with another seed from the train split at the default difficulty and excludes the first
-`--train_size` problems of every seed in `--train_seeds` (what train.py draws with those seeds).
+`--train_size` problems of every seed (train.py's Config.train_size, 10,000) in `--train_seeds` (what train.py draws with those seeds).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--size", type=int, default=500)
     p.add_argument("--seed", type=int, default=20_000)
-    p.add_argument("--train_size", type=int, default=10_000, help="train.py's --train_size")
+    p.add_argument("--train_size", type=int, default=10_000, help="arith problems train.py draws (Config.train_size)")
     p.add_argument("--train_seeds", type=int, nargs="+", default=[0], help="train.py seeds whose problems are excluded")
     args = p.parse_args()
     seen = {q.problem for s in args.train_seeds for q in arith_problems(args.train_size, split="train", seed=s, config=DEFAULT_ARITH)}
