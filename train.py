@@ -75,7 +75,8 @@ from oar.training import lora, sharding
 from oar.training.config import Config, check_config, check_resume, micro_batch, parse_args
 from oar.training.data import DataError, load_problems, prompt_order, rollout_seeds
 from oar.training.evaluation import evaluate
-from oar.credit import credit_methods, step_credit
+from oar.credit import CreditError, credit_methods, step_credit
+from oar.training.credit_trial import try_credit
 from oar.training.launch import end, gather_ragged, make_accelerator, release
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
 from oar.training.models import ModelError, load_model, resolve_model
@@ -143,6 +144,13 @@ def main(cfg: Config) -> dict:
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
     policy = accelerator.unwrap_model(model)
+    try:  # the method's trial on a synthetic step: a broken one stops here, before any evaluation or file
+        with sharding.gathered(model), accelerator.autocast():
+            try_credit(cfg.credit(), policy, tokenizer, train_set[0].problem, train_set[0].answer, instruction=instruction,
+                       probe="last" if cfg.probe_warmup else cfg.probe, device=accelerator.device,
+                       keep_cache=not cfg.gradient_checkpointing, gather=lambda x: gather_ragged(accelerator, x))
+    except CreditError as err:
+        raise SystemExit(f"train.py: error: {err}") from None
 
     start_step, history = 0, {"step_seconds": [], "bad_steps": 0}
     if cfg.resume:
