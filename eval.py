@@ -68,6 +68,7 @@ import json
 from pathlib import Path
 
 from oar.training.checkpoint import write_json_atomic
+from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.data import DataError, load_problems
 from oar.training.evaluation import evaluate
 from oar.training.launch import end, make_accelerator, release
@@ -79,6 +80,7 @@ from oar.tasks.tiny_arith_cache import model_source
 def main(cfg: EvalConfig) -> dict:
 
     accelerator = make_accelerator()
+    quiet_libraries(bars_wanted(accelerator.is_main_process))  # their bars where ours are; each warning once
     try:  # cheap checks before the model is loaded
         impossible = check(cfg)
         if impossible:
@@ -92,7 +94,8 @@ def main(cfg: EvalConfig) -> dict:
     model = model.to(accelerator.device).eval()
     records, summary = evaluate(model, tokenizer, problems, accelerator=accelerator, instruction=instruction,
                                 batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens, num_samples=cfg.eval_samples,
-                                temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, seed=cfg.seed, loop=cfg.decode_loop)
+                                temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, seed=cfg.seed, loop=cfg.decode_loop,
+                                progress=bars_wanted(accelerator.is_main_process))
     summary = {"model": cfg.model, "dataset": cfg.dataset, **summary}
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)

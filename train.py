@@ -76,6 +76,7 @@ from oar.training.config import Config, check_config, check_resume, micro_batch,
 from oar.training.data import DataError, load_problems, prompt_order, rollout_seeds
 from oar.training.evaluation import evaluate
 from oar.credit import CreditError, credit_methods, step_credit
+from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
 from oar.training.launch import end, gather_ragged, make_accelerator, release
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
@@ -92,6 +93,7 @@ def main(cfg: Config) -> dict:
     from accelerate.utils import set_seed
 
     accelerator = make_accelerator(log_with=[t for t in cfg.log_with.split(",") if t] or None, project_dir=cfg.output_dir)  # trackers write there
+    quiet_libraries(bars_wanted(accelerator.is_main_process, cfg.progress))  # their bars where ours are; each warning once
     n_proc, rank = accelerator.num_processes, accelerator.process_index
     local_prompts = cfg.prompts_per_step // n_proc
     try:  # every cheap check first: nothing is loaded or written when one fails
@@ -158,11 +160,13 @@ def main(cfg: Config) -> dict:
                                      frozen_skipped=adapters_only)
         start_step, history = state["step"], state["history"]
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
-    log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step)
+    log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step,
+                 progress=cfg.progress)
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
     eval_kw = dict(accelerator=accelerator, instruction=instruction, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
-                   num_samples=cfg.eval_samples, temperature=cfg.eval_temperature, seed=cfg.seed, loop=cfg.decode_loop)  # avg@k when k > 1
+                   num_samples=cfg.eval_samples, temperature=cfg.eval_temperature, seed=cfg.seed, loop=cfg.decode_loop,
+                   progress=log.bars)  # avg@k when k > 1
     if eval_set and "eval_before" not in history:
         with sharding.gathered(model):
             history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
@@ -216,6 +220,7 @@ def main(cfg: Config) -> dict:
         gaps = []  # |log pi_sample - log pi_old| on the loss's tokens: the sampler's numbers against the update forward's
         for it in range(cfg.num_iterations):  # mu passes over the same rollouts (docstring: rollout reuse)
             stats, bad_loss = [], 0
+            shown = log.progress(n_micro, "credit + update" if it == 0 and method.scores else "update", unit="micro-batch")
             for m in range(n_micro):
                 rows = slice(m * micro, (m + 1) * micro)
                 mb = ro.select(rows)
@@ -252,6 +257,8 @@ def main(cfg: Config) -> dict:
                     s["entropy"] = float((token_entropy(logits[:, :-1].detach()) * valid).sum() / valid.sum().clamp(min=1))
                     s["tokens"] = float(valid.sum())  # weights the micro-batch means: the step's are then token means
                     stats.append(s)
+                shown.update()
+            shown.close()
 
             # 5. optimizer step, unless the loss or the gradient is not finite (a NaN logit anywhere):
             # the norm is the same on every process after DDP's all-reduce and the loss count is summed,

@@ -25,7 +25,7 @@ from oar.training.flags import Alias, FlagParser
 # must match the checkpoint's, or a resume would splice two different runs into one.
 RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
              "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
-             "gradient_checkpointing", "perturb_chunk_tokens", "score_all", "decode_loop"}
+             "gradient_checkpointing", "perturb_chunk_tokens", "score_all", "decode_loop", "progress"}
 
 # Flags this version fixes to a constant (only tuning studies turned them), and the value it runs
 # with. A checkpoint that ran with another value of one (outside RESUMABLE) is refused on resume.
@@ -100,6 +100,9 @@ class Config(ModelSettings, EvalSettings, CreditSettings):
     """Checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept."""
+    progress: bool = False
+    """Draw progress bars with an ETA (rollouts, scoring, evaluation) on stderr even when it is not a
+    terminal, e.g. a log file (on a terminal they are always drawn; tests and pipes see none)."""
     # -- sampling
     prompts_per_step: int = 32
     """P: prompts per step, over all processes."""
@@ -164,7 +167,7 @@ class Config(ModelSettings, EvalSettings, CreditSettings):
 
 GROUPS = {  # --help's sections, in this order; every field in exactly one (tests/test_flags.py)
     "run": ("model", "dataset", "reward", "reward_module", "output_dir", "resume", "seed", "steps", "instruction", "dtype", "log_with",
-            "save_every", "keep_checkpoints"),
+            "save_every", "keep_checkpoints", "progress"),
     "sampling": ("prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p", "rollout_batch_size", "decode_loop"),
     "GRPO": ("learning_rate", "warmup_steps", "weight_decay", "max_grad_norm", "num_iterations", "clip_low", "clip_high",
              "kl_beta", "aggregation", "advantage_scale", "mask_truncated"),

@@ -15,21 +15,24 @@ from math import comb
 import torch
 
 from oar.answers import extract_answer
+from oar.training.console import bar
 from oar.rewards import reward
 from oar.sampler import format_prompt, sample
 
 
 def evaluate(model, tokenizer, problems, *, accelerator=None, instruction: str = "", batch_size: int = 64,
              max_new_tokens: int = 256, num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, loop: str = "eager") -> tuple[list[dict], dict]:
+             seed: int = 0, loop: str = "eager", progress: bool = False) -> tuple[list[dict], dict]:
     """Returns (records in problem order, summary). `batch_size` counts sequences (prompts x samples);
-    `loop` is the sampler's (oar.sampler.decode)."""
+    `loop` is the sampler's (oar.sampler.decode); `progress`: draw a bar with an ETA over the main
+    process's problems (oar/training/console.py decides where bars are wanted)."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     mine = list(range(rank, len(problems), world))
     per_batch = max(1, batch_size // num_samples)
     was_training = model.training
     model.eval()
     records = []
+    shown = bar(len(mine), "held-out", progress and rank == 0, unit="problem")
     for start in range(0, len(mine), per_batch):
         idx = mine[start : start + per_batch]
         prompts = [format_prompt(tokenizer, problems[i].problem, instruction) for i in idx]
@@ -47,6 +50,8 @@ def evaluate(model, tokenizer, problems, *, accelerator=None, instruction: str =
                 "correct": correct[0] if one else correct,
                 "truncated": bool(out.truncated[j * num_samples]) if one else out.truncated[j * num_samples : (j + 1) * num_samples].tolist(),
             })
+        shown.update(len(idx))
+    shown.close()
     model.train(was_training)
     if accelerator is not None and world > 1:
         from accelerate.utils import gather_object

@@ -7,19 +7,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
+from oar.training import console
 from oar.training.checkpoint import write_json_atomic
 from oar.gating import weight_stats
 
 
 class RunLog:
-    def __init__(self, accelerator, output_dir: str, config: dict, *, resume: bool, total_steps: int, start_step: int = 0):
+    def __init__(self, accelerator, output_dir: str, config: dict, *, resume: bool, total_steps: int, start_step: int = 0,
+                 progress: bool = False):
         self.acc, self.dir = accelerator, Path(output_dir)
         self.main = accelerator.is_main_process
+        self.bars = console.bars_wanted(self.main, progress)  # stderr a terminal, or --progress
         self.metrics_path = self.dir / "metrics.jsonl"
         self.bar = None
         if not self.main:
@@ -33,10 +35,15 @@ class RunLog:
             self.metrics_path.write_text("")
         if accelerator.log_with:
             accelerator.init_trackers("oar", config={k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))})
-        if sys.stderr.isatty():
+        if self.bars:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self.say(console.LEGEND)  # once, at the start of the log: what the step line's fields are
+
+    def progress(self, total: int, desc: str, **kw):
+        """A bar over `total` units of this step (rollouts, scoring, evaluation), drawn where bars are wanted."""
+        return console.bar(total, desc, self.bars, **kw)
 
     def say(self, message: str) -> None:
         if not self.main:
@@ -87,6 +94,7 @@ class RunLog:
             shutil.rmtree(final, ignore_errors=True)  # a resumed run that had already finished
             os.replace(tmp, final)
             write_json_atomic(self.dir / "summary.json", summary)
+            console.plot_metrics(self.dir, summary.get("accuracy_before"), summary.get("accuracy_after"))
             self.say("summary: " + json.dumps(summary))
 
 
