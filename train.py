@@ -180,10 +180,11 @@ def main(cfg: Config) -> dict:
         seeds = rollout_seeds(cfg.seed, step, slots, cfg.group_size)
         prompts = [format_prompt(tokenizer, train_set[i].problem, instruction) for i in idx]
         golds = [train_set[i].answer for i in idx for _ in range(cfg.group_size)]
-        with sharding.gathered(model):  # a sharded model's full parameters, for this block only
-            ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
+        chunks = local_prompts // cfg.rollout_batch_size if cfg.rollout_batch_size else 1
+        with sharding.gathered(model), log.progress(chunks * cfg.max_new_tokens, "rollouts", unit="token") as shown:
+            ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,  # (a sharded model: whole in this block)
                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, chunk=cfg.rollout_batch_size,
-                        loop=cfg.decode_loop)
+                        loop=cfg.decode_loop, on_token=shown.update)
         t_rollout = time.perf_counter() - t0
 
         # 2. reward: --reward's weighted terms (oar/reward_table.py; by default answer correctness alone)

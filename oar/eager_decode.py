@@ -13,6 +13,8 @@ give the same rollouts because they make the same choices from the same numbers.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from oar import inverse_cdf
@@ -21,7 +23,7 @@ from oar.lm import position_ids
 
 @torch.no_grad()
 def decode_eager(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-                 group_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                 group_size: int = 1, on_token: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache (`oar.sampler.decode`'s default loop). (P, Lp) prompts ->
     ((B, T) completion ids, (B, T) float32 log-probs of them), B = P x group_size (a prompt's rollouts
     contiguous), ids padded with `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens.
@@ -42,6 +44,8 @@ def decode_eager(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature,
         tokens.append(token)
         logprobs.append(logp)
         done = done | torch.isin(token, eos)
+        if on_token is not None:  # a progress bar's tick
+            on_token()
         if bool(done.all()):
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

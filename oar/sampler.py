@@ -24,6 +24,8 @@ check that users of a separate inference engine watch.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from oar.eager_decode import decode_eager
@@ -79,22 +81,27 @@ def sample(
     top_p: float = 1.0,
     chunk: int = 0,
     loop: str = "eager",
+    on_token: Callable[[], None] | None = None,
 ) -> Rollout:
     """G rollouts for each of P prompt texts. `seeds` has one seed per rollout (B = P*G); with
     temperature 0 decoding is greedy and the seeds are unused. `chunk` > 0: sample `chunk` prompts
     at a time (their own padding, their own batch), the chunks' rollouts concatenated in order. `loop`:
-    "eager" (the default), or the same steps in fixed shapes, "static" or "compiled" (`decode`)."""
+    "eager" (the default), or the same steps in fixed shapes, "static" or "compiled" (`decode`).
+    `on_token()`: called after each decode step of each chunk (a progress bar's tick; up to
+    max_new_tokens per chunk, fewer when every row has ended)."""
     assert len(seeds) == len(prompts) * group_size, (len(seeds), len(prompts), group_size)
     if 0 < chunk < len(prompts):
         assert len(prompts) % chunk == 0, f"chunk {chunk} must divide the {len(prompts)} prompts"
         parts = [sample(model, tokenizer, prompts[k:k + chunk], group_size=group_size, seeds=seeds[k * group_size:(k + chunk) * group_size],
-                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, loop=loop) for k in range(0, len(prompts), chunk)]
+                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, loop=loop, on_token=on_token)
+                 for k in range(0, len(prompts), chunk)]
         return concat_rollouts(parts, tokenizer.pad_token_id)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # (P, Lp)
     stop = stop_token_ids(model, tokenizer)
     completion, logprobs = decode(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                  eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds, group_size=group_size, loop=loop)
+                                  eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds, group_size=group_size, loop=loop,
+                                  on_token=on_token)
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Lp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     return build_rollout(tokenizer, prompt_ids, prompt_mask, completion, stop, logprobs)
@@ -107,7 +114,7 @@ def generate(model, prompt_ids, prompt_mask, **kwargs) -> torch.Tensor:
 
 @torch.no_grad()
 def decode(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-           group_size: int = 1, loop: str = "eager") -> tuple[torch.Tensor, torch.Tensor]:
+           group_size: int = 1, loop: str = "eager", on_token: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache. (P, Lp) prompts -> ((B, T) completion ids, (B, T) float32
     log-probs of them), B = P x group_size (a prompt's rollouts contiguous), ids padded with
     `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens. Each prompt is prefilled
@@ -115,7 +122,7 @@ def decode(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p
     same steps in fixed shapes, "static" or "compiled" (oar/static_decode.py)."""
     assert loop in DECODE_LOOPS, loop
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_ids=eos_token_ids,
-                  pad_token_id=pad_token_id, seeds=seeds, group_size=group_size)
+                  pad_token_id=pad_token_id, seeds=seeds, group_size=group_size, on_token=on_token)
     if loop == "eager":
         return decode_eager(model, prompt_ids, prompt_mask, **kwargs)
     return decode_static(model, prompt_ids, prompt_mask, compiled=loop == "compiled", **kwargs)

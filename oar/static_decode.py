@@ -24,6 +24,7 @@ runs the eager loop instead, said once per process.
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
 
@@ -56,7 +57,8 @@ def static_cache_or_reason(model, width: int):
 
 @torch.no_grad()
 def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-                  group_size: int = 1, compiled: bool = False, check_every: int = CHECK_EVERY):
+                  group_size: int = 1, compiled: bool = False, check_every: int = CHECK_EVERY,
+                  on_token: Callable[[], None] | None = None):
     """`oar.sampler.decode` in fixed shapes (same arguments and outputs); `compiled`: the step through
     torch.compile (a CUDA graph on a GPU)."""
     device, T = prompt_ids.device, max_new_tokens
@@ -69,7 +71,8 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
             _SAID.add(why)
             print(f"oar.sampler: the fixed-shape decode loop cannot run here ({why}); the eager loop samples instead", file=sys.stderr)
         return decode_eager(model, prompt_ids, prompt_mask, max_new_tokens=T, temperature=temperature, top_p=top_p,
-                      eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, seeds=seeds, group_size=group_size)
+                      eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, seeds=seeds, group_size=group_size,
+                      on_token=on_token)
 
     uniforms = draw_uniforms(seeds, T, device)
     eos = torch.tensor(sorted(eos_token_ids), device=device)
@@ -104,10 +107,13 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
             torch._dynamo.mark_static_address(x)
         run = torch.compile(step, mode="reduce-overhead", dynamic=False)
     token = record(logits.repeat_interleave(group_size, 0))
+    tick = on_token or (lambda: None)  # a progress bar's tick, outside the compiled step
+    tick()
     for i in range(1, T):
         if i % check_every == 0 and bool(done.all()):
             break
         token = run(token)
+        tick()
     # Cut where the eager loop stops: after the step at which the last row ended (T if one never did).
     ended = torch.isin(tokens, eos)
     length = torch.where(ended.any(1), ended.int().argmax(1) + 1, T)

@@ -23,7 +23,7 @@ def test_a_run_leaves_a_plot_explains_its_step_line_and_draws_no_bar_into_a_pipe
     assert printed.out.count(console.LEGEND) == 1 and printed.out.index(console.LEGEND) < printed.out.index("step    1")
     for field in ("reward", "len", "H", "clip", "ess", "|g|", "held-out"):  # every field of the step line is explained
         assert f"{field} = " in console.LEGEND
-    assert "it/s" not in printed.err and "credit + update" not in printed.err  # stderr is not a terminal: no bars
+    assert "it/s" not in printed.err and "rollouts" not in printed.err  # stderr is not a terminal: no bars
     png = out / "metrics.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
@@ -35,7 +35,7 @@ def test_a_run_leaves_a_plot_explains_its_step_line_and_draws_no_bar_into_a_pipe
 def test_progress_draws_the_bars_where_stderr_is_not_a_terminal(tiny_model, tmp_path, capsys):
     run_inprocess(_run_args(tiny_model, tmp_path / "run", "--progress", "--method", "oar-g"))
     err = capsys.readouterr().err
-    assert "credit + update" in err and "held-out" in err and "train" in err
+    assert "rollouts" in err and "credit + update" in err and "held-out" in err and "train" in err
 
 
 def test_the_plot_reads_metrics_jsonl(tmp_path):
@@ -82,3 +82,22 @@ def test_the_heatmap_script_writes_into_the_run_folder(tiny_model, tmp_path):
     heatmap.main(["--run", str(run), "--rollout", "gold"])
     assert (run / "heatmap.html").is_file() and (run / "heatmap.png").is_file()
     assert in_repo() == before  # nothing written into the repository (docs/results/ was the default)
+
+
+@pytest.mark.parametrize("loop", ["eager", "static"])
+def test_the_rollout_bar_ticks_once_per_decode_step(loop):
+    from oar.sampler import sample
+    from oar.tasks.tiny_arith import TinyArithRecipe, make_model, make_tokenizer
+
+    import torch
+
+    torch.manual_seed(0)
+    tok = make_tokenizer()
+    model = make_model(tok, TinyArithRecipe(hidden_size=32, num_layers=1, num_heads=2)).eval()
+    ticks = []
+    ro = sample(model, tok, ["Compute 2 + 3.\n", "Compute 4 * 5.\n"], group_size=2, seeds=[1, 2, 3, 4], max_new_tokens=6,
+                chunk=1, loop=loop, on_token=lambda: ticks.append(1))
+    quiet = sample(model, tok, ["Compute 2 + 3.\n", "Compute 4 * 5.\n"], group_size=2, seeds=[1, 2, 3, 4], max_new_tokens=6,
+                   chunk=1, loop=loop)
+    assert torch.equal(ro.input_ids, quiet.input_ids)  # the bar only counts
+    assert 2 <= len(ticks) <= 2 * 6  # one per decode step of each of the 2 chunks, at most max_new_tokens each
