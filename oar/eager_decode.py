@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from oar import inverse_cdf
-from oar.lm import position_ids
+from oar.lm import cache_kwargs, position_ids
 
 
 @torch.no_grad()
@@ -49,7 +49,7 @@ def decode_eager(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature,
         if bool(done.all()):
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache,
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, **cache_kwargs(cache),
                        use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
@@ -67,7 +67,7 @@ def prefill(model, prompt_ids, prompt_mask):
 
     pos = position_ids(prompt_mask)
     cache = DynamicCache()
-    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, past_key_values=cache,
+    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, **cache_kwargs(cache),
                    use_cache=True, logits_to_keep=1).logits[:, -1]
     return logits, cache, pos
 

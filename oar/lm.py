@@ -12,6 +12,7 @@ oar/training/models.py's job.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -50,6 +51,27 @@ def full_cache(kv=None):
     for layer, (k, v) in enumerate(kv or []):
         cache.update(k, v, layer)
     return cache
+
+
+@functools.cache
+def cache_argument() -> str:
+    """The name under which a forward takes its KV cache and its output returns it. transformers 5.24
+    renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40); 4.57-5.23 know only the
+    old one, and would silently drop a `cache=` keyword into **kwargs: the installed release decides."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    return "cache" if Version(__version__).release >= (5, 24) else "past_key_values"
+
+
+def cache_kwargs(cache) -> dict:
+    """`{name: cache}` for a forward's keyword arguments: `model(ids, **cache_kwargs(cache), use_cache=True)`."""
+    return {cache_argument(): cache}
+
+
+def returned_cache(out):
+    """The KV cache a forward returned (None when it kept none), under either release's name."""
+    return getattr(out, cache_argument(), None)
 
 
 @contextmanager

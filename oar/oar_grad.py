@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oar.lm import full_cache, position_ids
+from oar.lm import cache_kwargs, full_cache, position_ids, returned_cache
 from oar.probes import answer_positions, check_probe, divergence, logits_at, min_rows, outcome
 
 
@@ -162,12 +162,12 @@ def _scores(model, group: _Group, probe: str, noise_std: float) -> torch.Tensor:
             prefix = [(k[:, :, :first].detach(), v[:, :, :first].detach()) for k, v in clean_kv]
         elif first > 0:  # the noise-free columns: once, without a graph
             out = model(inputs_embeds=e[:, :first], attention_mask=attention_mask[:, :first], position_ids=pos_ids[:, :first],
-                        past_key_values=full_cache(), use_cache=True, logits_to_keep=1)
-            prefix = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+                        **cache_kwargs(full_cache()), use_cache=True, logits_to_keep=1)
+            prefix = [(layer.keys, layer.values) for layer in returned_cache(out).layers]
 
     def probe_of(embeds: torch.Tensor) -> torch.Tensor:  # embeds (B, L' - first, H) -> outcome
         logits, _ = logits_at(model, at, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=pos_ids[:, first:],
-                              past_key_values=None if prefix is None else full_cache(prefix), use_cache=prefix is not None)
+                              **cache_kwargs(None if prefix is None else full_cache(prefix)), use_cache=prefix is not None)
         return outcome(logits, targets, valid, probe)  # the model's own head (logit scaling, soft-caps) at the K positions
 
     if clean is None:

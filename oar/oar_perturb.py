@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from oar.lm import eval_mode, forward_logits, full_cache, position_ids
+from oar.lm import cache_kwargs, eval_mode, forward_logits, full_cache, position_ids, returned_cache
 from oar.oar_perturb_window import window_perturbation_scores, window_supported
 from oar.probes import check_probe, divergence, logits_at, min_rows, outcome, outcome_from_logits
 
@@ -205,9 +205,9 @@ def _score_block(model, block: list[_Row], batch: _Batch, scores: torch.Tensor, 
         clean, kv = clean[idx], [(k[idx].detach(), v[idx].detach()) for k, v in clean_kv]
     else:  # keys/values of the block; the head runs on one column only (ragged answers would need L x V logits)
         run = torch.cat([torch.arange(len(block)), torch.zeros(min_rows(len(block), width) - len(block), dtype=torch.long)])
-        out = model(input_ids=ids[run], attention_mask=mask[run], position_ids=pos[run], past_key_values=full_cache(),
+        out = model(input_ids=ids[run], attention_mask=mask[run], position_ids=pos[run], **cache_kwargs(full_cache()),
                     use_cache=True, logits_to_keep=1)
-        kv = [(layer.keys[: len(block)], layer.values[: len(block)]) for layer in out.past_key_values.layers]  # (n, heads, L, d)
+        kv = [(layer.keys[: len(block)], layer.values[: len(block)]) for layer in returned_cache(out).layers]  # (n, heads, L, d)
     keys = width + GRAIN - 1  # cached + recomputed positions of every copy
 
     def outcomes(chunk):
@@ -237,7 +237,7 @@ def _score_block(model, block: list[_Row], batch: _Batch, scores: torch.Tensor, 
                                  value[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2)) for key, value in kv])
         at = (keep[n_of] - start[:, None]).clamp(min=0)  # (c, K) answer-predicting positions in the chunk
         answer_logits, _ = logits_at(model, at, input_ids=q_ids, attention_mask=torch.cat([cache_mask.long(), q_mask.long()], 1),
-                                     position_ids=q_pos, past_key_values=cache, use_cache=cache is not None)  # (c, K, V)
+                                     position_ids=q_pos, **cache_kwargs(cache), use_cache=cache is not None)  # (c, K, V)
         return n_of, outcome(answer_logits, targets[n_of], valid[n_of], probe)
 
     def packed(copies):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oar.lm import eval_mode, full_cache, position_ids
+from oar.lm import cache_kwargs, eval_mode, full_cache, position_ids, returned_cache
 from oar.probes import check_probe, divergence, outcome
 
 
@@ -127,7 +127,7 @@ def _score_row(model, row: _CutRow, js: torch.Tensor, window: int, probe: str, p
         out = model(input_ids=ids[None], attention_mask=mask[None], position_ids=pos[None], use_cache=True,
                     logits_to_keep=answer_slots)
         clean = outcome(out.logits, targets[None], valid[None], probe)
-        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]  # (1, heads, E, d)
+        kv = [(layer.keys, layer.values) for layer in returned_cache(out).layers]  # (1, heads, E, d)
     n = window + 1 + k
     per = max(1, budget // n)
     result = []
@@ -157,7 +157,7 @@ def _score_row(model, row: _CutRow, js: torch.Tensor, window: int, probe: str, p
         cache = full_cache(kv)  # the clean keys/values of positions 0 .. E-1, every layer in full
         keep = (torch.arange(c, device=dev)[:, None] * n + window + 1 + torch.arange(k, device=dev)[None]).flatten()
         logits = model(input_ids=q_ids.reshape(1, -1), attention_mask=bias[None, None], position_ids=pos[slot_pos].reshape(1, -1),
-                       past_key_values=cache, use_cache=True, logits_to_keep=keep).logits  # (1, c K, V)
+                       **cache_kwargs(cache), use_cache=True, logits_to_keep=keep).logits  # (1, c K, V)
         masked = outcome(logits.view(c, k, -1), targets[None].expand(c, k), valid[None].expand(c, k), probe)
         result.append(divergence(clean.expand(c, *clean.shape[1:]), masked, probe).float())
     return torch.cat(result)

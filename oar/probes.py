@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from oar.lm import full_cache, position_ids
+from oar.lm import cache_kwargs, full_cache, position_ids, returned_cache
 
 PROBES = ("last", "answer_mean", "answer_joint")
 
@@ -65,8 +65,8 @@ def clean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     running the clean sequence again; the logits give the clean probe (`outcome_from_logits`)."""
     # A cache of every position (lm.full_cache): a sliding-window model's own cache keeps only its window.
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                past_key_values=full_cache() if keep_cache else None, use_cache=keep_cache, logits_to_keep=logits_to_keep)
-    cache = getattr(out, "past_key_values", None) if keep_cache else None
+                **cache_kwargs(full_cache() if keep_cache else None), use_cache=keep_cache, logits_to_keep=logits_to_keep)
+    cache = returned_cache(out) if keep_cache else None
     kv = [(layer.keys.detach(), layer.values.detach()) for layer in cache.layers] if cache is not None else None
     return out.logits, kv
 

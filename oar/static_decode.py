@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from oar.eager_decode import choose, decode_eager, draw_uniforms, prefill
+from oar.lm import cache_kwargs
 
 CHECK_EVERY = 16  # steps between the host's checks that every row is done
 _SAID: set[str] = set()
@@ -96,8 +97,10 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
         t.add_(1)
         return token
 
+    kv = cache_kwargs(cache)  # once, outside the step torch.compile traces
+
     def step(token):
-        z = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        z = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, **kv, use_cache=True).logits[:, -1]
         next_pos.add_(1)
         return record(z)
 

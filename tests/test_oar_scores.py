@@ -127,6 +127,6 @@ def test_oar_g_warns_where_half_precision_drowns_its_perturbation(model, batch):
     with pytest.warns(UserWarning, match="half precision"):
         gradient_scores(half, ids, attn, reas, ans, probe="answer_mean", generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # ours; not transformers' FutureWarnings (past_key_values in 5.24)
+        warnings.simplefilter("error", UserWarning)  # ours (transformers' FutureWarnings are pyproject.toml's)
         gradient_scores(half, ids, attn, reas, ans, probe="answer_joint", generator=torch.Generator().manual_seed(0))
         gradient_scores(model.float(), ids, attn, reas, ans, probe="answer_mean", generator=torch.Generator().manual_seed(0))
