@@ -288,16 +288,22 @@ def main(cfg: Config) -> dict:
         step_cpu = time.process_time() - cpu0
 
         # 6. log, evaluate, checkpoint
-        metrics = step_metrics(ro, rewards, scored, cfg.group_size, passes[0], torch.cat(w_all), norms[0], schedule, accelerator)
-        metrics |= pass_metrics(passes[1:], norms[1:])  # empty for --num_iterations 1
+        # The whole step's diagnostics, the same on every process and for any number of them; the timings are
+        # each process's own, averaged. Logged in float32, as every run has been (the ledgers compare to the digit).
+        metrics = step_metrics(ro, rewards, scored, cfg.group_size, passes[0], torch.cat(w_all), norms[0], schedule, accelerator,
+                               nonfinite=n_nonfinite)
+        metrics |= pass_metrics(passes[1:], norms[1:], accelerator)  # empty for --num_iterations 1
         metrics |= sampler_gap_metrics(gaps, accelerator)
-        metrics |= {f"reward/{name}": sum(values) / len(values) for name, values in reward_parts.items()}  # unweighted
-        metrics |= {"time/step_s": history["step_seconds"][-1], "time/step_cpu_s": step_cpu, "time/rollout_s": t_rollout, "oar/seconds_per_rollout": oar_seconds / len(ro),
-                    "oar/frac_nonfinite_scores": n_nonfinite / len(ro)}
+        # each reward term's mean over every process's rollouts (unweighted), summed then divided once
+        parts = torch.tensor([[sum(v), len(v)] for v in reward_parts.values()], dtype=torch.float64, device=accelerator.device)
+        parts = accelerator.reduce(parts, "sum") if len(reward_parts) else parts
+        metrics |= {f"reward/{name}": float(s / n) for name, (s, n) in zip(reward_parts, parts.tolist())}
+        timings = {"time/step_s": history["step_seconds"][-1], "time/step_cpu_s": step_cpu, "time/rollout_s": t_rollout,
+                   "oar/seconds_per_rollout": oar_seconds / len(ro)}
+        metrics |= dict(zip(timings, accelerator.reduce(torch.tensor(list(timings.values()), device=accelerator.device), "mean").tolist()))
+        metrics = {k: float(np.float32(v)) for k, v in metrics.items()}
         if n_nonfinite:
             log.say(f"warning: step {step + 1}: {n_nonfinite} rollouts had non-finite OAR scores; they got plain GRPO weights")
-        values = accelerator.reduce(torch.tensor(list(metrics.values()), device=accelerator.device), "mean")
-        metrics = dict(zip(metrics, values.tolist()))
         if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             with sharding.gathered(model):
                 metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]

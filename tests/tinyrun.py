@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 import socket
 import subprocess
@@ -29,6 +30,10 @@ TIME_KEYS = ("time/", "oar/seconds_per_rollout")  # wall-clock metrics: never eq
 # Metrics that are float rounding by definition: |log pi_sample - log pi_old| (a cached decode against the update
 # forward, ~1e-6 in float32) moves with the micro-batching and the process count; compared to this absolute tolerance.
 ROUNDING = {"sampler/logprob_diff_max": 1e-4, "sampler/logprob_diff_mean": 1e-4}
+# Metrics that count (tokens, rollouts, groups) or follow from 0/1 rewards: equal to the bit for the same
+# rollouts, however the step is split. The others are sums of float32 numbers taken in another order.
+DISCRETE = ("reward/mean", "reward/std", "reward/frac_zero_std_groups", "completion/length", "completion/frac_truncated",
+            "optim/lr", "oar/frac_no_answer", "oar/frac_scored", "oar/frac_nonfinite_scores")
 
 TINY = ["--instruction", "", "--prompts_per_step", "2", "--group_size", "4", "--max_new_tokens", "20",
         "--learning_rate", "1e-3", "--warmup_steps", "1", "--eval_every", "0"]
@@ -129,6 +134,26 @@ def metrics(run_dir: Path) -> list[dict]:
     """metrics.jsonl without the wall-clock entries."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in rows]
+
+
+def assert_same_metrics(got: list[dict], want: list[dict], later_rel: float = 1e-3) -> None:
+    """Every logged key of two runs' metrics (`metrics`: timings dropped) the same, step by step. Step 1
+    starts from the same parameters: DISCRETE keys equal to the bit, the rest within 1e-5 relative (sums
+    of float32 numbers in another order, other kernels for other batch shapes), ROUNDING's within their
+    absolute tolerance. Later steps start from parameters that differ by float rounding (~1e-7), which
+    OAR-G's scores magnify ~1/noise_std-fold (tests/test_distributed.py): `later_rel` relative."""
+    assert [g["step"] for g in got] == [w["step"] for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys(), (g["step"], sorted(g.keys() ^ w.keys()))
+        first = g["step"] == 1
+        for key in w:
+            if key in ROUNDING:
+                assert abs(g[key] - w[key]) <= ROUNDING[key], (g["step"], key, g[key], w[key])
+            elif first and key in DISCRETE:
+                assert g[key] == w[key], (g["step"], key, g[key], w[key])
+            else:
+                tol = 1e-5 if first else later_rel
+                assert math.isclose(g[key], w[key], rel_tol=tol, abs_tol=1e-7), (g["step"], key, g[key], w[key])
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:

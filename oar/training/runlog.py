@@ -113,29 +113,54 @@ def _replace_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule, accelerator) -> dict:
-    """maths §6 diagnostics of one step, on this process (train.py averages them over processes),
-    except the weight statistics: they cover the rollouts that OAR scored (`scored`, (B,)) on every
-    process, since a process may have scored none."""
-    tokens = max(sum(s["tokens"] for s in stats), 1.0)
-    mean = lambda key: sum(s[key] * s["tokens"] for s in stats) / tokens  # the same for any micro-batching
-    grouped = rewards.view(-1, group_size)
-    lengths = ro.completion_mask.sum(1).float()
+def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule, accelerator, *, nonfinite: int = 0) -> dict:
+    """maths §6 diagnostics of one step over every process's rollouts, the numbers one process logs for
+    the same rollouts: what a diagnostic needs is gathered (the rewards, for their std and groups) or
+    summed over processes (counts, token-weighted sums of the micro-batches' token means) before the
+    one division. A mean of per-process values would not do: the std of the whole step is not the
+    mean of the halves' stds, and processes hold different numbers of tokens. The weight statistics
+    cover the rollouts OAR scored (`scored`, (B,)), on any process. `nonfinite`: this process's
+    rollouts whose OAR scores were not finite."""
+    all_sum = _all_sum(accelerator)
+    everyone = accelerator.gather(rewards)  # (B x processes,): whole groups, in the order one process holds them
+    grouped = everyone.view(-1, group_size)
     has_answer = ro.answer_mask.any(1)
+    # Counts (exact in float32 below 2^24), summed, then divided once: a fraction is the same for any split.
+    counts = torch.tensor([len(ro), ro.completion_mask.sum(), ro.truncated.sum(), (~has_answer).sum(), (scored & has_answer).sum(),
+                           nonfinite], dtype=torch.float32)
+    n, length, truncated, no_answer, scored_n, nonfinite_n = all_sum(counts)
     m = {
-        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "reward/mean": float(everyone.mean()), "reward/std": float(everyone.std()) if len(everyone) > 1 else 0.0,
         "reward/frac_zero_std_groups": float((grouped.std(1) == 0).float().mean()),
-        "completion/length": float(lengths.mean()), "completion/frac_truncated": float(ro.truncated.float().mean()),
-        "loss/clip_frac": mean("clip_frac"), "loss/approx_kl": mean("approx_kl"), "policy/entropy": mean("entropy"),
-        "optim/grad_norm": float(grad_norm), "optim/lr": schedule.get_last_lr()[0],
-        "oar/frac_no_answer": float((~has_answer).float().mean()), "oar/frac_scored": float((scored & has_answer).float().mean()),
+        "completion/length": float(length / n), "completion/frac_truncated": float(truncated / n),
     }
-    if "kl_ref" in stats[0]:
-        m["loss/kl_ref"] = mean("kl_ref")
-    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None],
-                                                 all_sum=lambda t: accelerator.reduce(t, "sum"),
+    means = token_means(stats, ("clip_frac", "approx_kl", "entropy", "kl_ref"), all_sum)
+    m |= {"loss/clip_frac": means["clip_frac"], "loss/approx_kl": means["approx_kl"], "policy/entropy": means["entropy"],
+          "optim/grad_norm": float(grad_norm), "optim/lr": schedule.get_last_lr()[0],
+          "oar/frac_no_answer": float(no_answer / n), "oar/frac_scored": float(scored_n / n),
+          "oar/frac_nonfinite_scores": float(nonfinite_n / n)}
+    if "kl_ref" in means:
+        m["loss/kl_ref"] = means["kl_ref"]
+    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None], all_sum=all_sum,
                                                  all_max=lambda t: accelerator.gather(t)).items()}
     return m
+
+
+def _all_sum(accelerator):
+    """A function summing a tensor over processes, on the device the collectives need (a no-op for one)."""
+    if accelerator.num_processes == 1:
+        return lambda t: t
+    return lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()
+
+
+def token_means(stats: list[dict], keys, all_sum) -> dict:
+    """Token means over every process's micro-batches of the `keys` that `stats` (one dict of token means
+    and "tokens" per micro-batch) hold: each mean times its tokens, summed over micro-batches and then
+    processes (`all_sum`, in float64), over the step's tokens, clamped to 1 (a batch with no valid token)."""
+    keys = [k for k in keys if stats and k in stats[0]]
+    sums = torch.tensor([sum(s[k] * s["tokens"] for s in stats) for k in keys] + [sum(s["tokens"] for s in stats)], dtype=torch.float64)
+    *weighted, tokens = all_sum(sums).tolist()
+    return {k: v / max(tokens, 1.0) for k, v in zip(keys, weighted)}
 
 
 def sampler_gap_metrics(gaps: list, accelerator) -> dict:
@@ -148,15 +173,13 @@ def sampler_gap_metrics(gaps: list, accelerator) -> dict:
     return {"sampler/logprob_diff_max": float(largest), "sampler/logprob_diff_mean": float(total[0] / total[1].clamp(min=1))}
 
 
-def pass_metrics(passes: list[list[dict]], grad_norms: list) -> dict:
+def pass_metrics(passes: list[list[dict]], grad_norms: list, accelerator) -> dict:
     """Diagnostics of the later updates on one batch of rollouts (--num_iterations > 1): for pass k
     (1-based, so the first is step_metrics' own), iter<k>/clip_frac and iter<k>/approx_kl against the
-    sampling policy, token means over the micro-batches' stats as step_metrics takes them, and the
-    pass's pre-clip gradient norm."""
+    sampling policy, token means over every process's micro-batches as step_metrics takes them, and
+    the pass's pre-clip gradient norm."""
     out = {}
     for k, (stats, norm) in enumerate(zip(passes, grad_norms, strict=True), start=2):
-        tokens = max(sum(s["tokens"] for s in stats), 1.0)
-        for key in ("clip_frac", "approx_kl"):
-            out[f"iter{k}/{key}"] = sum(s[key] * s["tokens"] for s in stats) / tokens
-        out[f"iter{k}/grad_norm"] = float(norm)
+        means = token_means(stats, ("clip_frac", "approx_kl"), _all_sum(accelerator))
+        out |= {f"iter{k}/clip_frac": means["clip_frac"], f"iter{k}/approx_kl": means["approx_kl"], f"iter{k}/grad_norm": float(norm)}
     return out
