@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random Llama and a hand-made padded batch, built in the test (no downloads)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,32 @@ def tiny_model(tmp_path_factory):
     from tinyrun import build_model
 
     return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-trained")
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(tmp_path_factory):
+    """Fail a test that leaves a process it started alive (tests/tinyrun.py marks them; the ranks of a
+    launcher live in sessions of their own, so a killed launcher can orphan them), or a train.py/eval.py
+    working in this session's temporary folders; kill them first so the next test starts clean."""
+    yield
+    import signal
+
+    from tinyrun import SESSION, marked
+
+    base = str(tmp_path_factory.getbasetemp())
+    left = marked(SESSION + ":")
+    for pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if base in cmd and ("train.py" in cmd or "eval.py" in cmd):
+            left[int(pid)] = cmd
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        pytest.fail(f"{len(left)} processes left running after the test (killed now): " +
+                    "; ".join(f"{pid}: {cmd[:200]}" for pid, cmd in left.items()))

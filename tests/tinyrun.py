@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -75,6 +77,63 @@ def env() -> dict:
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+# Every process a test starts carries MARK=<this pytest process>:<n> in its environment, and so do the ranks
+# a launcher starts from it: torchrun puts each rank in a process session of its own, where killing the
+# launcher's group does not reach. conftest.py fails a test that leaves one alive.
+MARK, SESSION = "OAR_TEST_RUN", str(os.getpid())
+_COUNT = itertools.count()
+
+
+def spawn(cmd: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start `cmd` in a process session of its own, marked; (process, its mark). `finish` waits for it."""
+    token = f"{SESSION}:{next(_COUNT)}"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), MARK: token}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    return proc, token
+
+
+def finish(proc: subprocess.Popen, token: str, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a `spawn`ed command; on a timeout (TimeoutExpired, as subprocess.run) or a failure, kill
+    everything it started."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_all(proc, token)
+        proc.communicate()
+        raise
+    if proc.returncode != 0:  # a launcher that failed may leave ranks behind
+        kill_all(proc, token)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def kill_all(proc: subprocess.Popen, token: str) -> None:
+    """SIGKILL `proc`'s process group and every process that carries `token` (ranks in sessions of their own)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in marked(token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def marked(prefix: str) -> dict[int, str]:
+    """{pid: command line} of the live processes whose MARK starts with `prefix` (a whole mark, or SESSION + ':')."""
+    want, found = f"{MARK}={prefix}".encode(), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            if any(var.startswith(want) for var in environ.split(b"\0")):
+                found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
 def run_script(script: Path, args: list[str], *, prelude: str = "", timeout: int = 120) -> subprocess.CompletedProcess:
     """`python script args` in a child process. `prelude` is Python run first in the child (the
     tests use it to make the run kill itself at a chosen point)."""
@@ -84,7 +143,7 @@ def run_script(script: Path, args: list[str], *, prelude: str = "", timeout: int
         cmd = [sys.executable, "-c", code, *args]
     else:
         cmd = [sys.executable, str(script), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    return finish(*spawn(cmd), timeout=timeout)
 
 
 def free_port() -> int:
@@ -93,13 +152,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], num_processes: int = 2, timeout: int = 180, script: Path = TRAIN) -> subprocess.CompletedProcess:
+def launch_command(args: list[str], num_processes: int = 2, script: Path = TRAIN) -> list[str]:
     """`accelerate launch --multi_gpu --num_processes N script args` (train.py by default) on the CPU
     (gloo), on a free port so that concurrent runs on the machine do not collide."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), str(script), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), str(script), *args]
+
+
+def launch(args: list[str], num_processes: int = 2, timeout: int = 180, script: Path = TRAIN) -> subprocess.CompletedProcess:
+    """`launch_command` run to its end (`finish`)."""
+    return finish(*spawn(launch_command(args, num_processes, script)), timeout=timeout)
 
 
 @functools.cache
