@@ -78,7 +78,7 @@ from oar.training.evaluation import evaluate
 from oar.credit import CreditError, credit_methods, step_credit
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
-from oar.training.launch import end, gather_ragged, make_accelerator, release
+from oar.training.launch import end, gather_ragged, lost_process, make_accelerator, release, stop_on_sigterm
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
 from oar.training.models import ModelError, load_model, resolve_model
 from oar.lm import forward_logits
@@ -92,7 +92,7 @@ from oar.tasks.tiny_arith_cache import model_source
 def main(cfg: Config) -> dict:
     from accelerate.utils import set_seed
 
-    accelerator = make_accelerator(log_with=[t for t in cfg.log_with.split(",") if t] or None, project_dir=cfg.output_dir)  # trackers write there
+    accelerator = make_accelerator(cfg.collective_timeout, log_with=[t for t in cfg.log_with.split(",") if t] or None, project_dir=cfg.output_dir)  # trackers write there
     quiet_libraries(bars_wanted(accelerator.is_main_process, cfg.progress))  # their bars where ours are; each warning once
     n_proc, rank = accelerator.num_processes, accelerator.process_index
     local_prompts = cfg.prompts_per_step // n_proc
@@ -331,6 +331,7 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm("train.py")  # the launcher's way to stop this process when another one died
     try:
         main(CONFIG)
     except SystemExit as stop:  # a flag the user spelled another library's way is named as they typed it
@@ -343,5 +344,9 @@ if __name__ == "__main__":
         raise SystemExit("train.py: interrupted. Run the same command with --resume to continue from the last checkpoint.") from None
     except RewardError as err:  # a --reward_module function that raised or returned a non-finite value mid-run
         raise SystemExit(f"train.py: error: {err}") from None
+    except RuntimeError as err:  # a collective whose peer died or stalled: a message, not a traceback
+        if (message := lost_process(err, "train.py", CONFIG.collective_timeout)) is None:
+            raise
+        raise SystemExit(message) from None
     finally:
         release()  # after an error: the process group ends before the interpreter does

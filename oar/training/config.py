@@ -25,7 +25,8 @@ from oar.training.flags import Alias, FlagParser
 # must match the checkpoint's, or a resume would splice two different runs into one.
 RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
              "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
-             "gradient_checkpointing", "perturb_chunk_tokens", "score_all", "decode_loop", "progress"}
+             "gradient_checkpointing", "perturb_chunk_tokens", "score_all", "decode_loop", "progress",
+             "collective_timeout"}
 
 # Flags this version fixes to a constant (only tuning studies turned them), and the value it runs
 # with. A checkpoint that ran with another value of one (outside RESUMABLE) is refused on resume.
@@ -155,6 +156,11 @@ class Config(ModelSettings, EvalSettings, CreditSettings):
     on processes where accelerate's FSDP plugin does not (CPU); on GPUs configs/fsdp2.yaml shards."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    collective_timeout: int = 3600
+    """Seconds a process waits at a collective (an all-reduce, a barrier) for the others before the run
+    stops with a message (a process that stalled; one that died stops the run at once). An hour: a
+    process may wait that long for its peers' OAR-P scoring of a long step, or for the main process to
+    write a large model's checkpoint (docs/resuming.md)."""
 
     # Fixed, no longer flags (REMOVED): arith problems drawn for training; non-finite steps in a row that stop a run.
     train_size: ClassVar[int] = REMOVED["train_size"]
@@ -175,7 +181,7 @@ GROUPS = {  # --help's sections, in this order; every field in exactly one (test
                                    "gate_boost", "preserve_mass", "score_all", "noise_std", "perturb_mode", "perturb_window"),
     "evaluation": ("eval_dataset", "eval_every", "eval_size", "eval_samples", "eval_temperature", "eval_batch_size"),
     "LoRA": ("lora_r", "lora_alpha", "lora_target_modules"),
-    "distributed and memory": ("micro_batch_size", "fsdp", "gradient_checkpointing"),
+    "distributed and memory": ("micro_batch_size", "fsdp", "gradient_checkpointing", "collective_timeout"),
 }
 
 # Other libraries' names for the same settings (docs/flags.md says where they differ and why some are not here).
@@ -324,6 +330,7 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: must be >= 0.")
     need(0 <= cfg.clip_low < 1, f"--clip_low {cfg.clip_low}: must lie in [0, 1).")
     need(cfg.clip_high >= 0, f"--clip_high {cfg.clip_high}: must be >= 0.")
+    need(cfg.collective_timeout >= 1, f"--collective_timeout {cfg.collective_timeout}: must be >= 1 (seconds).")
     need(cfg.kl_beta >= 0, f"--kl_beta {cfg.kl_beta}: must be >= 0 (0 turns the penalty off).")
     for name in ("warmup_steps", "probe_warmup", "eval_every", "save_every"):
         need(getattr(cfg, name) >= 0, f"--{name} {getattr(cfg, name)}: must be >= 0.")

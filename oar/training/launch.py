@@ -4,22 +4,68 @@
 N processes, but accelerate only joins them into a gloo process group when told `cpu=True`;
 without it each process silently trains alone. We say so whenever processes were launched and no
 CUDA device exists, so the same command works on a laptop, in CI and on a GPU node.
+
+When a process dies or stalls, the others must not wait for ever. A process that dies is seen by the
+launcher (torchrun's agent, under `accelerate launch`), which sends every other process SIGTERM at
+once and SIGKILL 30 s later; `stop_on_sigterm` turns that into a one-line exit. A process that stalls
+(alive, not answering) is seen by nobody: the others block in their next collective until
+`--collective_timeout` (the process group's timeout), then `lost_process` names what happened, and
+the launcher then ends the stalled one. Either way the run stops with a message saying how to resume
+(tests/test_lost_process.py). On GPUs NCCL's watchdog ends a process whose collective timed out
+itself, with its own message.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import signal
+from datetime import timedelta
 
 import torch
 
 
-def make_accelerator(**kwargs):
+def make_accelerator(collective_timeout: float | None = None, **kwargs):
+    """The Accelerator; `collective_timeout` (seconds): how long a collective waits for the other
+    processes before it raises (None: torch's default, 30 minutes for gloo, 10 for NCCL)."""
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     if kwargs.get("log_with"):  # a name that cannot log is check_config's to report (tracker_problem), not accelerate's
         kwargs["log_with"] = [name for name in kwargs["log_with"] if not tracker_problem(name)] or None
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return Accelerator(cpu=launched and not torch.cuda.is_available(), **kwargs)
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout))] if collective_timeout else []
+    return Accelerator(cpu=launched and not torch.cuda.is_available(), kwargs_handlers=handlers, **kwargs)
+
+
+RESUME_HINT = "Run the same command with --resume to continue from the last checkpoint."
+
+
+def stop_on_sigterm(script: str) -> None:
+    """Exit with a message on SIGTERM instead of dying silently: the launcher sends it to every process
+    once one has failed (the failure is then reported above this line), a scheduler when it cancels a job.
+    The exit unwinds as an error does (the process group is released, no checkpoint is half-written:
+    they are written to a temporary name and renamed)."""
+    def stop(signum, frame):
+        raise SystemExit(f"{script}: stopped by SIGTERM: the launcher stops every process once one of them has died "
+                         f"or failed, or the job was cancelled. {RESUME_HINT}")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def lost_process(err: BaseException, script: str, collective_timeout: float) -> str | None:
+    """The one-line message for an error raised by a collective operation whose peer process is gone
+    (gloo: 'Connection closed by peer' at once when it died, 'Timed out waiting ...' when it stalled
+    past the timeout; NCCL: a DistBackendError), or None for any other error."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    text = str(err).strip()
+    if not (isinstance(err, torch.distributed.DistError) or any(s in text for s in ("gloo", "NCCL", "Connection closed by peer",
+                                                                                         "Connection reset by peer", "Timed out waiting"))):
+        return None
+    what = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)[:200]  # without gloo's source path
+    return (f"{script}: error: another process of this run died or stalled (a collective operation failed: {what}; "
+            f"--collective_timeout is {collective_timeout:g} s). This process stops too. {RESUME_HINT}")
 
 
 def tracker_problem(name: str) -> str | None:

@@ -1,0 +1,111 @@
+"""A two-process run that loses a process stops within a bounded time, says so, leaves no process
+behind, and `--resume` continues it to the numbers of an uninterrupted run (issue 32).
+
+Rank 1 is killed (SIGKILL) or stopped (SIGSTOP: alive, never answering, as a hung process is) in the
+middle of step 2, once step 1 is logged and checkpointed. A killed rank is seen by the launcher, which
+stops rank 0 at once (SIGTERM; oar/training/launch.py's stop_on_sigterm) unless gloo's closed socket
+stops it first. A stopped rank is seen by nobody: rank 0 waits in its next collective until
+--collective_timeout, exits with a message, and the launcher then kills the stopped rank (SIGTERM,
+which a stopped process does not act on, then SIGKILL 30 s later). Nothing in the code knows about
+the test: the signals are real.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tinyrun import TINY, assert_same_metrics, check_ok, finish, kill_all, launch, launch_command, marked, metrics, run_inprocess, spawn
+
+TIMEOUT = 20  # --collective_timeout here: a tiny step is ~1 s, so no healthy wait comes near it, even on a loaded machine
+MARGIN = 30  # seconds of slack on a loaded 2-core machine, for a process to notice and exit
+GRACE = 30  # torchrun's wait between its SIGTERM and its SIGKILL of a process that did not exit
+
+
+def _args(model, out):
+    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out), "--steps", "3",
+            "--save_every", "1", "--micro_batch_size", "4", "--method", "oar-p", "--collective_timeout", str(TIMEOUT), *TINY]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run_inprocess(_args(tiny_model, out))
+    return metrics(out)
+
+
+def _ranks(token: str) -> dict[int, int]:
+    """{local rank: pid} of the run's train.py processes."""
+    ranks = {}
+    for pid, cmd in marked(token).items():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"LOCAL_RANK=")]
+        if "train.py" in cmd and rank:
+            ranks[int(rank[0])] = pid
+    return ranks
+
+
+def _wait(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"waited {timeout} s for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+def test_a_lost_process_stops_the_run_with_a_message_and_resume_continues_it(tiny_model, tmp_path, uninterrupted, sig):
+    out = tmp_path / "run"
+    proc, token = spawn(launch_command(_args(tiny_model, out), num_processes=2))
+    try:
+        logged = lambda: (out / "metrics.jsonl").is_file() and '"step": 1' in (out / "metrics.jsonl").read_text()
+        _wait(lambda: logged() and (out / "checkpoint-1").is_dir() and len(_ranks(token)) == 2, 240, "step 1 logged and checkpointed")
+        ranks = _ranks(token)
+        os.kill(ranks[1], sig)  # during step 2
+        lost = time.monotonic()
+        _wait(lambda: not Path(f"/proc/{ranks[0]}").exists() or Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] == "Z",
+              TIMEOUT + MARGIN, "rank 0 to exit")
+        survivor_s = time.monotonic() - lost
+        done = finish(proc, token, timeout=GRACE + MARGIN)
+        left = marked(token)  # before any clean-up of ours: the launcher and both ranks must be gone
+    finally:
+        kill_all(proc, token)
+    assert not left, left
+    assert done.returncode != 0
+    assert survivor_s <= (MARGIN if sig == signal.SIGKILL else TIMEOUT + MARGIN), survivor_s
+    # rank 0 exited non-zero (the launcher's report lists every rank's exit code: 1, or -15 when the launcher's
+    # SIGTERM reached it while the interpreter was shutting down, its message written) with the one-line message
+    code = re.search(rf"exitcode\s*:\s*(-?\d+) \(pid: {ranks[0]}\)", done.stderr)
+    assert code and int(code.group(1)) != 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("train.py: ")]
+    assert said and all("--resume" in line for line in said), done.stderr[-3000:]
+    if sig == signal.SIGSTOP:  # only the timeout could end it
+        assert any("died or stalled" in line and f"--collective_timeout is {TIMEOUT} s" in line for line in said), said
+    # a message, not a traceback: the only one is the launcher's own (ChildFailedError, its report)
+    assert done.stderr.count("Traceback (most recent call last)") <= 1 and not re.search(r"\[rank\d\]:\s*Traceback", done.stderr), \
+        done.stderr[-3000:]
+    # The resumed run continues from the last complete checkpoint to the uninterrupted run's numbers.
+    check_ok(launch(_args(tiny_model, out) + ["--resume"], num_processes=2))
+    assert_same_metrics(metrics(out), uninterrupted)
+
+
+def test_a_timed_out_run_leaves_nothing_behind_even_in_another_session():
+    """What torchrun does to its ranks, by hand: the child starts a grandchild in a session of its own and
+    hangs. The launch helper's timeout must kill both (the grandchild through the mark it inherited)."""
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+            "start_new_session=True); time.sleep(120)")
+    proc, token = spawn([sys.executable, "-c", code])
+    _wait(lambda: len(marked(token)) == 2, 60, "the child and its grandchild")
+    with pytest.raises(subprocess.TimeoutExpired):
+        finish(proc, token, timeout=1)
+    _wait(lambda: not marked(token), 10, "both to be killed")
