@@ -80,7 +80,7 @@ from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
 from oar.training.launch import end, gather_ragged, lost_process, make_accelerator, release, stop_on_sigterm
 from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
-from oar.training.models import ModelError, load_model, resolve_model
+from oar.training.models import ModelError, enable_checkpointing, load_model, resolve_model
 from oar.lm import forward_logits
 from oar.probes import clean_forward, outcome_from_logits
 from oar.reward_table import RewardError, reward_terms, score
@@ -124,7 +124,7 @@ def main(cfg: Config) -> dict:
     lora_model = lora.add_adapters(model, r=cfg.lora_r, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules) if cfg.lora_r else None
     model = lora.inner(lora_model) if lora_model is not None else model
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     # The KL reference: a frozen copy of the initial model, or with LoRA the policy with its adapters off
     ref_model = load_model(model_source(cfg.model), dtype=cfg.dtype)[0].eval().requires_grad_(False) if cfg.kl_beta > 0 and not cfg.lora_r else None
     own_fsdp = cfg.fsdp and not sharding.accelerate_shards(accelerator)  # on CPU processes accelerate's plugin falls back to DDP

@@ -15,6 +15,7 @@ import torch
 
 from oar.grpo import token_logprobs
 from oar.lm import forward_logits
+from oar.training.models import enable_checkpointing
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import clean_forward, divergence, outcome_from_logits
@@ -232,7 +233,7 @@ def test_oar_g_with_gradient_checkpointing_on_a_sliding_window_family(name):
     ids, attn, reas, ans = long_batch()
     noise = torch.randn(*ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1))
     ref = oar_g_definition(model, ids, attn, reas, ans, "answer_mean", noise, 1e-2)
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # renamed in transformers 5
+    enable_checkpointing(model)  # non-reentrant, as train.py's
     model.train()
     for p in model.parameters():  # dropout is 0 in these configs; the scores must still leave no .grad
         p.grad = None

@@ -29,6 +29,7 @@ from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
 from oar.training import lora
 from oar.lm import forward_logits
+from oar.training.models import enable_checkpointing
 from tinyrun import ROUNDING, TINY, check_ok, final_params, initial_params, launch, max_abs_diff, metrics, run_inprocess
 
 LORA = ["--lora_r", "4", "--lora_alpha", "8"]
@@ -132,7 +133,7 @@ def test_oar_scores_through_lora_equal_the_merged_models(probe):
     ids, attn, reas, ans = padded_batch()
     noise = torch.randn((*ids.shape, 32), generator=torch.Generator().manual_seed(0))
     policy = lora.inner(peft_model)
-    policy.gradient_checkpointing_enable()
+    enable_checkpointing(policy)
     policy.train()
     for score in (lambda m: gradient_scores(m, ids, attn, reas, ans, probe=probe, noise=noise, noise_std=1e-2),
                   lambda m: perturbation_scores(m, ids, attn, reas, ans, probe=probe, pad_token_id=0)):

@@ -58,7 +58,10 @@ def test_the_fixed_shape_loop_gives_the_eager_loop_tokens_on_every_family(name, 
         widths.append(eager[0].shape[1])
     assert widths[0] == 40 and widths[-1] < 16, widths  # rows run to the budget; rows all end before the first check
     said = capsys.readouterr().err
-    assert ("the eager loop samples instead" in said) == (name in SLIDING), said
+    import transformers
+
+    old_release = int(transformers.__version__.split(".")[0]) < 5  # its static cache is refused (oar/static_decode.py)
+    assert ("the eager loop samples instead" in said) == (name in SLIDING or old_release), said
 
 
 def test_the_output_is_cut_where_the_eager_loop_stops_whatever_the_check_interval():

@@ -11,6 +11,16 @@ from pathlib import Path
 import torch
 
 
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing on a transformers model, non-reentrant: OAR-G takes torch.autograd.grad
+    through the checkpointed layers, which torch's reentrant variant refuses, and transformers 4.x
+    defaults to it (5.x does not). transformers 5 renamed the switch (the old name warns, and goes in 6)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class ModelError(ValueError):
     """A model name that cannot be loaded; the message says which input and what to do."""
 
