@@ -11,7 +11,7 @@ from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import PROBES, divergence, outcome_from_logits
 
-from conftest import padded_batch, tiny_llama
+from conftest import tiny_llama
 
 
 @pytest.mark.parametrize("probe", PROBES)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from oar.training import checkpoint as ckpt
-from tinyrun import ROUNDING, TINY, TRAIN, check_ok, final_params, initial_params, max_abs_diff, metrics, run_inprocess, run_script
+from tinyrun import ROUNDING, TINY, TRAIN, final_params, initial_params, max_abs_diff, metrics, run_inprocess, run_script
 
 KILL_DURING_SAVE = """
 import os, signal, oar.training.checkpoint as c

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from oar.tasks.arith import ArithConfig, arith_problems
-from oar.credit import METHODS, CreditSettings, step_credit
+from oar.credit import METHODS, step_credit
 from oar.grpo import group_advantages
 from oar.lm import forward_logits
 from oar.rewards import reward
