@@ -169,7 +169,8 @@ def main(cfg: Config) -> dict:
                    progress=log.bars)  # avg@k when k > 1
     if eval_set and "eval_before" not in history:
         with sharding.gathered(model):
-            history["eval_before"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
+            before = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]
+        history["eval_before"], history["eval_before_pass"] = before["accuracy"], {k: v for k, v in before.items() if k.startswith("pass@")}
         log.say(f"held-out accuracy before training: {history['eval_before']:.3f} on {len(eval_set)} problems")
 
     for step in range(start_step, cfg.steps):
@@ -306,7 +307,8 @@ def main(cfg: Config) -> dict:
             log.say(f"warning: step {step + 1}: {n_nonfinite} rollouts had non-finite OAR scores; they got plain GRPO weights")
         if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             with sharding.gathered(model):
-                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]["accuracy"]
+                mid = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]
+            metrics |= {"eval/accuracy": mid["accuracy"]} | {f"eval/{k}": v for k, v in mid.items() if k.startswith("pass@")}
         log.step(step + 1, metrics)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, {"history": history, "config": asdict(cfg)}, cfg.keep_checkpoints,
@@ -318,7 +320,8 @@ def main(cfg: Config) -> dict:
     if eval_set:
         with sharding.gathered(model):
             records, final = evaluate(policy, tokenizer, eval_set, **eval_kw)
-        summary |= {"eval_problems": len(eval_set), "accuracy_before": history.get("eval_before"), "accuracy_after": final["accuracy"]}
+        summary |= {"eval_problems": len(eval_set), "accuracy_before": history.get("eval_before"), "accuracy_after": final["accuracy"],
+                    "pass_before": history.get("eval_before_pass"), "pass_after": {k: v for k, v in final.items() if k.startswith("pass@")}}
         log.records("eval_final.jsonl", records)
     held = sharding.param_optimizer_bytes(model, optimizer)  # this process's parameters + optimizer states
     summary |= {"param_optimizer_bytes": held["local"], "param_optimizer_bytes_unsharded": held["unsharded"]}
