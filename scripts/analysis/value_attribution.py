@@ -1,0 +1,331 @@
+"""Which tokens does a credit method rank highest, against each token's true effect on success (ΔV)?
+
+    python scripts/analysis/value_attribution.py --model M.gguf --data problems.jsonl --method oar-g
+    python scripts/analysis/value_attribution.py --model M --credit_module my_credit.py --method my-method --values runs/va/values.json
+
+Legend: P problems, G rollouts per problem, N = P x G rollouts, T completion tokens, n_R a rollout's
+reasoning tokens (before the final-answer marker), K continuations per prefix, L positions.
+
+The truth (the paper's "oracle causal tokens"): on the model's own rollouts (on-policy, sampled with the
+project's sampler and per-rollout seeds), the value of a completion prefix c_<j is the chance that the
+model, writing the rest itself at the rollout temperature within the same token budget, ends with a
+correct answer: V_j = P(reward 1 | prompt, c_<j). It is estimated from K continuations per prefix,
+and each reasoning token t gets
+
+    ΔV_t = V_{t+1} - V_t = V(prefix <= t) - V(prefix < t).
+
+Continuation k of a rollout uses the same seed at every prefix (common random numbers: the K paired
+differences R_{t+1,k} - R_{t,k} cancel much of the sampling noise), so ΔV_t is their mean and its
+Monte-Carlo standard error is their standard deviation / sqrt(K) (ddof 1). Prefixes are batched
+(rows of similar length together, `--batch` rows a call); each row's prompt and prefix are prefilled
+once and its keys/values reused for the continuation (the sampler's KV cache).
+
+A method is scored through train.py's credit interface (oar.credit.step_credit): any built-in
+(`--method oar-g`, `oar-p`, `entropy`, `tempo`, `random-gate`, ...) or one of a `--credit_module`'s,
+with the group's rewards and advantages, EVERY rollout marked scored (attribution, not training: a
+group whose rewards are equal still gets its weights), the update forward's logits and the rollouts'
+seeds. Its weights w_t (gated: monotone in the score for OAR's methods) are compared with ΔV on each
+rollout's reasoning tokens:
+
+  spearman    rank correlation of w_t with |ΔV_t| (0 when either is constant)
+  recall@k    of the k = ceil(0.2 n_R) tokens with the largest |ΔV_t|, the share among the method's k
+              largest w_t (ties at either cut shared out in expectation: a constant method scores k / n_R)
+  sign agree  on wrong rollouts (reward 0), the tokens whose ΔV_t is significant (|ΔV_t| > 2 s.e.):
+              the share of the method's credit mass |w_t| on tokens where the sign of the credit a wrong
+              rollout gets (A_i w_t with A_i < 0, so -w_t) is the sign of ΔV_t. For w >= 0 this is
+              the mass on the tokens that lowered the chance of success; GRPO's (w = 1) is their share.
+
+Controls, always in the table: `random` (uniform scores from each rollout's seed), `surprisal`
+(-log p of the token at the sampling temperature) and `entropy` (of the distribution it was drawn
+from), read from the same forward. Each cell: mean over rollouts ± standard error across rollouts
+(n rollouts where the metric is defined). The expensive part (the values) is kept in `--values`
+(JSON) and reused when the settings match, so scoring another method costs only its weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1].parent
+sys.path.insert(0, str(ROOT))
+
+from oar.credit import CreditSettings, credit_methods, step_credit
+from oar.grpo import group_advantages, token_entropy
+from oar.rewards import reward
+from oar.rollout import Rollout, char_offsets
+from oar.sampler import (
+    decode,
+    format_prompt,
+    resolve_instruction,
+    sample,
+    stop_token_ids,
+)
+from oar.training.data import load_problems
+from oar.training.models import forward_logits, load_model
+
+CONTROLS = ("random", "surprisal", "entropy")
+TOP = 0.2  # recall@k: k = ceil(TOP * n_R)
+
+
+# ------------------------------------------------------------------------------------------- values
+
+def needed_prefixes(positions: list[int]) -> list[int]:
+    """Prefix lengths j whose value ΔV at completion positions `positions` needs: every t and t + 1."""
+    return sorted({t for t in positions} | {t + 1 for t in positions})
+
+
+def delta_v(rewards: dict[tuple[int, int], float], positions: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """ΔV_t and its Monte-Carlo standard error (n_R,) from the continuation rewards {(j, k): r} (paired over k)."""
+    diff = np.array([[rewards[(t + 1, c)] - rewards[(t, c)] for c in range(k)] for t in positions], dtype=np.float64)
+    se = diff.std(axis=1, ddof=1) / math.sqrt(k) if k > 1 else np.full(len(positions), math.nan)
+    return diff.mean(axis=1), se
+
+
+def continuation_rewards(model, tok, prompt: list[int], completion: list[int], gold: str, prefixes: list[int], k: int, seed: int, *,
+                         max_new_tokens: int, temperature: float, batch: int = 64) -> dict[tuple[int, int], float]:
+    """{(j, c): reward of prefix completion[:j] continued by the model with continuation seed c}, every j in
+    `prefixes`, c < k. The continuation of prefix j gets the rollout's remaining budget max_new_tokens - j;
+    continuation c draws from seed `seed * 1_000_003 + c` at every prefix (common random numbers)."""
+    stop = stop_token_ids(model, tok)
+    rows = [(j, c) for j in prefixes for c in range(k)]
+    out = {}
+    for start in range(0, len(rows), batch):
+        part = rows[start:start + batch]
+        ids, mask = _left_pad([prompt + completion[:j] for j, _ in part], tok.pad_token_id)
+        budget = max_new_tokens - min(j for j, _ in part)
+        cont, _ = decode(model, ids, mask, max_new_tokens=budget, temperature=temperature, top_p=1.0, eos_token_ids=stop,
+                         pad_token_id=tok.pad_token_id, seeds=[seed * 1_000_003 + c for _, c in part])
+        for (j, c), row in zip(part, cont.tolist()):
+            row = row[:max_new_tokens - j]  # this prefix's own budget
+            end = next((n for n, x in enumerate(row) if x in stop), len(row))
+            text = char_offsets(tok, completion[:j] + row[:end])[0]  # what the sampler's text of that rollout would be
+            out[(j, c)] = reward(text, gold)
+    return out
+
+
+def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
+    return ids, mask
+
+
+def rollout_values(model, tok, ro: Rollout, golds: list[str], seeds: list[int], *, k: int, max_new_tokens: int, temperature: float,
+                   batch: int, log=print) -> list[dict]:
+    """Per rollout: its reasoning positions (completion indices), ΔV and its s.e. there, V_0 and the seconds it took."""
+    out = []
+    lp = ro.prompt_width
+    for i in range(len(ro)):
+        t0 = time.process_time()
+        prompt = ro.input_ids[i, :lp][ro.attention_mask[i, :lp].bool()].tolist()
+        completion = ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist()
+        positions = ro.reasoning_mask[i, lp:].nonzero().flatten().tolist()
+        rec = {"positions": positions, "dv": [], "se": [], "v0": None}
+        if positions:
+            prefixes = needed_prefixes(positions)
+            r = continuation_rewards(model, tok, prompt, completion, golds[i], prefixes, k, seeds[i], max_new_tokens=max_new_tokens,
+                                     temperature=temperature, batch=batch)
+            dv, se = delta_v(r, positions, k)
+            rec |= {"dv": dv.tolist(), "se": se.tolist(), "v0": float(np.mean([r[(prefixes[0], c)] for c in range(k)]))}
+        rec["cpu_s"] = time.process_time() - t0
+        log(f"[values] rollout {i + 1}/{len(ro)}: n_R {len(positions)}, {rec['cpu_s']:.0f} CPU s, "
+            f"max |ΔV| {max(map(abs, rec['dv']), default=0):.2f}")
+        out.append(rec)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ methods
+
+def method_weights(name: str, module: str, model, tok, ro: Rollout, rewards, golds, seeds, *, group_size: int, temperature: float,
+                   probe: str, gate: dict) -> torch.Tensor:
+    """Weights (N, L) of credit method `name` through train.py's interface, group by group (every rollout scored)."""
+    settings = CreditSettings(method=name, credit_module=module, group_size=group_size, micro_batch_size=group_size,
+                              temperature=temperature, **gate)
+    adv = group_advantages(rewards, group_size)
+    weigh = step_credit(settings, model, tok, ro, rewards, adv, torch.ones(len(ro), dtype=torch.bool), seeds, golds, probe)
+    out = []
+    for g in range(0, len(ro), group_size):
+        rows = slice(g, g + group_size)
+        mb = ro.select(rows)
+        with torch.no_grad():
+            logits = forward_logits(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - ro.prompt_width + 1)
+        with torch.enable_grad():  # OAR-G's input gradient
+            out.append(weigh(rows, mb, logits)[0].detach().cpu())
+    return torch.cat(out)
+
+
+def control_scores(model, ro: Rollout, seeds: list[int], temperature: float) -> dict[str, torch.Tensor]:
+    """The controls' scores (N, L): uniform random (from each rollout's seed), the token's surprisal and entropy."""
+    n, width = ro.input_ids.shape
+    lp = ro.prompt_width
+    surprisal, entropy = torch.zeros(n, width), torch.zeros(n, width)
+    for i in range(n):
+        with torch.no_grad():
+            z = forward_logits(model, ro.input_ids[i:i + 1], ro.attention_mask[i:i + 1], logits_to_keep=width - lp + 1)[0, :-1].float()
+        z = z / (temperature or 1.0)  # (T, V): z[t] predicted completion token t
+        surprisal[i, lp:] = -torch.log_softmax(z, -1).gather(-1, ro.input_ids[i, lp:, None])[:, 0]
+        entropy[i, lp:] = token_entropy(z[None])[0]
+    rand = torch.stack([torch.rand(width, generator=torch.Generator().manual_seed(s + 31337)) for s in seeds])
+    return {"random": rand, "surprisal": surprisal, "entropy": entropy}
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, ties given the mean of the ranks they span."""
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    sx, start = np.asarray(x)[order], 0
+    for end in range(1, len(x) + 1):
+        if end == len(x) or sx[end] != sx[start]:
+            ranks[order[start:end]] = (start + 1 + end) / 2
+            start = end
+    return ranks
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation; 0 when either is constant, NaN below 2 tokens."""
+    if len(a) < 2:
+        return math.nan
+    ra, rb = average_ranks(np.asarray(a, float)), average_ranks(np.asarray(b, float))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = math.sqrt(float((ra ** 2).sum() * (rb ** 2).sum()))
+    return float((ra * rb).sum() / denom) if denom > 0 else 0.0
+
+
+def top_membership(x, k: int) -> np.ndarray:
+    """P(token is among the k largest of x) under random tie-breaking: 1 above the cut, a share at it."""
+    x = np.asarray(x, float)
+    cut = np.sort(x)[::-1][k - 1]
+    above, tied = x > cut, x == cut
+    return above + tied * (k - above.sum()) / tied.sum()
+
+
+def metrics(w, dv, se, correct: bool) -> dict:
+    """spearman, recall@k and (on a wrong rollout) sign agreement of weights `w` with ΔV over one rollout's reasoning tokens."""
+    w, dv, se = (np.asarray(v, float) for v in (w, dv, se))
+    n = len(dv)
+    k = max(1, math.ceil(TOP * n))
+    out = {"spearman": spearman(w, np.abs(dv)), "recall": float((top_membership(w, k) * top_membership(np.abs(dv), k)).sum() / k),
+           "sign_agree": math.nan}
+    sig = np.abs(dv) > 2 * se
+    if not correct and sig.any() and np.abs(w[sig]).sum() > 0:
+        out["sign_agree"] = float((np.abs(w[sig]) * (np.sign(-w[sig]) == np.sign(dv[sig]))).sum() / np.abs(w[sig]).sum())
+    return out
+
+
+def mean_se(values) -> tuple[float, float, int]:
+    v = np.array([x for x in values if not math.isnan(x)])
+    return (float(v.mean()) if len(v) else math.nan, float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan, len(v))
+
+
+def table(records: list[dict], names: list[str]) -> str:
+    lines = ["| method | Spearman with abs(ΔV) | recall@k of top-|ΔV| (k = 20% of n_R) | sign agreement, wrong rollouts |",
+             "| --- | --- | --- | --- |"]
+    for name in names:
+        cells = []
+        for m in ("spearman", "recall", "sign_agree"):
+            mean, se, n = mean_se([r["methods"][name][m] for r in records if name in r["methods"]])
+            cells.append(f"{mean:.3f} ± {se:.3f} (n = {n})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model", required=True, help="as train.py's --model: a folder, a .gguf file or a hub id")
+    p.add_argument("--data", default="arith", help="problems: 'arith', a .jsonl file (problem, answer) or a `datasets` name")
+    p.add_argument("--split", default="train")
+    p.add_argument("--instruction", default="auto", help="as train.py's")
+    p.add_argument("--method", nargs="+", default=["oar-g"], help="credit methods to score (built-ins or --credit_module's)")
+    p.add_argument("--credit_module", default="")
+    p.add_argument("--problems", type=int, default=25, help="P problems (the first of --data)")
+    p.add_argument("--group_size", type=int, default=4, help="G rollouts per problem (the methods see the group)")
+    p.add_argument("--k", type=int, default=8, help="continuations per prefix")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe", default="answer_mean")
+    p.add_argument("--gate_quantile", type=float, default=0.4)
+    p.add_argument("--gate_boost", type=float, default=2.0)
+    p.add_argument("--batch", type=int, default=64, help="continuation rows per sampling call")
+    p.add_argument("--values", type=Path, default=None, help="JSON cache of the rollouts' values (written; reused when its settings match)")
+    p.add_argument("--out", type=Path, default=None, help="write the table and per-rollout metrics here (JSON)")
+    args = p.parse_args(argv)
+    table_ = credit_methods(args.credit_module)
+    unknown = [m for m in args.method if m not in table_]
+    if unknown:
+        p.error(f"--method {' '.join(unknown)}: not a credit method; choose from {', '.join(table_)} (or add --credit_module FILE)")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    model, tok = load_model(args.model)
+    model.eval()
+    problems = load_problems(args.data, split=args.split, limit=args.problems)[: args.problems]
+    instruction = resolve_instruction(args.instruction, args.data, args.model)
+    key = {k: getattr(args, k) for k in ("model", "data", "split", "instruction", "problems", "group_size", "k", "max_new_tokens",
+                                         "temperature", "seed")}
+    G = args.group_size
+    seeds = [args.seed * 1_000_003 + n for n in range(len(problems) * G)]
+    prompts = [format_prompt(tok, p.problem, instruction) for p in problems]
+    ro = sample(model, tok, prompts, group_size=G, seeds=seeds, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    golds = [p.answer for p in problems for _ in range(G)]
+    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
+    cached = json.loads(args.values.read_text()) if args.values is not None and args.values.is_file() else None
+    if cached is not None and cached["settings"] == key and cached["texts"] == ro.texts:
+        values = cached["values"]
+        print(f"[values] reused {args.values} ({len(values)} rollouts)", flush=True)
+    else:
+        values = rollout_values(model, tok, ro, golds, seeds, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                batch=args.batch)
+        if args.values is not None:
+            args.values.parent.mkdir(parents=True, exist_ok=True)
+            args.values.write_text(json.dumps({"settings": key, "texts": ro.texts, "values": values}))
+    scores = control_scores(model, ro, seeds, args.temperature)
+    gate = {"gate_quantile": args.gate_quantile, "gate_boost": args.gate_boost}
+    for name in args.method:
+        scores[name] = method_weights(name, args.credit_module, model, tok, ro, rewards, golds, seeds, group_size=G,
+                                      temperature=args.temperature, probe=args.probe, gate=gate)
+    lp = ro.prompt_width
+    records = []
+    for i, v in enumerate(values):
+        if not v["positions"]:
+            continue
+        cols = [lp + t for t in v["positions"]]
+        records.append({"rollout": i, "correct": bool(rewards[i] == 1), "n_reasoning": len(cols), "v0": v["v0"],
+                        "methods": {m: metrics(s[i, cols].tolist(), v["dv"], v["se"], bool(rewards[i] == 1)) for m, s in scores.items()}})
+    names = [*CONTROLS, *args.method]
+    se_all = [s for v in values for s in v["se"]]
+    dv_all = [(d, s) for v in values for d, s in zip(v["dv"], v["se"])]
+    result = {"settings": key | {"methods": args.method, "credit_module": args.credit_module, "probe": args.probe, **gate},
+              "rollouts": len(ro), "scored_rollouts": len(records), "correct": int(rewards.sum()),
+              "reasoning_tokens": sum(r["n_reasoning"] for r in records),
+              "mc_se_mean": float(np.mean(se_all)) if se_all else math.nan,
+              "frac_significant": float(np.mean([abs(d) > 2 * s for d, s in dv_all])) if dv_all else math.nan,
+              "values_cpu_s": sum(v["cpu_s"] for v in values), "table": table(records, names), "records": records}
+    print(f"{len(records)} rollouts with reasoning tokens of {len(ro)} ({result['correct']} correct), {result['reasoning_tokens']} "
+          f"reasoning tokens; K = {args.k}: mean Monte-Carlo s.e. of ΔV {result['mc_se_mean']:.3f}, "
+          f"{100 * result['frac_significant']:.0f}% of tokens with |ΔV| > 2 s.e.; values {result['values_cpu_s']:.0f} CPU s")
+    print(result["table"])
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

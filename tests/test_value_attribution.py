@@ -1,0 +1,81 @@
+"""scripts/analysis/value_attribution.py: ΔV from sampled continuations, and the metrics that compare a method with it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from scripts.analysis import value_attribution as va
+
+
+def test_delta_v_by_hand():
+    """V jumps at completion position 2: continuation c of prefix j succeeds when j > 2, or when c < 2 (2 of 8).
+    V_0..2 = 0.25, V_3.. = 1: ΔV = 0, 0, 0.75, 0, 0; at t = 2 the paired differences are 0, 0, 1 x 6: their
+    std (ddof 1) is sqrt((2 * 0.75^2 + 6 * 0.25^2) / 7) = sqrt(1.5 / 7), the s.e. that / sqrt(8) = 0.1637."""
+    positions = [0, 1, 2, 3, 4]
+    assert va.needed_prefixes(positions) == [0, 1, 2, 3, 4, 5]
+    rewards = {(j, c): float(j > 2 or c < 2) for j in range(6) for c in range(8)}
+    dv, se = va.delta_v(rewards, positions, 8)
+    np.testing.assert_allclose(dv, [0, 0, 0.75, 0, 0])
+    np.testing.assert_allclose(se, [0, 0, math.sqrt(1.5 / 7) / math.sqrt(8), 0, 0])
+
+
+def test_metrics_by_hand():
+    """|ΔV| = 0, 0, 0.75, 0, 0 on a wrong rollout (k = ceil(0.2 * 5) = 1): a method that peaks at t = 2 has
+    recall 1 and Spearman 1; a constant one recall 1/5 (its top-1 is any token) and Spearman 0; the one
+    significant token raised V (ΔV > 0), so the credit -w a wrong rollout gives it disagrees: sign agreement 0."""
+    dv, se = [0, 0, 0.75, 0, 0], [0, 0, 0.16, 0, 0]
+    peak = va.metrics([1, 1, 3, 1, 1], dv, se, correct=False)
+    assert peak == {"spearman": pytest.approx(1.0), "recall": pytest.approx(1.0), "sign_agree": 0.0}
+    flat = va.metrics([1, 1, 1, 1, 1], dv, se, correct=False)
+    assert flat == {"spearman": 0.0, "recall": pytest.approx(0.2), "sign_agree": 0.0}
+    drop = va.metrics([1, 1, 3, 1, 1], [0, 0, -0.75, 0, 0], se, correct=False)  # the token lowered V: blaming it agrees
+    assert drop["sign_agree"] == 1.0 and math.isnan(va.metrics([1, 1, 3, 1, 1], dv, se, correct=True)["sign_agree"])
+    np.testing.assert_allclose(va.top_membership([3, 1, 1, 0], 2), [1, 0.5, 0.5, 0])  # a tie at the cut shares the slot
+
+
+def test_values_find_a_planted_wrong_result_on_the_tiny_model(tiny_model):
+    """The end-to-end hand case: the tiny model solves 'Compute 3 + 4.' greedily ('3 + 4 = 7' then '#### 7').
+    Teacher-force '3 + 4 = 8\\n#### 8': with greedy continuations (temperature 0: deterministic, s.e. 0) every
+    prefix before the planted 8 is continued to the right answer (V = 1) and every prefix after it copies
+    the 8 (V = 0), so ΔV is -1 at the planted token and 0 at every other reasoning token."""
+    from oar.rollout import build_rollout
+    from oar.sampler import encode_prompts, format_prompt, sample, stop_token_ids
+    from oar.training.models import load_model
+
+    model, tok = load_model(str(tiny_model))
+    prompt = format_prompt(tok, "Compute 3 + 4.")
+    greedy = sample(model, tok, [prompt], group_size=1, seeds=[0], max_new_tokens=20, temperature=0.0)
+    assert greedy.texts == ["3 + 4 = 7\n#### 7"]  # the premise: the model knows this one
+    stop = stop_token_ids(model, tok)
+    ids, mask = encode_prompts(tok, [prompt], "cpu")
+    planted = tok("3 + 4 = 8\n#### 8", add_special_tokens=False)["input_ids"] + [min(stop)]
+    ro = build_rollout(tok, ids, mask, torch.tensor([planted]), stop)
+    values = va.rollout_values(model, tok, ro, ["7"], [5], k=2, max_new_tokens=20, temperature=0.0, batch=8, log=lambda _: None)
+    (v,) = values
+    where = tok.convert_ids_to_tokens(planted).index("8")
+    assert v["positions"] == list(range(10))  # '3 + 4 = 8\n' is the reasoning span
+    assert v["dv"] == [-1.0 if t == where else 0.0 for t in v["positions"]] and v["se"] == [0.0] * 10 and v["v0"] == 1.0
+
+
+def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path):
+    """One command on the tiny model: sampled rollouts, K = 2 continuations, the controls and a method
+    (here random-gate, through the credit interface); a second method reuses the cached values."""
+    data = str(tiny_model / "data.jsonl")
+    common = ["--model", str(tiny_model), "--data", data, "--instruction", "", "--problems", "2", "--group_size", "2", "--k", "2",
+              "--max_new_tokens", "20", "--temperature", "1.0", "--values", str(tmp_path / "values.json")]
+    first = va.main(common + ["--method", "random-gate", "--out", str(tmp_path / "a.json")])
+    assert first["rollouts"] == 4 and first["scored_rollouts"] >= 1 and first["values_cpu_s"] > 0
+    assert set(first["records"][0]["methods"]) == {"random", "surprisal", "entropy", "random-gate"}
+    assert "| random-gate |" in first["table"]
+    second = va.main(common + ["--method", "grpo"])
+    assert [r["rollout"] for r in second["records"]] == [r["rollout"] for r in first["records"]]
+    for a, b in zip(first["records"], second["records"]):  # the same values, so the same controls' numbers
+        assert a["methods"]["surprisal"] == b["methods"]["surprisal"]
+    grpo = [r["methods"]["grpo"] for r in second["records"]]
+    assert all(m["spearman"] == 0.0 for m in grpo)  # a constant method
+    with pytest.raises(SystemExit):
+        va.parse_args(["--model", "x", "--method", "no-such-method"])
