@@ -84,3 +84,78 @@ def test_inverted_is_oar_g_turned_over(tiny_model):
         assert oar_g[i, top] > oar_g[i, low] and inv[i, top] < inv[i, low]  # the order is turned over
         torch.testing.assert_close(inv[i][reasoning[i]].sum(), reasoning[i].sum().float())  # mass preserved
     assert torch.equal(inv[~reasoning], torch.ones_like(inv[~reasoning]))
+
+
+def _study():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("signal_or_gate_study", ROOT / "research" / "signal-or-gate" / "study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _finished_run(path: Path, before: float, after: float, single: list[float], completions: list[str]) -> Path:
+    """A run folder as train.py leaves it, with the files the acceptance check reads."""
+    import json
+
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps({"steps": len(single), "accuracy_before": before, "accuracy_after": after}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"step": s + 1, "reward/frac_zero_std_groups": v}) + "\n"
+                                                for s, v in enumerate(single)))
+    (path / "eval_final.jsonl").write_text(json.dumps({"index": 0, "completion": completions}) + "\n")
+    return path
+
+
+def test_acceptance_band_by_hand(tmp_path):
+    """Second half of 4 steps = steps 3, 4: mean(0.4, 0.5) = 0.45 < 0.5; reasoning spans (words before the
+    marker) 21, 25 and one without an answer (not counted): median 23 >= 20; 10% and 50% inside the bands."""
+    study = _study()
+    words = lambda n: " ".join(["x"] * n)
+    good = _finished_run(tmp_path / "good", 0.10, 0.50, [0.9, 0.9, 0.4, 0.5],
+                         [words(21) + " The answer is \\boxed{3}.", words(25) + " \\boxed{4}", words(2) + " no answer"])
+    got = study.acceptance(good, lambda t: len(t.split()))
+    assert got["measured"] == {"start": 0.10, "end": 0.50, "single_reward_groups_second_half": 0.45,
+                               "median_reasoning_tokens": 23, "completions_with_answer": 2}
+    assert got["accepted"]
+    saturated = _finished_run(tmp_path / "saturated", 0.10, 0.92, [0.1, 0.2, 0.6, 0.8], [words(8) + " \\boxed{3}"])
+    bad = study.acceptance(saturated, lambda t: len(t.split()))
+    assert bad["criteria"] == {"start": True, "end": False, "single_reward_groups": False, "reasoning_span": False}
+    assert not bad["accepted"]
+
+
+def test_study_runs_other_arms_only_when_the_band_is_met(tmp_path, monkeypatch):
+    """The driver runs grpo seed 0 first; another arm only when that run's logs meet the band, else it stops (exit 2)."""
+    study = _study()
+    ran = []
+    monkeypatch.setattr(study, "run_one", lambda args, r: ran.append(r["method"]) or "done")
+    monkeypatch.setattr(study, "write_data", lambda: None)
+    monkeypatch.setattr(study, "gguf_token_counter", lambda model: lambda t: len(t.split()))
+    argv = ["--root", str(tmp_path / "root"), "--ledger", "none", "--model", str(tmp_path / "m.gguf"), "--seeds", "0", "1",
+            "--arms", "grpo", "oar-g-q25"]
+    run = tmp_path / "root" / study.TASK / "grpo-s0"
+    assert study.main(argv) == 2 and ran == ["grpo"]  # grpo-s0 did not finish (run_one is mocked): nothing else runs
+    _finished_run(run, 0.10, 0.92, [0.1, 0.2, 0.6, 0.8], ["x " * 30 + "\\boxed{3}"])  # saturated
+    ran.clear()
+    assert study.main(argv) == 2 and ran == ["grpo"]
+    import shutil
+
+    shutil.rmtree(run)
+    _finished_run(run, 0.10, 0.50, [0.9, 0.9, 0.4, 0.5], ["x " * 30 + "\\boxed{3}"])  # in the band
+    ran.clear()
+    assert study.main(argv) == 0 and ran == ["grpo", "oar-g-q25", "grpo", "oar-g-q25"]  # seed by seed
+
+
+def test_train_py_runs_the_inverted_arm(tiny_model, tmp_path):
+    """The arm as the study runs it: train.py --credit_module research/signal-or-gate/inverted.py --method
+    oar-g-inverted at the authors' gate; its reasoning tokens are reshaped (weights other than 1)."""
+    import json
+
+    from tinyrun import TINY, run_inprocess
+
+    run = tmp_path / "run"
+    run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--credit_module", MODULE,
+                   "--method", "oar-g-inverted", "--gate_quantile", "0.25", "--gate_boost", "1", "--steps", "2", "--save_every", "0",
+                   "--output_dir", str(run), *TINY])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and any(r["oar/frac_scored"] > 0 and r["oar/weight_max"] > 1 for r in rows)

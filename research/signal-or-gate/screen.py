@@ -47,9 +47,17 @@ CANDIDATES = {  # name -> (ArithConfig kwargs, instruction)
     "2op-2d-shot": ({"min_ops": 2, "max_ops": 2, "start_digits": 2}, SHOT),
     "2op-1d-pm-shot": ({"min_ops": 2, "max_ops": 2, "start_digits": 1, "ops": ("+", "-")}, SHOT),
     "1op-2d-shot": ({"min_ops": 1, "max_ops": 1, "start_digits": 2}, SHOT1),
+    "1-2op-1d-shot": ({"min_ops": 1, "max_ops": 2, "start_digits": 1}, SHOT),
+    # half one operation with a two-digit first number, half two operations with a one-digit one, interleaved
+    "mix-1op2d-2op1d-shot": ([{"min_ops": 1, "max_ops": 1, "start_digits": 2}, {"min_ops": 2, "max_ops": 2, "start_digits": 1}], SHOT),
     "2op-1d-format": ({"min_ops": 2, "max_ops": 2, "start_digits": 1}, FORMAT),
     "1-2op-1d-format": ({"min_ops": 1, "max_ops": 2, "start_digits": 1}, FORMAT),
 }
+
+
+def interleave(lists: list[list]) -> list:
+    """The lists' items taken in turn: a[0], b[0], a[1], b[1], ... (equal lengths)."""
+    return [x for row in zip(*lists) for x in row]
 
 
 def test_split_size(config: ArithConfig, cap: int = 2000) -> int:
@@ -80,9 +88,10 @@ def main() -> None:
     model.eval()
     for name in args.candidates:
         kwargs, instruction = CANDIDATES[name]
-        config = ArithConfig(**kwargs)
-        size = test_split_size(config)
-        problems = arith_problems(min(args.n, size), split="test", seed=0, config=config)
+        parts = kwargs if isinstance(kwargs, list) else [kwargs]
+        configs = [ArithConfig(**k) for k in parts]
+        size = min(test_split_size(c) for c in configs) * len(configs)
+        problems = interleave([arith_problems(min(args.n, size) // len(configs), split="test", seed=0, config=c) for c in configs])
         for temp in args.temperatures:
             t0, cpu0 = time.time(), time.process_time()
             correct, spans, no_answer, truncated, texts = [], [], 0, 0, []
