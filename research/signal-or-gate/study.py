@@ -61,10 +61,10 @@ ARMS = {  # name -> train.py settings; the order is the order within a seed
     "inverted-q25": {"method": "oar-g-inverted", "credit_module": INVERTED, **AUTHORS},
 }
 SEEDS = (0, 1, 2, 3, 4)
-SETTINGS = {"steps": 24, "prompts_per_step": 8, "group_size": 8, "micro_batch_size": 16, "max_new_tokens": 128,
-            "temperature": 0.5, "learning_rate": 1e-5, "warmup_steps": 5, "instruction": INSTRUCTION,
+SETTINGS = {"steps": 16, "prompts_per_step": 6, "group_size": 8, "micro_batch_size": 16, "max_new_tokens": 128,
+            "temperature": 0.5, "learning_rate": 2e-5, "warmup_steps": 3, "instruction": INSTRUCTION,
             "dataset": str(DATA / "train.jsonl"), "eval_dataset": str(DATA / "test.jsonl"), "eval_size": SPLITS["test"],
-            "eval_samples": 4, "eval_temperature": 0.5, "eval_every": 8, "eval_batch_size": 64, "save_every": 4}
+            "eval_samples": 2, "eval_temperature": 0.5, "eval_every": 6, "eval_batch_size": 64, "save_every": 4}
 TINY = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4, "max_new_tokens": 8,
         "eval_size": 2, "eval_samples": 2, "eval_every": 1, "save_every": 1}
 BAND = {"start": (0.05, 0.35), "end": (0.35, 0.75), "single_reward_groups_max": 0.5, "median_reasoning_tokens_min": 20}
