@@ -4,8 +4,8 @@
 
 Legend: b rollouts of a micro-batch, L positions.
 
-OAR-G (oar/credit.py, SPEC §4) scores each reasoning token, s_t = |<g_t, e_t>|, and the bi-level gate
-(oar/gating.py, SPEC §5) turns the scores of rollout i into weights through u_t = log(1 + |s_t|) and
+OAR-G (oar/credit_adapters.py, docs/maths.md) scores each reasoning token, s_t = |<g_t, e_t>|, and the bi-level gate
+(oar/gating.py, docs/maths.md) turns the scores of rollout i into weights through u_t = log(1 + |s_t|) and
 n_t = (u_t - min u) / (max u - min u). Negating s literally would change nothing: the gate takes |s|
 first. What the control must do is hand the gate the opposite ranking with the same spread, so this
 method inverts the scores in the gate's own log space, per rollout over its reasoning tokens:
@@ -13,7 +13,7 @@ method inverts the scores in the gate's own log space, per rollout over its reas
     u'_t = max u + min u - u_t,   s'_t = exp(u'_t) - 1     so that   n'_t = 1 - n_t
 
 (the token OAR-G ranks first gets OAR-G's last place, and the gaps between tokens are kept). Every
-other step is OAR-G's: the same noise (each rollout's own seed + 7919), the same clean outcome from
+other step is OAR-G's: the same noise (each rollout's own seed, oar_grad.seeded_noise), the same clean outcome from
 the update forward, the same probe, the same gate settings (--gate_quantile, --gate_boost, --gate_floor,
 --preserve_mass). If OAR's scores carry information about which tokens matter, this arm should learn
 worse than `random-gate` (which gates scores that carry none); if only the reshaping matters, the
@@ -29,28 +29,22 @@ from __future__ import annotations
 import torch
 
 from oar.credit import CreditError, CreditMethod, MicroBatch, Step
-from oar.gating import gate
+from oar.credit_adapters import gate
 from oar.oar_grad import gradient_scores
-
-NOISE_OFFSET = 7919  # oar/credit.py oar_weights: rollout i's OAR-G noise is drawn from seeds[i] + 7919
 
 
 def oar_g_scores(step: Step, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """OAR-G's scores (b, L) for the micro-batch's scored rollouts, and the reasoning mask (b, L) they cover,
-    drawn exactly as oar/credit.py's oar_weights draws them (per-rollout noise, the update forward's clean outcome)."""
+    drawn exactly as oar/credit_adapters.py's oar_weights draws them (each rollout's noise from its own seed,
+    oar_grad.seeded_noise; the update forward's clean outcome)."""
     s, mb, rows = step.settings, micro.rollouts, micro.rows
     if s.outcome_source != "rollout":
         raise CreditError(f"oar-g-inverted: outcome_source {s.outcome_source!r} is not supported; use --outcome_source rollout.")
     reasoning = mb.reasoning_mask & step.scored[rows][:, None]  # (b, L)
     if not reasoning.any():
         return torch.zeros(mb.input_ids.shape, device=mb.input_ids.device), reasoning
-    h = step.model.config.hidden_size
-    noise = torch.zeros(*mb.input_ids.shape, h)
-    for i in reasoning.any(1).nonzero().flatten().tolist():
-        noise[i, reasoning[i].cpu()] = torch.randn(int(reasoning[i].sum()), h,
-                                                   generator=torch.Generator().manual_seed(step.seeds[rows][i] + NOISE_OFFSET))
     scores = gradient_scores(step.model, mb.input_ids, mb.attention_mask, reasoning, mb.answer_mask, probe=step.probe,
-                             noise_std=s.noise_std, noise=noise.to(mb.input_ids.device), clean=micro.clean, clean_kv=micro.clean_kv)
+                             noise_std=s.noise_std, seeds=step.seeds[rows], clean=micro.clean, clean_kv=micro.clean_kv)
     width = min(scores.shape[1], mb.input_ids.shape[1])
     full = torch.zeros(mb.input_ids.shape, device=scores.device)
     full[:, :width] = scores[:, :width]

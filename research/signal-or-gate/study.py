@@ -17,9 +17,9 @@ goes on to the other arms only when its own logs meet the pre-registered band (`
 stops with the failed criteria otherwise (exit 2): the task is then to be made harder or easier,
 and the page amended, before any comparison is run.
 
-Resumable (scripts/studies/study_run.py: a finished run is skipped, one with a checkpoint resumes)
+Resumable (research/common/study_run.py: a finished run is skipped, one with a checkpoint resumes)
 and kept across machines in --ledger (research/signal-or-gate/ledger, committed;
-scripts/studies/study_ledger.py): a new machine restores the finished runs from it.
+research/common/study_ledger.py): a new machine restores the finished runs from it.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from oar.answers import find_answer
 from oar.tasks.arith import ArithConfig, arith_problems
-from scripts.studies import study_ledger
-from scripts.studies.study_run import run_dir, run_one
+from research.common import study_ledger
+from research.common.study_run import run_dir, run_one
 
 HERE = Path(__file__).resolve().parent
 TASK = "arith-mix"  # the ledger's name for the task
@@ -135,7 +135,7 @@ def acceptance(run: Path, count_tokens) -> dict:
     half = summary["steps"] // 2
     second = [r["reward/frac_zero_std_groups"] for r in rows if r["step"] > half]
     spans = []
-    final = run / "eval_final.jsonl"  # a run restored from the ledger has it gzipped (scripts/studies/study_ledger.py)
+    final = run / "eval_final.jsonl"  # a run restored from the ledger has it gzipped (research/common/study_ledger.py)
     text = final.read_text() if final.is_file() else gzip.decompress((run / "eval_final.jsonl.gz").read_bytes()).decode()
     for line in text.splitlines():
         rec = json.loads(line)

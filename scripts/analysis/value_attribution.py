@@ -54,11 +54,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1].parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from oar.credit import CreditSettings, credit_methods, step_credit
 from oar.grpo import group_advantages, token_entropy
+from oar.lm import forward_logits
 from oar.rewards import reward
 from oar.rollout import Rollout, char_offsets
 from oar.sampler import (
@@ -69,7 +70,7 @@ from oar.sampler import (
     stop_token_ids,
 )
 from oar.training.data import load_problems
-from oar.training.models import forward_logits, load_model
+from oar.training.models import load_model
 
 CONTROLS = ("random", "surprisal", "entropy")
 TOP = 0.2  # recall@k: k = ceil(TOP * n_R)
