@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from oar.grpo import group_advantages
@@ -159,3 +160,58 @@ def test_train_py_runs_the_inverted_arm(tiny_model, tmp_path):
                    "--output_dir", str(run), *TINY])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and any(r["oar/frac_scored"] > 0 and r["oar/weight_max"] > 1 for r in rows)
+
+
+def _report():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("signal_or_gate_report", ROOT / "research" / "signal-or-gate" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_t_test_by_hand():
+    """Student's t tail against closed forms: df 1 is Cauchy, P(T > 1) = 1/4; df 2 has P(T > t) =
+    (1 - t / sqrt(t^2 + 2)) / 2. Paired differences 1, 2, 3: mean 2, s.e. 1/sqrt(3), t = 2 sqrt(3),
+    two-sided p = 1 - 2 sqrt(3) / sqrt(14) = 0.0742; and the pre-registered critical value 2.776 at df 4 gives p = 0.05."""
+    report = _report()
+    assert report.t_sf(1.0, 1) == pytest.approx(0.25, abs=1e-9)
+    assert report.t_sf(0.0, 3) == pytest.approx(0.5)
+    t = 2 * math.sqrt(3)
+    assert report.t_sf(t, 2) == pytest.approx((1 - t / math.sqrt(t * t + 2)) / 2, rel=1e-9)
+    got = report.paired([1.0, 2.0, 3.0])
+    assert got["mean"] == 2.0 and got["se"] == pytest.approx(1 / math.sqrt(3)) and got["p"] == pytest.approx(1 - t / math.sqrt(14), rel=1e-9)
+    assert 2 * report.t_sf(2.776, 4) == pytest.approx(0.05, abs=2e-4)
+
+
+def test_report_applies_the_decision_rule(tmp_path):
+    """A synthetic ledger of three seeds: OAR-G at q = 0.25 ahead of random-gate by 11-13 points of training
+    reward on every seed (significant), inverted behind it; OAR-G q = 0.25 vs q = 0.4 within noise."""
+    import json
+
+    report = _report()
+    base = {"grpo": 0.30, "oar-g-q25": 0.40, "random-gate-q25": 0.29, "oar-g-q40": 0.40, "inverted-q25": 0.25}
+    wobble = {"oar-g-q25": [0.0, 0.02, 0.01], "oar-g-q40": [0.02, -0.01, 0.0]}
+    for arm, r in base.items():
+        for seed in range(3):
+            d = tmp_path / "ledger" / "runs" / "arith-mix" / f"{arm}-s{seed}"
+            d.mkdir(parents=True)
+            reward = r + wobble.get(arm, [0, 0, 0])[seed]
+            (d / "summary.json").write_text(json.dumps({"steps": 4, "accuracy_before": 0.08, "accuracy_after": reward,
+                                                        "pass_before": {"pass@2": 0.1}, "pass_after": {"pass@2": reward + 0.1}}))
+            rows = [{"step": s, "reward/mean": reward, "policy/entropy": 1.0} for s in range(1, 5)]
+            rows[1] |= {"eval/accuracy": reward / 2, "eval/pass@2": reward}
+            (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+            (d / "study_time.json").write_text(json.dumps({"cpu_seconds": 600.0}))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "README.md").write_text(f"x\n{report.BEGIN}\nold\n{report.END}\ny\n")
+    summary = report.write(tmp_path / "ledger", tmp_path / "out", "arith-mix")
+    signal = summary["comparisons"]["oar-g-q25 - random-gate-q25"]["mean_reward"]
+    assert signal["n"] == 3 and signal["mean"] == pytest.approx(12.0) and signal["p"] < 0.05
+    assert summary["decision"] == {"scores_carry_information": "positive", "inverted_at_or_below_random": True,
+                                   "change_default_gate_to_q25_b1": False}
+    assert summary["runs"]["grpo"]["0"]["heldout"] == {"0": {"avg": 0.08, "pass@2": 0.1}, "2": {"avg": 0.15, "pass@2": 0.3},
+                                                        "4": {"avg": 0.3, "pass@2": pytest.approx(0.4)}}
+    page = (tmp_path / "out" / "README.md").read_text()
+    assert "old" not in page and "| oar-g-q25 - random-gate-q25 | 3 | +12.0" in page and (tmp_path / "out" / "curves.png").is_file()
