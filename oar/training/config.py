@@ -291,11 +291,6 @@ def check_config(cfg: Config, num_processes: int) -> None:
     except RewardError as err:
         problems.append(str(err))
     problems += [problem for name in cfg.log_with.split(",") if name and (problem := tracker_problem(name))]
-    try:  # likewise a --reward_module: imported, and each of its functions called once on an example
-        reward_terms(cfg.reward, cfg.reward_module)
-    except RewardError as err:
-        problems.append(str(err))
-    problems += [problem for name in cfg.log_with.split(",") if name and (problem := tracker_problem(name))]
     need(cfg.probe in PROBES, f"--probe {cfg.probe}: choose one of {', '.join(PROBES)}.")
     need(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO needs >= 2 rollouts per prompt for a baseline.")
     need(cfg.prompts_per_step % num_processes == 0,
