@@ -13,7 +13,8 @@ import pytest
 
 import eval as evaluation
 from oar.credit_settings import CreditSettings
-from oar.training.config import ALIASES, GROUPS, REMOVED, RESUMABLE, Config, check_resume, parse_args, parser
+from oar.training.config import (ALIASES, GROUPS, REMOVED, RESUMABLE, Config, check_resume, from_record, parse_args,
+                                parser)
 from oar.training.flags import field_docs
 from tinyrun import ROOT, env
 
@@ -244,3 +245,10 @@ def test_resume_refuses_a_checkpoint_that_ran_a_removed_setting_otherwise():
     with pytest.raises(ValueError, match=r"ran with gate_floor 0.2 \(now fixed at 0.1\)"):
         check_resume(cfg, {"config": old | {"gate_floor": 0.2}}, "ckpt")
     assert {"max_bad_steps", "perturb_chunk_tokens"} <= RESUMABLE
+
+
+def test_a_recorded_config_of_an_earlier_version_reruns_unless_it_ran_a_removed_setting_otherwise():
+    old = dataclasses.asdict(Config()) | REMOVED | {"max_bad_steps": 5}  # written when these were flags
+    assert from_record(old, steps=3) == dataclasses.replace(Config(), steps=3)
+    with pytest.raises(ValueError, match=r"ran with gate_floor 0.2 \(now fixed at 0.1\)"):
+        from_record(old | {"gate_floor": 0.2})

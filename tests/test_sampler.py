@@ -174,13 +174,13 @@ def test_a_published_v5_ledger_run_reproduces_to_the_digit(tmp_path, loop):
     import json
     from pathlib import Path
 
-    from oar.training.config import Config
+    from oar.training.config import from_record
     from tinyrun import train_module
 
     run = Path(__file__).resolve().parents[1] / "research" / "testbeds_v5" / "ledger" / "runs" / "fork" / "grpo-s0"
     cfg = json.loads((run / "config.json").read_text())
-    cfg.update(model="tiny-arith", steps=3, output_dir=str(tmp_path), eval_size=1, eval_every=0, save_every=0, decode_loop=loop)
-    train_module().main(Config(**cfg))
+    train_module().main(from_record(cfg, model="tiny-arith", steps=3, output_dir=str(tmp_path), eval_size=1,
+                                    eval_every=0, save_every=0, decode_loop=loop))
     got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     want = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:3]]
     timing = {"oar/seconds_per_rollout"}

@@ -346,8 +346,25 @@ def check_resume(cfg: Config, state: dict, where) -> None:
     if changed:
         raise ValueError(f"--resume: {where} belongs to a run with other settings: {'; '.join(changed)}. Pass the "
                          f"checkpoint's values to continue it, or choose another --output_dir to start a new run.")
-    fixed = [f"{k} {saved[k]!r} (now fixed at {v!r})" for k, v in REMOVED.items()
-             if k not in RESUMABLE and k in saved and saved[k] != v]
+    fixed = refixed(saved)
     if fixed:
-        raise ValueError(f"--resume: {where} ran with {'; '.join(fixed)}, a setting this version no longer takes "
+        raise ValueError(f"--resume: {where} ran with {fixed}, a setting this version no longer takes "
                          f"(docs/flags.md); continue it with the version that wrote it, or start a new run.")
+
+
+def refixed(saved: dict) -> str:
+    """The settings a recorded config ran at another value than the one this version fixes (REMOVED),
+    as one readable line ('' when none)."""
+    return "; ".join(f"{k} {saved[k]!r} (now fixed at {v!r})" for k, v in REMOVED.items()
+                     if k not in RESUMABLE and k in saved and saved[k] != v)
+
+
+def from_record(saved: dict, **changes) -> Config:
+    """The Config a run's config.json records, written by this version or an earlier one, with
+    `changes` applied: a setting it lacks takes today's default, a setting that is no longer a flag
+    (REMOVED) is dropped if it ran at the value this version fixes (or changes no update) and refused
+    otherwise."""
+    fixed = refixed(saved)
+    if fixed:
+        raise ValueError(f"the recorded run ran with {fixed}: this version cannot rerun it.")
+    return Config(**{k: v for k, v in {**saved, **changes}.items() if k not in REMOVED})
