@@ -11,11 +11,19 @@ maths §1, with the conventions TRL and verl share so results compare:
 Advantages enter the loss per token, shape (B, T): GRPO broadcasts A_i over the completion, OAR
 multiplies by its weights. There is one loss; OAR with unit weights *is* GRPO.
 
+Off-policy correction (`truncated_is_weights`, applied when a separate engine samples, docs/vllm.md):
+  w_it     = min(pi_old(y_it) / pi_sample(y_it), C)             detached
+  l_it     = -w_it min(rho A_it, clip(rho, 1 - eps_low, 1 + eps_high) A_it) + beta_KL k3_it
+pi_old is the trainer's own log-prob at sampling time, pi_sample the engine's. Without weights the
+loss is the one above, the same floats.
+
 Deviations: a group whose rewards are all equal gets advantages of exactly 0 (not the ~1e-17 that
 float rounding of `r - mean` can leave), so tied groups never move the policy.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -128,6 +136,7 @@ def policy_loss(
     aggregation: str = "seq_mean",
     num_sequences: float | None = None,
     num_tokens: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate loss with token-level advantages (maths §1.3, §1.4). All inputs (B, T).
 
@@ -138,9 +147,13 @@ def policy_loss(
     With the defaults (None) the normalizer is this batch's own count. Rows with no valid token
     contribute 0 and are not counted, so padding rows never change the loss.
 
+    `is_weights` (B, T), optional: per-token importance weights w_it (`truncated_is_weights`) that
+    multiply the clipped surrogate term, l_it = -w_it min(...) + beta_KL k3_it, as TRL applies its
+    vLLM correction (the KL penalty is not reweighted). None leaves the loss exactly as without.
+
     Returns (loss, stats) where stats are detached floats over valid tokens: clip_frac (tokens
-    whose clipped term was the active one), approx_kl (k3 of old vs new), ratio_mean, and kl_ref
-    when a reference is given.
+    whose clipped term was the active one), approx_kl (k3 of old vs new), ratio_mean, kl_ref
+    when a reference is given, and is_weight_mean when importance weights are.
     """
     assert logprobs.shape == old_logprobs.shape == advantages.shape == completion_mask.shape, (
         logprobs.shape, old_logprobs.shape, advantages.shape, completion_mask.shape)
@@ -152,6 +165,9 @@ def policy_loss(
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        assert is_weights.shape == per_token.shape, (is_weights.shape, per_token.shape)
+        per_token = per_token * is_weights.detach()
     if kl_beta != 0.0:
         assert ref_logprobs is not None, "kl_beta > 0 needs ref_logprobs"
         per_token = per_token + kl_beta * _k3(torch.where(valid, ref_logprobs - logprobs, 0.0))
@@ -177,7 +193,26 @@ def policy_loss(
         }
         if ref_logprobs is not None:
             stats["kl_ref"] = float((_k3(torch.where(valid, ref_logprobs - logprobs, 0.0))).sum() / n)
+        if is_weights is not None:
+            stats["is_weight_mean"] = float((is_weights * mask).sum() / n)
     return loss, stats
+
+
+def truncated_is_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025; TRL's vllm_importance_sampling_correction), all (B, T):
+    w_it = min(exp(logpi_trainer - logpi_sampler), cap) on valid tokens, 1 elsewhere, detached.
+
+    Why: a separate engine's numerics make its log-probs differ from the trainer's for the same
+    weights, so its rollouts are slightly off-policy; the weight reweights each token towards the
+    trainer's distribution, and the cap bounds the variance a rare large ratio would add. Computed
+    as exp(min(log ratio, log cap)): no overflow, and padding (whose log-probs may hold anything)
+    never leaks an inf into the product."""
+    assert trainer_logprobs.shape == sampler_logprobs.shape == completion_mask.shape, (
+        trainer_logprobs.shape, sampler_logprobs.shape, completion_mask.shape)
+    assert cap > 0, cap
+    log_ratio = (trainer_logprobs.detach() - sampler_logprobs.detach()).float().clamp(max=math.log(cap))
+    return torch.where(completion_mask.bool(), torch.exp(log_ratio), 1.0)
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:

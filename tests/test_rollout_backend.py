@@ -1,0 +1,115 @@
+"""--rollout_backend and the truncated importance-sampling correction, without vLLM (tests/test_vllm.py needs it).
+
+What must hold wherever the project runs: the weights are exactly 1 where the sampler's log-probs
+are the trainer's, the cap holds, padding never leaks into the product; the loss without weights
+is the same floats as before and GRPO on the own backend ignores the vLLM settings; asking for vLLM
+where it is not installed (or with top-p it cannot score) stops with one line saying what to do.
+"""
+
+import math
+
+import pytest
+import torch
+
+from oar import vllm_rollouts
+from oar.grpo import policy_loss, truncated_is_weights
+from tinyrun import TINY, final_params, metrics, run_inprocess
+
+
+def test_weights_are_one_where_the_logprobs_agree_and_capped_elsewhere():
+    trainer = torch.tensor([[-0.5, -1.0, -0.5, 0.0], [-0.1, -3.0, -0.2, -0.3]])
+    sampler = torch.tensor([[-0.5, -1.5, -2.0, 7.0], [-0.1, -3.0, -0.2, -0.3]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    w = truncated_is_weights(trainer, sampler, mask, cap=2.0)
+    # row 0: exp(0) = 1; exp(0.5) = 1.6487 (under the cap); exp(1.5) = 4.48 -> 2 (capped); padding -> 1 (its 7.0 ignored)
+    assert torch.equal(w[1], torch.ones(4))
+    assert w[0, 0] == 1.0 and w[0, 3] == 1.0
+    assert math.isclose(float(w[0, 1]), math.exp(0.5), rel_tol=1e-6)
+    assert math.isclose(float(w[0, 2]), 2.0, rel_tol=1e-6)
+    assert not w.requires_grad
+
+
+def test_the_cap_holds_for_any_gap():
+    g = torch.Generator().manual_seed(0)
+    trainer, sampler = torch.randn(16, 32, generator=g) * 5, torch.randn(16, 32, generator=g) * 5
+    trainer[0, 0] = float("inf")  # an overflow the clamp must absorb
+    for cap in (0.5, 1.0, 2.0, 10.0):
+        w = truncated_is_weights(trainer, sampler, torch.ones(16, 32, dtype=torch.bool), cap=cap)
+        assert bool(torch.isfinite(w).all()) and float(w.max()) <= cap * (1 + 1e-6) and float(w.min()) > 0
+
+
+def test_loss_without_weights_is_unchanged_and_weights_scale_the_surrogate():
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(3, 5, generator=g) - 1
+    new = (old + 0.1 * torch.randn(3, 5, generator=g)).requires_grad_()
+    adv = torch.randn(3, 5, generator=g)
+    mask = torch.rand(3, 5, generator=g) > 0.2
+    ref = old - 0.05
+    base, stats = policy_loss(new, old, adv, mask, kl_beta=0.1, ref_logprobs=ref)
+    (grad_base,) = torch.autograd.grad(base, new)
+    ones, _ = policy_loss(new, old, adv, mask, kl_beta=0.1, ref_logprobs=ref, is_weights=torch.ones(3, 5))
+    (grad_ones,) = torch.autograd.grad(ones, new)
+    assert torch.equal(base, ones) and torch.equal(grad_base, grad_ones)  # x 1.0 is exact: the same floats
+    assert "is_weight_mean" not in stats
+    # with weights w: l = -w min(rho A, clip(rho) A) + beta k3, mean over each row's valid tokens, then over rows
+    w = torch.rand(3, 5, generator=g) + 0.5
+    got, s = policy_loss(new, old, adv, mask, kl_beta=0.1, ref_logprobs=ref, is_weights=w)
+    rho = torch.exp(new - old)
+    surrogate = -torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
+    x = ref - new
+    per_token = torch.where(mask, w * surrogate + 0.1 * (torch.exp(x) - x - 1), 0.0)
+    want = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / (mask.sum(1) > 0).sum()
+    assert torch.allclose(got, want, rtol=1e-6)
+    assert math.isclose(s["is_weight_mean"], float((w * mask).sum() / mask.sum()), rel_tol=1e-6)
+
+
+def test_own_backend_ignores_the_vllm_settings(tiny_model, tmp_path):
+    """GRPO on the own sampler: a run with every vllm_* setting moved is the default run, to the bit."""
+    common = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--steps", "2", "--save_every", "0",
+              "--method", "grpo", *TINY]
+    run_inprocess([*common, "--output_dir", str(tmp_path / "default")])
+    run_inprocess([*common, "--output_dir", str(tmp_path / "moved"), "--rollout_backend", "own", "--vllm_importance_sampling_cap", "0.5",
+                   "--vllm_kv_cache_gib", "3", "--vllm_max_model_length", "64", "--vllm_enforce_eager"])
+    a, b = final_params(tmp_path / "default"), final_params(tmp_path / "moved")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert metrics(tmp_path / "default") == metrics(tmp_path / "moved")
+    assert "sampler/is_weight_mean" not in metrics(tmp_path / "default")[0]
+
+
+@pytest.mark.parametrize("script", ["train", "eval"])
+def test_vllm_backend_without_vllm_stops_with_the_install_command(tiny_model, tmp_path, monkeypatch, script):
+    monkeypatch.setattr(vllm_rollouts, "installed", lambda: False)  # as on a machine without it (here or in CI's vLLM env)
+    args = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "run"),
+            "--rollout_backend", "vllm"]
+    with pytest.raises(SystemExit) as stop:
+        _main(script, args)
+    message = str(stop.value)
+    assert "vLLM is not installed" in message and "pip install -r requirements-vllm.txt" in message and "\n" not in message
+    assert not (tmp_path / "run").exists()  # refused before anything was loaded or written
+
+
+def test_vllm_backend_refuses_top_p(tiny_model, tmp_path):
+    with pytest.raises(SystemExit, match="--top_p 0.9 with --rollout_backend vllm"):
+        _main("train", ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "run"),
+                        "--rollout_backend", "vllm", "--top_p", "0.9"])
+
+
+def test_unknown_backend_is_refused(tiny_model, tmp_path):
+    with pytest.raises(SystemExit, match="--rollout_backend sglang: own or vllm"):
+        _main("train", ["--model", str(tiny_model), "--output_dir", str(tmp_path / "run"), "--rollout_backend", "sglang"])
+
+
+def _main(script: str, args: list[str]):
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import HfArgumentParser
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    if script == "train":
+        import train
+
+        return train.main(train.parse_args(args))
+    import eval as evaluation
+
+    (cfg,) = HfArgumentParser(evaluation.EvalConfig).parse_args_into_dataclasses(args=args)
+    return evaluation.main(cfg)
