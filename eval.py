@@ -17,12 +17,13 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 
-from oar.training.config import EvalSettings, ModelSettings, check_eval_settings, check_model_settings, check_output_dir
+from oar.training.config import (BACKEND_FLAGS, BackendSettings, EvalSettings, ModelSettings, check_backend_settings, check_eval_settings,
+                                 check_model_settings, check_output_dir)
 from oar.training.flags import Alias, FlagParser
 
 
 @dataclass(frozen=True)
-class EvalConfig(ModelSettings, EvalSettings):
+class EvalConfig(ModelSettings, EvalSettings, BackendSettings):
     """Every setting of an evaluation; saved beside the results. The model and evaluation settings are
     train.py's (oar/training/config.py), with the same names, defaults and checks."""
 
@@ -38,7 +39,8 @@ class EvalConfig(ModelSettings, EvalSettings):
 
 GROUPS = {"what to evaluate": ("model", "dataset", "split", "output_dir", "instruction", "dtype", "seed"),
           "sampling": ("eval_size", "eval_samples", "eval_temperature", "eval_top_p", "max_new_tokens", "eval_batch_size",
-                       "decode_loop")}
+                       "decode_loop"),
+          "vLLM rollouts": BACKEND_FLAGS}
 ALIASES = (  # eval.py's names before they became train.py's
     Alias("limit", "eval_size", origin="its old name"),
     Alias("num_samples", "eval_samples", origin="its old name"),
@@ -58,7 +60,7 @@ def parser() -> FlagParser:
 def check(cfg: EvalConfig) -> list[str]:
     """Every impossible setting of an evaluation: train.py's checks of the same settings, and top_p's."""
     top_p = [] if 0 < cfg.eval_top_p <= 1 else [f"--eval_top_p {cfg.eval_top_p}: must lie in (0, 1]."]
-    return check_model_settings(cfg) + check_eval_settings(cfg) + top_p + check_output_dir(cfg.output_dir)
+    return check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg) + top_p + check_output_dir(cfg.output_dir)
 
 
 if __name__ == "__main__":  # --help and a bad flag answer here, before torch and transformers load
@@ -69,6 +71,7 @@ from pathlib import Path
 
 from oar.training.checkpoint import write_json_atomic
 from oar.training.console import bars_wanted, quiet_libraries
+from oar.training import rollout_backend
 from oar.training.data import DataError, load_problems
 from oar.training.evaluation import evaluate
 from oar.training.launch import end, make_accelerator, release
@@ -88,14 +91,17 @@ def main(cfg: EvalConfig) -> dict:
         resolve_model(cfg.model)
         problems = load_problems(cfg.dataset, split=cfg.split, limit=cfg.eval_size or None)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
+        rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.eval_top_p)  # vllm: installed, and can serve it
         model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"eval.py: error: {err}") from None
     model = model.to(accelerator.device).eval()
+    sampler = rollout_backend.make(cfg.rollout_backend, model_source(cfg.model), accelerator=accelerator, folder=cfg.output_dir,
+                                   **rollout_backend.engine_settings(cfg))
     records, summary = evaluate(model, tokenizer, problems, accelerator=accelerator, instruction=instruction,
                                 batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens, num_samples=cfg.eval_samples,
                                 temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, seed=cfg.seed, loop=cfg.decode_loop,
-                                progress=bars_wanted(accelerator.is_main_process))
+                                progress=bars_wanted(accelerator.is_main_process), sampler=sampler)
     summary = {"model": cfg.model, "dataset": cfg.dataset, **summary}
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)

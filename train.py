@@ -71,7 +71,7 @@ import numpy as np
 import torch
 
 from oar.training import checkpoint as ckpt
-from oar.training import lora, sharding
+from oar.training import lora, rollout_backend, sharding
 from oar.training.config import Config, check_config, check_resume, micro_batch, parse_args
 from oar.training.data import DataError, load_problems, prompt_order, rollout_seeds
 from oar.training.evaluation import evaluate
@@ -79,13 +79,13 @@ from oar.credit import CreditError, credit_methods, step_credit
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
 from oar.training.launch import end, gather_ragged, lost_process, make_accelerator, release, stop_on_sigterm
-from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
+from oar.grpo import group_advantages, policy_loss, token_entropy, token_logprobs, truncated_is_weights
 from oar.training.models import ModelError, enable_checkpointing, load_model, resolve_model
 from oar.lm import forward_logits
 from oar.probes import clean_forward, outcome_from_logits
 from oar.reward_table import RewardError, reward_terms, score
 from oar.training.runlog import RunLog, pass_metrics, sampler_gap_metrics, step_metrics
-from oar.sampler import format_prompt, resolve_instruction, sample
+from oar.sampler import format_prompt, resolve_instruction
 from oar.tasks.tiny_arith_cache import model_source
 
 
@@ -115,6 +115,7 @@ def main(cfg: Config) -> dict:
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
         if cfg.lora_r:  # on the model's skeleton (meta device): no weight is read yet
             lora.check_targets(model_source(cfg.model), cfg.lora_target_modules)
+        rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.top_p)  # vllm: installed, and can serve it
         set_seed(cfg.seed)
         model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
@@ -164,9 +165,16 @@ def main(cfg: Config) -> dict:
                  progress=cfg.progress)
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
+    # The rollout sampler: oar.sampler.sample, or a vLLM engine in this process that follows the policy (docs/vllm.md)
+    sampler = rollout_backend.make(cfg.rollout_backend, model_source(cfg.model), accelerator=accelerator, folder=cfg.output_dir,
+                                   **rollout_backend.engine_settings(cfg))
+    if cfg.resume:  # the engine starts from --model's weights: give it the checkpoint's
+        rollout_backend.follow(sampler, policy, lora_model)
+    # Truncated importance sampling where another engine sampled (oar/grpo.py truncated_is_weights)
+    is_cap = cfg.vllm_importance_sampling_cap if cfg.rollout_backend == "vllm" else 0.0
     eval_kw = dict(accelerator=accelerator, instruction=instruction, batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
                    num_samples=cfg.eval_samples, temperature=cfg.eval_temperature, seed=cfg.seed, loop=cfg.decode_loop,
-                   progress=log.bars)  # avg@k when k > 1
+                   progress=log.bars, sampler=sampler)  # avg@k when k > 1
     if eval_set and "eval_before" not in history:
         with sharding.gathered(model):
             before = evaluate(policy, tokenizer, eval_set, **eval_kw)[1]
@@ -183,7 +191,7 @@ def main(cfg: Config) -> dict:
         golds = [train_set[i].answer for i in idx for _ in range(cfg.group_size)]
         chunks = local_prompts // cfg.rollout_batch_size if cfg.rollout_batch_size else 1
         with sharding.gathered(model), log.progress(chunks * cfg.max_new_tokens, "rollouts", unit="token") as shown:
-            ro = sample(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,  # (a sharded model: whole in this block)
+            ro = sampler(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,  # (a sharded model: whole in this block)
                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, chunk=cfg.rollout_batch_size,
                         loop=cfg.decode_loop, on_token=shown.update)
         t_rollout = time.perf_counter() - t0
@@ -250,9 +258,11 @@ def main(cfg: Config) -> dict:
                                 ref = token_logprobs(ref_logits[:, :-1], labels, temperature=cfg.temperature)
                         ref_all.append(ref)
                     token_adv = advantages[rows, None] * w_all[m][:, lp:]  # (b, T): A_it = A_i w_it
+                    is_weights = truncated_is_weights(old_all[m], mb.sample_logprobs[:, lp:].to(logprobs.device), completion[rows, lp:],
+                                                      is_cap) if is_cap else None
                     loss, s = policy_loss(logprobs, old_all[m], token_adv, completion[rows, lp:], clip_low=cfg.clip_low,
                                           clip_high=cfg.clip_high, kl_beta=cfg.kl_beta, ref_logprobs=ref_all[m], aggregation=cfg.aggregation,
-                                          num_sequences=n_seq, num_tokens=n_tok)
+                                          num_sequences=n_seq, num_tokens=n_tok, is_weights=is_weights)
                     bad_loss += int(not torch.isfinite(loss))
                     accelerator.backward(loss * n_micro * n_proc)
                     valid = completion[rows, lp:]
@@ -285,6 +295,7 @@ def main(cfg: Config) -> dict:
                              f"(a run stops at {cfg.max_bad_steps}); stopping. Lower --learning_rate, check the model's "
                              f"dtype, or resume from the last checkpoint.")
         schedule.step()
+        rollout_backend.follow(sampler, policy, lora_model)  # vllm: the engine takes the new weights (once per RL step)
         history["step_seconds"].append(time.perf_counter() - t0)
         step_cpu = time.process_time() - cpu0
 

@@ -41,9 +41,10 @@ TINY = ["--instruction", "", "--prompts_per_step", "2", "--group_size", "4", "--
         "--learning_rate", "1e-3", "--warmup_steps", "1", "--eval_every", "0"]
 
 
-def build_model(out: Path) -> Path:
+def build_model(out: Path, hidden_size: int = 32, num_heads: int = 4) -> Path:
     """Save a briefly trained tiny-arith-style model, its tokenizer and `data.jsonl` into `out`
-    (once per session: a finished folder is reused). Returns `out`."""
+    (once per session: a finished folder is reused). Returns `out`. (vLLM's CPU kernels need heads of
+    32 or more: tests/test_vllm.py builds one with hidden_size 64 and 2 heads.)"""
     if (out / "data.jsonl").is_file():
         return out
     from oar.training.data import Problem
@@ -51,7 +52,7 @@ def build_model(out: Path) -> Path:
 
     problems = [Problem(f"Compute {a} {op} {b}.", str(a + b if op == "+" else a * b))
                 for a in range(2, 7) for b in range(2, 5) for op in "+*"]  # 30, in arith's format
-    recipe = TinyArithRecipe(hidden_size=32, num_layers=2, num_heads=4, steps=200, batch_size=32, lr=1e-2, warmup_steps=5)
+    recipe = TinyArithRecipe(hidden_size=hidden_size, num_layers=2, num_heads=num_heads, steps=200, batch_size=32, lr=1e-2, warmup_steps=5)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the build's floats depend on the thread count; keep it fixed
     try:

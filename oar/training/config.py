@@ -26,7 +26,7 @@ from oar.training.flags import Alias, FlagParser
 RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
              "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
              "gradient_checkpointing", "perturb_chunk_tokens", "score_all", "decode_loop", "progress",
-             "collective_timeout"}
+             "collective_timeout", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib", "vllm_max_model_length"}
 
 # Flags this version fixes to a constant (only tuning studies turned them), and the value it runs
 # with. A checkpoint that ran with another value of one (outside RESUMABLE) is refused on resume.
@@ -57,6 +57,26 @@ class ModelSettings:
 
 
 @dataclass(frozen=True)
+class BackendSettings:
+    """Which engine samples, for train.py and eval.py (oar/training/rollout_backend.py, docs/vllm.md)."""
+
+    rollout_backend: str = "own"
+    """own: the project's seeded sampler | vllm: an in-process vLLM engine per process that follows the
+    policy's weights (requirements-vllm.txt; docs/vllm.md)."""
+    vllm_importance_sampling_cap: float = 2.0
+    """vllm: truncated importance sampling, each token's surrogate x min(pi_trainer / pi_vllm, cap)
+    (0: off; TRL's cap for this token-level correction; maths §1.3)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm on a GPU: the share of its memory the engine may take (TRL's colocate default)."""
+    vllm_kv_cache_gib: float = 0.0
+    """vllm: KV cache size per process in GiB (0: what the GPU share leaves; 1 GiB on a CPU)."""
+    vllm_max_model_length: int = 0
+    """vllm: prompt + completion tokens a request may hold (0: the model's own limit)."""
+    vllm_enforce_eager: bool = False
+    """vllm: no compilation (no CUDA graphs on a GPU, no torch.compile on a CPU); starts faster."""
+
+
+@dataclass(frozen=True)
 class EvalSettings:
     """How held-out problems are evaluated, by train.py along the run and by eval.py."""
 
@@ -72,7 +92,7 @@ class EvalSettings:
 
 
 @dataclass(frozen=True)
-class Config(ModelSettings, EvalSettings, CreditSettings):
+class Config(ModelSettings, EvalSettings, BackendSettings, CreditSettings):
     """Every setting of a run; saved as config.json in the output directory. The fields of the bases
     (credit, model, evaluation) are declared there, once."""
 
@@ -171,6 +191,8 @@ class Config(ModelSettings, EvalSettings, CreditSettings):
         return CreditSettings(**{f.name: getattr(self, f.name) for f in fields(CreditSettings)})
 
 
+BACKEND_FLAGS = ("rollout_backend", "vllm_importance_sampling_cap", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib",
+                 "vllm_max_model_length", "vllm_enforce_eager")
 GROUPS = {  # --help's sections, in this order; every field in exactly one (tests/test_flags.py)
     "run": ("model", "dataset", "reward", "reward_module", "output_dir", "resume", "seed", "steps", "instruction", "dtype", "log_with",
             "save_every", "keep_checkpoints", "progress"),
@@ -181,6 +203,7 @@ GROUPS = {  # --help's sections, in this order; every field in exactly one (test
                                    "gate_boost", "preserve_mass", "score_all", "noise_std", "perturb_mode", "perturb_window"),
     "evaluation": ("eval_dataset", "eval_every", "eval_size", "eval_samples", "eval_temperature", "eval_batch_size"),
     "LoRA": ("lora_r", "lora_alpha", "lora_target_modules"),
+    "vLLM rollouts": BACKEND_FLAGS,
     "distributed and memory": ("micro_batch_size", "fsdp", "gradient_checkpointing", "collective_timeout"),
 }
 
@@ -248,6 +271,19 @@ def check_model_settings(cfg: ModelSettings) -> list[str]:
     need(isinstance(getattr(torch, cfg.dtype, None), torch.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
     need(cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: must be >= 1.")
     need(cfg.decode_loop in DECODE_LOOPS, f"--decode_loop {cfg.decode_loop}: one of {', '.join(DECODE_LOOPS)}.")
+    return problems
+
+
+def check_backend_settings(cfg: BackendSettings) -> list[str]:
+    """Impossible rollout-backend settings, shared by train.py and eval.py (what vLLM cannot serve is
+    oar.training.rollout_backend.check's, once the model is known)."""
+    problems = []
+    need = lambda ok, msg: ok or problems.append(msg)
+    need(cfg.rollout_backend in ("own", "vllm"), f"--rollout_backend {cfg.rollout_backend}: own or vllm.")
+    need(cfg.vllm_importance_sampling_cap >= 0, f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: must be >= 0 (0: off).")
+    need(0 < cfg.vllm_gpu_memory_utilization <= 1, f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must lie in (0, 1].")
+    need(cfg.vllm_kv_cache_gib >= 0 and cfg.vllm_max_model_length >= 0,
+         "--vllm_kv_cache_gib and --vllm_max_model_length must be >= 0 (0: the default).")
     return problems
 
 
@@ -329,7 +365,7 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(cfg.kl_beta >= 0, f"--kl_beta {cfg.kl_beta}: must be >= 0 (0 turns the penalty off).")
     for name in ("warmup_steps", "probe_warmup", "eval_every", "save_every"):
         need(getattr(cfg, name) >= 0, f"--{name} {getattr(cfg, name)}: must be >= 0.")
-    problems += check_model_settings(cfg) + check_eval_settings(cfg) + check_output_dir(cfg.output_dir)
+    problems += check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg) + check_output_dir(cfg.output_dir)
     problems += lora.check_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules,
                                     default_alpha=Config.lora_alpha, default_targets=Config.lora_target_modules)
     if problems:

@@ -22,10 +22,11 @@ from oar.sampler import format_prompt, sample
 
 def evaluate(model, tokenizer, problems, *, accelerator=None, instruction: str = "", batch_size: int = 64,
              max_new_tokens: int = 256, num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, loop: str = "eager", progress: bool = False) -> tuple[list[dict], dict]:
+             seed: int = 0, loop: str = "eager", progress: bool = False, sampler=sample) -> tuple[list[dict], dict]:
     """Returns (records in problem order, summary). `batch_size` counts sequences (prompts x samples);
     `loop` is the sampler's (oar.sampler.decode); `progress`: draw a bar with an ETA over the main
-    process's problems (oar/training/console.py decides where bars are wanted)."""
+    process's problems (oar/training/console.py decides where bars are wanted); `sampler` draws the samples
+    (oar.sampler.sample, or a vLLM engine: oar/training/rollout_backend.py)."""
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     mine = list(range(rank, len(problems), world))
     per_batch = max(1, batch_size // num_samples)
@@ -37,7 +38,7 @@ def evaluate(model, tokenizer, problems, *, accelerator=None, instruction: str =
         idx = mine[start : start + per_batch]
         prompts = [format_prompt(tokenizer, problems[i].problem, instruction) for i in idx]
         seeds = [seed * 1_000_003 + i * num_samples + s for i in idx for s in range(num_samples)]
-        out = sample(model, tokenizer, prompts, group_size=num_samples, seeds=seeds,
+        out = sampler(model, tokenizer, prompts, group_size=num_samples, seeds=seeds,
                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, loop=loop)
         for j, i in enumerate(idx):
             texts = out.texts[j * num_samples : (j + 1) * num_samples]

@@ -134,13 +134,15 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, sch
         "reward/frac_zero_std_groups": float((grouped.std(1) == 0).float().mean()),
         "completion/length": float(length / n), "completion/frac_truncated": float(truncated / n),
     }
-    means = token_means(stats, ("clip_frac", "approx_kl", "entropy", "kl_ref"), all_sum)
+    means = token_means(stats, ("clip_frac", "approx_kl", "entropy", "kl_ref", "is_weight_mean"), all_sum)
     m |= {"loss/clip_frac": means["clip_frac"], "loss/approx_kl": means["approx_kl"], "policy/entropy": means["entropy"],
           "optim/grad_norm": float(grad_norm), "optim/lr": schedule.get_last_lr()[0],
           "oar/frac_no_answer": float(no_answer / n), "oar/frac_scored": float(scored_n / n),
           "oar/frac_nonfinite_scores": float(nonfinite_n / n)}
     if "kl_ref" in means:
         m["loss/kl_ref"] = means["kl_ref"]
+    if "is_weight_mean" in means:  # --rollout_backend vllm: the truncated importance weights' token mean
+        m["sampler/is_weight_mean"] = means["is_weight_mean"]
     m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None], all_sum=all_sum,
                                                  all_max=lambda t: accelerator.gather(t)).items()}
     return m

