@@ -6,6 +6,7 @@
     python scripts/bench/bench.py --growth --json growth.json       # issue 13: cost growth with R, decode tokens/s
     python scripts/bench/bench.py --growth --device cuda --model qwen1.5b-random --json growth-gpu.json
     python scripts/bench/bench.py --rollouts --json rollouts.json   # issue 20: the sampler's loops vs generate (bench_rollouts.py)
+    python scripts/bench/bench.py --rollouts --vllm --json v.json   # issue 31: the vLLM backend beside them (requirements-vllm.txt)
 
 1. OAR-P: the fast exact path vs the naive definition (one full forward per masked copy) on
    SmolLM2-135M-Instruct, and how both grow with the reasoning length. The naive cost is timed on
@@ -57,6 +58,8 @@ def main() -> None:
                     "modes, OAR-G and a GRPO update, plus decode tokens/s (scripts/bench/bench_growth.py)")
     ap.add_argument("--rollouts", action="store_true", help="only issue 20's part: rollout tokens/s of the sampler's loops beside "
                     "transformers' generate (scripts/bench/bench_rollouts.py)")
+    ap.add_argument("--vllm", action="store_true", help="--rollouts: only the vLLM backend beside the own sampler and generate, "
+                    "SmolLM2 64 x 8 x 128 on the CPU (needs requirements-vllm.txt)")
     ap.add_argument("--peak_gbs", type=float, default=3350.0, help="--rollouts --device cuda: the GPU's peak memory bandwidth, GB/s "
                     "(H100 SXM 3350, H200 4800)")
     ap.add_argument("--device", default="cpu", help="--growth, --rollouts: cpu or cuda")
@@ -208,7 +211,10 @@ def rollouts_main(args) -> None:
     res = {"mode": "rollouts", "machine": bp.machine()}
     say(f"machine: {res['machine']['cpu']}, torch threads {res['machine']['torch_threads']}, load average "
         f"{res['machine']['load_average_1min']:.1f} (shared machine: read ratios)")
-    if args.device == "cuda":
+    if args.vllm:
+        res["vllm_cpu"] = v = br.vllm_cpu_case(args.cache_dir, say)
+        res.update({f"rollouts_{k}_smollm2_cpu": v[k] for k in ("vllm_vs_own", "vllm_vs_generate", "own_vs_generate")})
+    elif args.device == "cuda":
         res["machine"].update(device="cuda", gpu=torch.cuda.get_device_name())
         res["gpu"] = br.gpu_cases(args.peak_gbs, say)
     else:
