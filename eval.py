@@ -114,6 +114,7 @@ def main(cfg: EvalConfig) -> dict:
         print(f"{cfg.model} on {cfg.dataset}: accuracy {summary['accuracy']:.3f} over {summary['problems']} problems"
               f" (k={cfg.eval_samples}) | {passes} | no answer {summary['frac_no_answer']:.3f}"
               f" | truncated {summary['frac_truncated']:.3f} -> {out / 'eval.jsonl'}", flush=True)
+    rollout_backend.close(sampler)  # vllm: the engine ends before the process group does
     end(accelerator)
     return summary
 

@@ -340,6 +340,7 @@ def main(cfg: Config) -> dict:
     # final/ is a plain model: LoRA's adapters merged into the weights, the adapter alone in final/adapter/
     state, save_adapter = lora.final_weights(lora_model, full, main=accelerator.is_main_process) if lora_model is not None else (full, None)
     log.finish(summary, policy, tokenizer, state_dict=state, also=save_adapter)
+    rollout_backend.close(sampler)  # vllm: the engine ends before the process group does
     end(accelerator)
     return summary
 

@@ -37,7 +37,7 @@ import importlib.util
 import os
 import random
 from collections.abc import Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +164,9 @@ class VLLMRollouts:
                   "kv_cache_memory_bytes": int(gib * 2**30) or None}
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        # One process: vLLM creates a process group of its own (and tears it down in close); several: it
+        # runs over the trainer's, which outlives it.
+        self.owns_process_group = not torch.distributed.is_initialized()
         with _process_state_kept():
             self.llm = LLM(**kwargs)
         self.max_model_length = self.llm.llm_engine.model_config.max_model_len
@@ -209,3 +212,22 @@ class VLLMRollouts:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_refresh_tied_head)
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """vLLM's own shutdown, before the trainer ends its process group: left to run at interpreter
+        exit it meets that group destroyed ("Invalid process group specified"), and in a process that
+        starts another engine later its stale groups break the new one. The trainer's process group
+        (several processes) is left alone; one vLLM created itself (one process) goes with the engine."""
+        from unittest import mock
+
+        from vllm.distributed import parallel_state
+
+        def world_only():  # destroy_distributed_environment, minus the default process group
+            if parallel_state._WORLD:
+                parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+            parallel_state._NODE_COUNT = None
+
+        with mock.patch.object(parallel_state, "destroy_distributed_environment", world_only) if not self.owns_process_group \
+                else nullcontext():
+            self.llm.llm_engine.engine_core.shutdown()

@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
+from tinyrun import TINY, final_params, metrics, run_inprocess
 
 from oar import vllm_rollouts
 from oar.grpo import policy_loss, truncated_is_weights
-from tinyrun import TINY, final_params, metrics, run_inprocess
 
 
 def test_weights_are_one_where_the_logprobs_agree_and_capped_elsewhere():

@@ -69,3 +69,9 @@ def follow(sampler, policy, peft_model=None) -> None:
     reads the model itself, so nothing to do."""
     if isinstance(sampler, vllm_rollouts.VLLMRollouts):
         sampler.load_weights(policy_weights(policy, peft_model).items())
+
+
+def close(sampler) -> None:
+    """Shut the vLLM engine down (every process, before the run's process group ends); nothing for own."""
+    if isinstance(sampler, vllm_rollouts.VLLMRollouts):
+        sampler.close()
