@@ -38,7 +38,6 @@ import os
 import random
 from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -95,20 +94,6 @@ def check(source: str, *, top_p: float, gguf_file: str | None = None) -> None:
         if head not in sizes:
             raise BackendError(f"--rollout_backend vllm: attention heads of size {head}; vLLM's CPU kernels take {sizes}. "
                                f"Use --rollout_backend own for this model.")
-
-
-def convert_gguf(model_name: str, folder: Path) -> str:
-    """A .gguf model as a plain folder vLLM reads: loaded through the project's loader (dequantized,
-    oar/training/models.py load_model) and saved with save_pretrained into `folder` (reused when complete)."""
-    from oar.training.models import load_model
-
-    if not (folder / "config.json").is_file():
-        model, tokenizer = load_model(model_name)
-        tmp = folder.with_name(folder.name + ".tmp")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, folder)
-    return str(folder)
 
 
 @contextmanager

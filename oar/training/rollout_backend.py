@@ -12,6 +12,7 @@ serves a plain model), and the engine resets its prefix cache. For the own sampl
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from oar import vllm_rollouts
 from oar.sampler import sample
 from oar.training import lora, sharding
-from oar.training.models import resolve_model
+from oar.training.models import load_model, resolve_model
 
 BACKENDS = ("own", "vllm")
 
@@ -48,10 +49,22 @@ def make(backend: str, model: str, *, accelerator, folder: str | Path, **setting
     if "gguf_file" in kwargs:
         target = Path(folder) / "vllm-model"
         if accelerator.is_main_process:
-            vllm_rollouts.convert_gguf(model, target)
+            convert_gguf(model, target)
         accelerator.wait_for_everyone()
         source = str(target)
     return vllm_rollouts.VLLMRollouts(source, distributed=accelerator.num_processes > 1, **settings)
+
+
+def convert_gguf(model_name: str, folder: Path) -> str:
+    """A .gguf model as a plain folder vLLM reads: loaded through the project's loader (dequantized,
+    oar/training/models.py load_model) and saved with save_pretrained into `folder` (reused when complete)."""
+    if not (folder / "config.json").is_file():
+        model, tokenizer = load_model(model_name)
+        tmp = folder.with_name(folder.name + ".tmp")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, folder)
+    return str(folder)
 
 
 def policy_weights(policy, peft_model=None) -> dict[str, torch.Tensor]:
