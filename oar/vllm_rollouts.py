@@ -132,18 +132,22 @@ class VLLMRollouts:
     existing process group (vLLM's external launcher), with no collective while sampling.
     Settings: `dtype` the weights' (the trainer's), `max_model_length` prompt + completion tokens a
     request may hold (0: the model's own limit), `kv_cache_gib` the KV cache's size (0: on a GPU what
-    `gpu_memory_utilization` leaves after the weights, on a CPU 1 GiB), `gpu_memory_utilization` the
-    share of GPU memory vLLM may take (the trainer holds the rest), `enforce_eager` no compilation
-    (CUDA graphs on a GPU, torch.compile on a CPU)."""
+    `gpu_memory_utilization` leaves after the weights, on a CPU 1 GiB unless VLLM_CPU_KVCACHE_SPACE
+    says), `gpu_memory_utilization` the share of GPU memory vLLM may take (the trainer holds the rest),
+    `enforce_eager` no compilation (None: eager on a CPU, where compiling takes minutes and was not
+    measured; CUDA graphs on a GPU). train.py sets the dtype and the GPU share; the rest keep these
+    defaults there."""
 
     def __init__(self, source: str, *, dtype: str = "float32", max_model_length: int = 0, kv_cache_gib: float = 0.0,
-                 gpu_memory_utilization: float = 0.3, enforce_eager: bool = False, distributed: bool = False):
+                 gpu_memory_utilization: float = 0.3, enforce_eager: bool | None = None, distributed: bool = False):
         _environment()
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        gib = kv_cache_gib or (1.0 if current_platform.is_cpu() else 0.0)
-        kwargs = {"model": source, "dtype": dtype, "seed": 0, "enforce_eager": enforce_eager, "enable_chunked_prefill": False,
+        cpu = current_platform.is_cpu()
+        gib = kv_cache_gib or (1.0 if cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") else 0.0)
+        eager = cpu if enforce_eager is None else enforce_eager
+        kwargs = {"model": source, "dtype": dtype, "seed": 0, "enforce_eager": eager, "enable_chunked_prefill": False,
                   "enable_prefix_caching": True, "skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs",
                   "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_length or None,
                   "kv_cache_memory_bytes": int(gib * 2**30) or None}
@@ -173,7 +177,7 @@ class VLLMRollouts:
         longest = max(len(x) for x in ids) + max_new_tokens
         if longest > self.max_model_length:
             raise BackendError(f"a prompt of {longest - max_new_tokens} tokens + --max_new_tokens {max_new_tokens} exceeds the engine's "
-                               f"{self.max_model_length} tokens; raise --vllm_max_model_length (the model allows its max positions).")
+                               f"{self.max_model_length} tokens (the model's own limit); lower --max_new_tokens or shorten the prompts.")
         stop = stop_token_ids(model, tokenizer)
         params = [SamplingParams(n=1, seed=int(s), temperature=temperature, top_p=1.0, max_tokens=max_new_tokens, logprobs=0,
                                  stop_token_ids=sorted(stop), detokenize=False) for s in seeds]

@@ -69,7 +69,7 @@ def test_own_backend_ignores_the_vllm_settings(tiny_model, tmp_path):
               "--method", "grpo", *TINY]
     run_inprocess([*common, "--output_dir", str(tmp_path / "default")])
     run_inprocess([*common, "--output_dir", str(tmp_path / "moved"), "--rollout_backend", "own", "--vllm_importance_sampling_cap", "0.5",
-                   "--vllm_kv_cache_gib", "3", "--vllm_max_model_length", "64", "--vllm_enforce_eager"])
+                   "--vllm_gpu_memory_utilization", "0.9"])
     a, b = final_params(tmp_path / "default"), final_params(tmp_path / "moved")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert metrics(tmp_path / "default") == metrics(tmp_path / "moved")
@@ -101,7 +101,6 @@ def test_unknown_backend_is_refused(tiny_model, tmp_path):
 
 def _main(script: str, args: list[str]):
     from accelerate.state import AcceleratorState, GradientState
-    from transformers import HfArgumentParser
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -111,5 +110,4 @@ def _main(script: str, args: list[str]):
         return train.main(train.parse_args(args))
     import eval as evaluation
 
-    (cfg,) = HfArgumentParser(evaluation.EvalConfig).parse_args_into_dataclasses(args=args)
-    return evaluation.main(cfg)
+    return evaluation.main(evaluation.parser().parse(args))

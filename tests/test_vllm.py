@@ -46,7 +46,7 @@ PROBLEMS = ["Compute 3 + 4.", "Compute 5 * 2.", "Compute 6 + 2.", "Compute 2 * 4
 # engine torn down (garbage-collected) takes it with it, under the shared engine's feet. The tests that
 # start engines and let them go (train.py runs in this process, the benchmark) come after the last use of it.
 ALIVE = []
-VLLM_RUN = ["--rollout_backend", "vllm", "--temperature", "1.5", "--vllm_enforce_eager", "--vllm_kv_cache_gib", "0.0625", "--vllm_max_model_length", "256"]
+VLLM_RUN = ["--rollout_backend", "vllm", "--temperature", "1.5"]
 
 
 @pytest.fixture(scope="module")

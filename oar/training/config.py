@@ -26,7 +26,7 @@ from oar.training.flags import Alias, FlagParser
 RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
              "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
              "gradient_checkpointing", "perturb_chunk_tokens", "score_all", "decode_loop", "progress",
-             "collective_timeout", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib", "vllm_max_model_length"}
+             "collective_timeout", "vllm_gpu_memory_utilization"}
 
 # Flags this version fixes to a constant (only tuning studies turned them), and the value it runs
 # with. A checkpoint that ran with another value of one (outside RESUMABLE) is refused on resume.
@@ -67,13 +67,8 @@ class BackendSettings:
     """vllm: truncated importance sampling, each token's surrogate x min(pi_trainer / pi_vllm, cap)
     (0: off; TRL's cap for this token-level correction; maths §1.3)."""
     vllm_gpu_memory_utilization: float = 0.3
-    """vllm on a GPU: the share of its memory the engine may take (TRL's colocate default)."""
-    vllm_kv_cache_gib: float = 0.0
-    """vllm: KV cache size per process in GiB (0: what the GPU share leaves; 1 GiB on a CPU)."""
-    vllm_max_model_length: int = 0
-    """vllm: prompt + completion tokens a request may hold (0: the model's own limit)."""
-    vllm_enforce_eager: bool = False
-    """vllm: no compilation (no CUDA graphs on a GPU, no torch.compile on a CPU); starts faster."""
+    """vllm on a GPU: the share of its memory the engine may take, weights and KV cache (TRL's colocate
+    default). On a CPU the KV cache is 1 GiB per process (VLLM_CPU_KVCACHE_SPACE=<GiB> sets it); docs/vllm.md."""
 
 
 @dataclass(frozen=True)
@@ -191,8 +186,7 @@ class Config(ModelSettings, EvalSettings, BackendSettings, CreditSettings):
         return CreditSettings(**{f.name: getattr(self, f.name) for f in fields(CreditSettings)})
 
 
-BACKEND_FLAGS = ("rollout_backend", "vllm_importance_sampling_cap", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib",
-                 "vllm_max_model_length", "vllm_enforce_eager")
+BACKEND_FLAGS = ("rollout_backend", "vllm_importance_sampling_cap", "vllm_gpu_memory_utilization")
 GROUPS = {  # --help's sections, in this order; every field in exactly one (tests/test_flags.py)
     "run": ("model", "dataset", "reward", "reward_module", "output_dir", "resume", "seed", "steps", "instruction", "dtype", "log_with",
             "save_every", "keep_checkpoints", "progress"),
@@ -282,8 +276,6 @@ def check_backend_settings(cfg: BackendSettings) -> list[str]:
     need(cfg.rollout_backend in ("own", "vllm"), f"--rollout_backend {cfg.rollout_backend}: own or vllm.")
     need(cfg.vllm_importance_sampling_cap >= 0, f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: must be >= 0 (0: off).")
     need(0 < cfg.vllm_gpu_memory_utilization <= 1, f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must lie in (0, 1].")
-    need(cfg.vllm_kv_cache_gib >= 0 and cfg.vllm_max_model_length >= 0,
-         "--vllm_kv_cache_gib and --vllm_max_model_length must be >= 0 (0: the default).")
     return problems
 
 

@@ -35,9 +35,9 @@ def check(backend: str, model: str, *, top_p: float) -> None:
 
 
 def engine_settings(cfg) -> dict:
-    """VLLMRollouts' settings from a run's config (its BackendSettings and dtype)."""
-    return {"dtype": cfg.dtype, "max_model_length": cfg.vllm_max_model_length, "kv_cache_gib": cfg.vllm_kv_cache_gib,
-            "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization, "enforce_eager": cfg.vllm_enforce_eager}
+    """VLLMRollouts' settings from a run's config: its dtype and GPU memory share; the rest are the
+    engine's defaults (the model's own length limit, eager on a CPU, CUDA graphs on a GPU)."""
+    return {"dtype": cfg.dtype, "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
 
 
 def make(backend: str, model: str, *, accelerator, folder: str | Path, **settings):

