@@ -81,6 +81,10 @@ def check(source: str, *, top_p: float, gguf_file: str | None = None) -> None:
     from vllm import ModelRegistry
 
     archs = list(getattr(config, "architectures", None) or [])
+    if not archs:  # a .gguf's config names none; its converted folder will name the class transformers builds
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]] if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []
     if not archs or not set(archs) & set(ModelRegistry.get_supported_archs()):
         raise BackendError(f"--rollout_backend vllm: vLLM has no implementation of {', '.join(archs) or 'this model (no architectures in its config)'}; "
                            f"use --rollout_backend own.")
