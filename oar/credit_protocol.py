@@ -4,14 +4,15 @@ Legend: B this process's rollouts (P prompts x G, a prompt's group contiguous an
 b a micro-batch's rollouts, L positions (prompt width Lp + completion), T = L - Lp completion
 positions, V vocabulary.
 
-A method is a `CreditMethod`: a name and two functions, called in train.py's step 4:
+A method is a `CreditMethod`: a name and two functions, called in train.py's steps 4 (prepare) and
+5 (weigh, in oar/training/update.py's micro-batch loop):
   prepare(step) -> state            once per step, before the micro-batch loop, with everything the
                                     step has (`Step`): what a method needs of the WHOLE step is
                                     computed here (TEMPO's trees; entropy-mask's threshold over every
                                     process's tokens, through `step.gather`). Default: nothing.
   weigh(step, state, micro) -> w    once per micro-batch (`MicroBatch`: its rows and the update
                                     forward's logits): weights (b, L) over the sequence layout, of
-                                    which train.py reads the completion columns; or (w, n) with n the
+                                    which the loss reads the completion columns; or (w, n) with n the
                                     rollouts whose scores were not finite (they should get w = 1).
 So a method's weights can be, and every built-in's are, a function of the step, never of the
 micro-batching or of the number of processes (tests/test_credit.py, tests/test_distributed.py).

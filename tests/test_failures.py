@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from oar.training.config import Config, check_config, micro_batch, parse_args
-from tinyrun import EVAL, TINY, TRAIN, final_params, metrics, run_inprocess, run_script, train_module
+from tinyrun import EVAL, TINY, TRAIN, final_params, metrics, run_inprocess, run_script
 
 
 def _args(model, out, *extra):
@@ -62,8 +62,10 @@ def test_a_nonfinite_loss_is_skipped_even_when_the_gradient_is_finite(tiny_model
         calls.append(1)
         return (loss + float("nan"), stats) if len(calls) == 2 else (loss, stats)
 
-    policy_loss = train_module().policy_loss
-    monkeypatch.setattr(train_module(), "policy_loss", loss_with_a_nan_at_step_2)
+    from oar.training import update  # train.py's step 5: the micro-batch loop that calls the loss
+
+    policy_loss = update.policy_loss
+    monkeypatch.setattr(update, "policy_loss", loss_with_a_nan_at_step_2)
     summary = run_inprocess(_args(tiny_model, tmp_path / "run", "--method", "grpo", "--steps", "3"))
     assert summary["skipped_steps"] == 1
     assert "step 2: non-finite loss in 1 micro-batches, update skipped (1 skipped so far)" in capsys.readouterr().out

@@ -36,6 +36,18 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resume_point(output_dir: str | Path, resume: bool) -> Path | None:
+    """The checkpoint a run resumes from (None for a fresh run); ValueError naming the fix when
+    `--resume` finds none, or when a fresh run would write over an earlier run's checkpoints."""
+    found = latest_checkpoint(output_dir)
+    if resume and found is None:
+        raise ValueError(f"--resume: no complete checkpoint in {output_dir}; drop --resume to start afresh.")
+    if not resume and found is not None:
+        raise ValueError(f"--output_dir {output_dir} holds checkpoints of an earlier run: pass --resume to "
+                         f"continue it, or choose another --output_dir.")
+    return found
+
+
 def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict, keep: int, sharded=None) -> Path:
     """Save accelerate's state plus `state` (JSON) as checkpoint-<step>, atomically; keep the last `keep`.
     `sharded`: (model, optimizer) that train.py sharded itself (--fsdp), which accelerate does not

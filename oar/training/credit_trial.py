@@ -4,7 +4,7 @@ the model loads and before anything is evaluated or written.
 Why: a method of one's own (`--credit_module`) that returns the wrong shape, non-finite weights,
 raises, or draws unseeded randomness would otherwise surface only at step 1's update, after the
 before-training evaluation (minutes on a real model), as a traceback, with config.json and an empty
-metrics.jsonl already written. The trial makes the calls train.py's step 4 makes for one micro-batch
+metrics.jsonl already written. The trial makes the calls train.py's steps 4-5 make for one micro-batch
 (the update forward, the clean outcome when the method reuses it, `step_credit`'s prepare and weigh)
 on G made-up completions of one training problem (half with the gold answer, half with a wrong one,
 one without any), twice, and checks what the loss relies on: weights of the micro-batch's shape

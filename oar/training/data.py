@@ -9,8 +9,9 @@ One schema for JSON Lines files and hub data sets alike (the columns GSM8K, MATH
 use): a row's problem is its key `problem`, else `question`; its gold answer is `answer` (a GSM8K
 answer, "... #### 18", cut to what follows `####`), else `solution` cut to its final answer
 (`oar.answers`: the last `\\boxed{..}`, or what follows `####` or "the answer is"). Other keys are
-ignored; in a file, blank lines are skipped. A step's prompts and rollout seeds (`prompt_order`, `rollout_seeds`) are functions of the
-run's seed and the step alone, so a resumed run and any process count see the same data.
+ignored; in a file, blank lines are skipped. A step's prompts and rollout seeds (`step_prompts`:
+`prompt_order`, `rollout_seeds`) are functions of the run's seed and the step alone, so a resumed run
+and any process count see the same data.
 """
 from __future__ import annotations
 
@@ -149,6 +150,24 @@ def load_problems(name: str, *, split: str = "train", limit: int | None = None, 
                         f"that hub names need is not installed (pip install -r requirements.txt); pass 'arith' or "
                         f"a path to a .jsonl file, or install it.")
     return _load_hf(name, split)[:limit]
+
+
+def run_problems(dataset: str, eval_dataset: str, *, train_size: int, eval_size: int, seed: int):
+    """A run's (training problems, held-out problems): `dataset`'s train split (arith: `train_size` of
+    them, drawn with `seed`), and `eval_dataset`'s test split (its first `eval_size`, 0: all), by default
+    arith's own when training on arith, else none."""
+    train = load_problems(dataset, split="train", limit=train_size if dataset == "arith" else None, seed=seed)
+    eval_name = eval_dataset or ("arith" if dataset == "arith" else "")
+    return train, load_problems(eval_name, split="test", limit=eval_size or None) if eval_name else []
+
+
+def step_prompts(step: int, rank: int, local: int, n_problems: int, prompts_per_step: int, group_size: int,
+                 seed: int) -> tuple[list[int], list[int]]:
+    """This process's `local` prompts at `step` (indices into the problems, `prompt_order`) and one seed
+    per rollout, G of them per prompt (`rollout_seeds`, from the prompts' global slots)."""
+    slots = [step * prompts_per_step + rank * local + k for k in range(local)]
+    idx = prompt_order(step, local, rank, n_problems, prompts_per_step, seed)
+    return idx, rollout_seeds(seed, step, slots, group_size)
 
 
 def prompt_order(step: int, local: int, rank: int, n_problems: int, prompts_per_step: int, seed: int) -> list[int]:

@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from oar.training import console
@@ -119,8 +120,10 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, sch
     summed over processes (counts, token-weighted sums of the micro-batches' token means) before the
     one division. A mean of per-process values would not do: the std of the whole step is not the
     mean of the halves' stds, and processes hold different numbers of tokens. The weight statistics
-    cover the rollouts OAR scored (`scored`, (B,)), on any process. `nonfinite`: this process's
-    rollouts whose OAR scores were not finite."""
+    cover the reasoning tokens of the rollouts OAR scored (`scored`, (B,)), on any process; `weights`
+    (B, L) are on the rollouts' layout, as the credit methods return them (the float32 sums, and so the
+    logged digits, depend on the layout's width). `nonfinite`: this process's rollouts whose OAR scores
+    were not finite."""
     all_sum = _all_sum(accelerator)
     everyone = accelerator.gather(rewards)  # (B x processes,): whole groups, in the order one process holds them
     grouped = everyone.view(-1, group_size)
@@ -146,6 +149,23 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, sch
     m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None], all_sum=all_sum,
                                                  all_max=lambda t: accelerator.gather(t)).items()}
     return m
+
+
+def reward_term_metrics(reward_parts: dict[str, list[float]], accelerator) -> dict:
+    """reward/<term>: each --reward term's mean over every process's rollouts (unweighted), summed then divided once."""
+    parts = torch.tensor([[sum(v), len(v)] for v in reward_parts.values()], dtype=torch.float64, device=accelerator.device)
+    parts = accelerator.reduce(parts, "sum") if len(reward_parts) else parts
+    return {f"reward/{name}": float(s / n) for name, (s, n) in zip(reward_parts, parts.tolist())}
+
+
+def mean_over_processes(values: dict[str, float], accelerator) -> dict:
+    """Each process's own numbers (its timings), averaged over processes."""
+    return dict(zip(values, accelerator.reduce(torch.tensor(list(values.values()), device=accelerator.device), "mean").tolist()))
+
+
+def as_logged(metrics: dict) -> dict[str, float]:
+    """Metrics as every run has logged them: rounded to float32 (the ledgers compare to the digit)."""
+    return {k: float(np.float32(v)) for k, v in metrics.items()}
 
 
 def _all_sum(accelerator):

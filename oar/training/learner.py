@@ -1,0 +1,105 @@
+"""The policy as train.py trains it, and the plumbing that decides which model does what.
+
+A run holds up to five views of one policy: the model accelerate prepared (DDP-wrapped) or FSDP2
+sharded, which the optimizer steps and `accumulate` synchronises; the unwrapped transformers model,
+which samples, scores and is evaluated; with LoRA (--lora_r), peft's PeftModel around it, which
+saves the adapter; the KL reference, a frozen copy of the initial model or, with LoRA, the policy
+with its adapters off; and the optimizer with its LR schedule. `build_learner` assembles them in
+the one order that works (adapters before checkpointing and sharding, sharding before the optimizer,
+the optimizer before `prepare`), and `Learner` answers the questions the loop would otherwise branch
+on: `gathered()` (whole parameters for calls a shard cannot serve, oar/training/sharding.py),
+`reference_logprobs` (which model and which context), `sharded` (what a checkpoint writes itself),
+`final_state` (what final/ gets).
+
+Legend: b a micro-batch's rollouts, L positions, T completion positions.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oar.grpo import token_logprobs
+from oar.lm import forward_logits
+from oar.tasks.tiny_arith_cache import model_source
+from oar.training import checkpoint as ckpt
+from oar.training import lora, sharding
+from oar.training.models import enable_checkpointing, load_model
+
+
+@dataclass
+class Learner:
+    model: Any  # what the optimizer steps and accelerate accumulates: DDP-wrapped, FSDP2-sharded or plain
+    optimizer: torch.optim.Optimizer  # AdamW over the trainable parameters (LoRA: the adapters only)
+    schedule: Any  # the LR schedule, stepped once per RL step
+    policy: Any  # the unwrapped transformers model: sampling, scoring, evaluation, save_pretrained
+    peft: Any = None  # LoRA's PeftModel around `policy`, else None
+    reference: Any = None  # the KL reference's frozen copy (kl_beta > 0 without LoRA), else None
+    own_fsdp: bool = False  # sharded by train.py --fsdp (CPU processes), not by accelerate's plugin
+    adapters_only: bool = False  # checkpoints leave out the frozen base (LoRA, not sharded)
+
+    def gathered(self, when: bool = True):
+        """Whole parameters inside the block when the model is sharded (collective: every process
+        enters); nothing to do otherwise, or when `when` is False."""
+        return sharding.gathered(self.model) if when else nullcontext()
+
+    def reference_logprobs(self, input_ids, attention_mask, labels, temperature: float) -> torch.Tensor:
+        """log pi_ref of `labels` (b, T), the completion of (b, L) inputs: the frozen copy, or with LoRA
+        the policy with its adapters off (gathered when sharded: peft's switch reaches into submodules)."""
+        with torch.no_grad(), lora.adapters_off(self.policy) if self.peft is not None else nullcontext(), \
+                self.gathered(self.peft is not None):
+            model = self.reference if self.reference is not None else self.policy
+            logits = forward_logits(model, input_ids, attention_mask, logits_to_keep=labels.shape[1] + 1)
+            return token_logprobs(logits[:, :-1], labels, temperature=temperature)
+
+    @property
+    def sharded(self):
+        """(model, optimizer) when train.py sharded them (a checkpoint writes their shards), else None."""
+        return (self.model, self.optimizer) if self.own_fsdp else None
+
+    def final_state(self, main: bool):
+        """(state dict for save_pretrained, a function writing more into final/ or None): the full weights
+        of a sharded model (collective), LoRA's merged into them, the adapter alone in final/adapter/."""
+        full = sharding.full_state_dict(self.model)
+        return lora.final_weights(self.peft, full, main=main) if self.peft is not None else (full, None)
+
+
+def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
+    """Everything train.py trains from the loaded `model`, in the order that works (module docstring).
+    `n_micro`: micro-batches per optimizer step on each process (accelerate's accumulation steps)."""
+    # LoRA: peft freezes the base and adds adapters in place; everything below trains, samples and scores
+    # the inner transformers model (lora.inner: OAR-G needs it), the PeftModel only saves the adapter.
+    peft = None
+    if cfg.lora_r:
+        peft = lora.add_adapters(model, r=cfg.lora_r, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules)
+        model = lora.inner(peft)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
+    # The KL reference: a frozen copy of the initial model, or with LoRA the policy with its adapters off
+    reference = None
+    if cfg.kl_beta > 0 and not cfg.lora_r:
+        reference = load_model(model_source(cfg.model), dtype=cfg.dtype)[0].eval().requires_grad_(False)
+    # On CPU processes accelerate's FSDP plugin falls back to DDP: --fsdp shards the model here
+    own_fsdp = cfg.fsdp and not sharding.accelerate_shards(accelerator)
+    if own_fsdp:  # before the optimizer: it must hold the sharded parameters
+        sharding.shard(model, sharding.mixed_precision(accelerator))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))  # noqa: E731
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    accelerator.gradient_accumulation_steps = n_micro
+    if not own_fsdp:  # (with --fsdp accelerate would wrap the sharded model in DDP; its state is DCP's)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(schedule)  # stepped once per RL step, on every process
+    # LoRA: checkpoints hold the adapters, the frozen base is --model's (--fsdp's do so too, sharding.py);
+    # accelerate's FSDP plugin (GPUs) writes the whole model.
+    adapters_only = peft is not None and not own_fsdp and not sharding.accelerate_shards(accelerator)
+    if adapters_only:
+        ckpt.skip_frozen(accelerator)
+    if reference is not None:
+        reference = reference.to(accelerator.device)
+    policy = accelerator.unwrap_model(model)
+    return Learner(model, optimizer, schedule, policy, peft, reference, own_fsdp, adapters_only)
