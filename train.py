@@ -112,7 +112,7 @@ def main(cfg: Config) -> dict:
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
         if cfg.lora_r:  # on the model's skeleton (meta device): no weight is read yet
             lora.check_targets(model_source(cfg.model), cfg.lora_target_modules)
-        rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.top_p)  # vllm: runs
+        rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.top_p)  # vllm: usable
         set_seed(cfg.seed)
         model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer checked first
     except (ValueError, DataError, ModelError) as err:
