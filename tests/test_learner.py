@@ -1,0 +1,57 @@
+"""oar/training/learner.py: the KL reference train.py's update reads, on one process.
+
+Without LoRA the reference is a frozen copy of the initial model; with LoRA it is the policy with its
+adapters off. Either way it must not move when the policy does (the k3 penalty would otherwise
+measure nothing), and with LoRA the adapters must be back on after it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _learner(tiny_model, tmp_path, **settings):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from oar.training.config import Config
+    from oar.training.launch import make_accelerator
+    from oar.training.learner import build_learner
+    from oar.training.models import load_model
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    cfg = Config(model=str(tiny_model), output_dir=str(tmp_path), kl_beta=0.1, **settings)
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
+    return build_learner(cfg, make_accelerator(), model, n_micro=1), tokenizer
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_the_reference_stays_the_initial_model_when_the_policy_moves(tiny_model, tmp_path, lora_r):
+    from oar.grpo import token_logprobs
+    from oar.lm import forward_logits
+
+    learner, tok = _learner(tiny_model, tmp_path, lora_r=lora_r, lora_alpha=8.0)
+    assert (learner.reference is None) == bool(lora_r) and (learner.peft is not None) == bool(lora_r)
+    if learner.reference is not None:
+        assert not any(p.requires_grad for p in learner.reference.parameters())
+    enc = tok(["Compute 3 + 4. #### 7", "Compute 12 - 5. ####"], return_tensors="pt", padding=True)
+    ids, attn = enc["input_ids"], enc["attention_mask"]
+    labels = ids[:, 4:]  # (b, T): any completion width
+
+    def policy_logprobs():
+        with torch.no_grad():
+            return token_logprobs(forward_logits(learner.policy, ids, attn, logits_to_keep=labels.shape[1] + 1)[:, :-1],
+                                  labels)
+
+    before = learner.reference_logprobs(ids, attn, labels, 1.0)
+    assert before.shape == labels.shape
+    assert torch.equal(before, policy_logprobs())  # at the start the reference is the policy
+    with torch.no_grad():  # move every trainable parameter (LoRA: the adapters only)
+        for p in learner.policy.parameters():
+            if p.requires_grad:
+                p.add_(0.05)
+    moved = policy_logprobs()
+    assert (moved - before).abs().max() > 1e-3  # the policy moved ...
+    assert torch.equal(learner.reference_logprobs(ids, attn, labels, 1.0), before)  # ... its reference did not
+    assert torch.equal(policy_logprobs(), moved)  # and LoRA's adapters are on again
