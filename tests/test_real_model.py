@@ -40,13 +40,12 @@ def test_one_oar_g_training_step_on_smollm2(tmp_path):
     assert trained.config.model_type == "llama" and trained.config.hidden_size == 576
 
 
-def test_oar_g_scores_on_a_teacher_forced_smollm2_rollout():
-    from oar.training.models import load_model
+def test_oar_g_scores_on_a_teacher_forced_smollm2_rollout(smollm2):
     from oar.oar_grad import gradient_scores
     from oar.sampler import encode_prompts, format_prompt, stop_token_ids
     from oar.rollout import build_rollout
 
-    model, tok = load_model(str(GGUF))
+    model, tok = smollm2
     ids, mask = encode_prompts(tok, [format_prompt(tok, "What is 12 + 30?")], "cpu")
     completion = tok("12 + 30 = 42, so\n#### 42", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     ro = build_rollout(tok, ids, mask, torch.tensor([completion]), stop_token_ids(model, tok))
