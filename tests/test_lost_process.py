@@ -82,7 +82,10 @@ def test_a_lost_process_stops_the_run_with_a_message_and_resume_continues_it(tin
         kill_all(proc, token)
     assert not left, left
     assert done.returncode != 0
-    assert survivor_s <= (MARGIN if sig == signal.SIGKILL else TIMEOUT + MARGIN), survivor_s
+    # Within the collective timeout plus a margin, either way: after a SIGKILL torchrun SIGTERMs rank 0 at once, but
+    # a rank inside a gloo collective runs its handler only when the call returns (the peer's closed socket, or the
+    # timeout): CI measured 30.2 s on a killed peer, so a tighter bound for that case would be a bet on the load.
+    assert survivor_s <= TIMEOUT + MARGIN, survivor_s
     # rank 0 exited non-zero (the launcher's report lists every rank's exit code: 1, or -15 when the launcher's
     # SIGTERM reached it while the interpreter was shutting down, its message written) with the one-line message
     code = re.search(rf"exitcode\s*:\s*(-?\d+) \(pid: {ranks[0]}\)", done.stderr)
