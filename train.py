@@ -83,7 +83,8 @@ from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
 from oar.training.data import DataError, run_problems, step_prompts
 from oar.training.evaluation import evaluate
-from oar.training.launch import end, gather_ragged, lost_process, make_accelerator, release, stop_on_sigterm
+from oar.training.launch import (Stopped, end, exit_at_once, gather_ragged, lost_process, make_accelerator,
+                                 release, stop_on_sigterm)
 from oar.training.learner import build_learner
 from oar.training.models import ModelError, load_model, resolve_model
 from oar.training.runlog import (RunLog, as_logged, mean_over_processes, pass_metrics, reward_term_metrics,
@@ -246,6 +247,8 @@ if __name__ == "__main__":
     stop_on_sigterm("train.py")  # the launcher's way to stop this process when another one died
     try:
         main(CONFIG)
+    except Stopped as stop:  # the launcher's, once another process died: a teardown could hang (exit_at_once)
+        exit_at_once(stop.code)
     except SystemExit as stop:  # a flag the user spelled another library's way is named as they typed it
         if not isinstance(stop.code, str):
             raise
@@ -260,6 +263,6 @@ if __name__ == "__main__":
     except RuntimeError as err:  # a collective whose peer died or stalled: a message, not a traceback
         if (message := lost_process(err, "train.py", CONFIG.collective_timeout)) is None:
             raise
-        raise SystemExit(message) from None
+        exit_at_once(message)
     finally:
         release()  # after an error: the process group ends before the interpreter does

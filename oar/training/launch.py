@@ -11,7 +11,8 @@ once and SIGKILL 30 s later; `stop_on_sigterm` turns that into a one-line exit. 
 (alive, not answering) is seen by nobody: the others block in their next collective until
 `--collective_timeout` (the process group's timeout), then `lost_process` names what happened, and
 the launcher then ends the stalled one. Either way the run stops with a message saying how to resume
-(tests/test_lost_process.py). On GPUs NCCL's watchdog ends a process whose collective timed out
+(tests/test_lost_process.py), and without the interpreter's teardown (`exit_at_once`), which can
+deadlock once a peer is lost. On GPUs NCCL's watchdog ends a process whose collective timed out
 itself, with its own message.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 from datetime import timedelta
 
 import torch
@@ -41,14 +43,18 @@ def make_accelerator(collective_timeout: float | None = None, **kwargs):
 RESUME_HINT = "Run the same command with --resume to continue from the last checkpoint."
 
 
+class Stopped(SystemExit):
+    """SIGTERM arrived (`stop_on_sigterm`); its code is the message."""
+
+
 def stop_on_sigterm(script: str) -> None:
     """Exit with a message on SIGTERM instead of dying silently: the launcher sends it to every process
     once one has failed (the failure is then reported above this line), a scheduler when it cancels a job.
-    The exit unwinds as an error does (the process group is released, no checkpoint is half-written:
-    they are written to a temporary name and renamed)."""
+    The handler raises `Stopped`, so the code unwinds as from an error (no checkpoint is half-written:
+    they are written to a temporary name and renamed); the entry point then ends with `exit_at_once`."""
     def stop(signum, frame):
-        raise SystemExit(f"{script}: stopped by SIGTERM: the launcher stops every process once one of them has died "
-                         f"or failed, or the job was cancelled. {RESUME_HINT}")
+        raise Stopped(f"{script}: stopped by SIGTERM: the launcher stops every process once one of them has died "
+                      f"or failed, or the job was cancelled. {RESUME_HINT}")
 
     signal.signal(signal.SIGTERM, stop)
 
@@ -66,6 +72,18 @@ def lost_process(err: BaseException, script: str, collective_timeout: float) -> 
     what = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)[:200]  # without gloo's source path
     return (f"{script}: error: another process of this run died or stalled (a collective operation failed: {what}; "
             f"--collective_timeout is {collective_timeout:g} s). This process stops too. {RESUME_HINT}")
+
+
+def exit_at_once(message: str) -> None:
+    """Write `message` and end this process now, without the interpreter's teardown: for a process whose
+    peer died or stalled. Tearing down then can hang for ever: the main thread frees DDP's reducer and
+    with it the gloo process group, whose destructor joins a worker thread that is still freeing the
+    failed collective's tensors and waits for the interpreter lock the main thread holds (seen with
+    py-spy: 2 of 5 stalled-peer runs of test_lost_process hung there). Nothing is lost: checkpoints and
+    summaries are renamed into place whole, metrics.jsonl is closed after every step's line."""
+    sys.stdout.flush()
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def tracker_problem(name: str) -> str | None:
