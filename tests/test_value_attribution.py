@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -61,7 +62,7 @@ def test_values_find_a_planted_wrong_result_on_the_tiny_model(tiny_model):
     assert v["dv"] == [-1.0 if t == where else 0.0 for t in v["positions"]] and v["se"] == [0.0] * 10 and v["v0"] == 1.0
 
 
-def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path):
+def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, capsys):
     """One command on the tiny model: sampled rollouts, K = 2 continuations, the controls and a method
     (here random-gate, through the credit interface); a second method reuses the cached values."""
     data = str(tiny_model / "data.jsonl")
@@ -77,5 +78,15 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path):
         assert a["methods"]["surprisal"] == b["methods"]["surprisal"]
     grpo = [r["methods"]["grpo"] for r in second["records"]]
     assert all(m["spearman"] == 0.0 for m in grpo)  # a constant method
+    # A run stopped after its first rollout's values resumes at the second, to the same values.
+    whole = json.loads((tmp_path / "values.json").read_text())
+    (tmp_path / "values.json").write_text(json.dumps(whole | {"values": whole["values"][:1]}))
+    capsys.readouterr()
+    va.main(common + ["--method", "grpo"])
+    said = capsys.readouterr().out
+    assert "reused" in said and "rollout 1/4" not in said and "rollout 2/4" in said, said
+    again = json.loads((tmp_path / "values.json").read_text())
+    strip = lambda vs: [{k: v for k, v in r.items() if k != "cpu_s"} for r in vs]
+    assert strip(again["values"]) == strip(whole["values"])
     with pytest.raises(SystemExit):
         va.parse_args(["--model", "x", "--method", "no-such-method"])

@@ -39,7 +39,8 @@ Controls, always in the table: `random` (uniform scores from each rollout's seed
 (-log p of the token at the sampling temperature) and `entropy` (of the distribution it was drawn
 from), read from the same forward. Each cell: mean over rollouts ± standard error across rollouts
 (n rollouts where the metric is defined). The expensive part (the values) is kept in `--values`
-(JSON) and reused when the settings match, so scoring another method costs only its weights.
+(JSON, written after every rollout) and reused when the settings match: a stopped run resumes at its next
+rollout, and scoring another method costs only its weights.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from oar.sampler import (
     sample,
     stop_token_ids,
 )
+from oar.training.checkpoint import write_json_atomic
 from oar.training.data import load_problems
 from oar.training.models import load_model
 
@@ -122,11 +124,12 @@ def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def rollout_values(model, tok, ro: Rollout, golds: list[str], seeds: list[int], *, k: int, max_new_tokens: int, temperature: float,
-                   batch: int, log=print) -> list[dict]:
-    """Per rollout: its reasoning positions (completion indices), ΔV and its s.e. there, V_0 and the seconds it took."""
-    out = []
+                   batch: int, log=print, done: list[dict] = (), save=None) -> list[dict]:
+    """Per rollout: its reasoning positions (completion indices), ΔV and its s.e. there, V_0 and the seconds it took.
+    Starts after the rollouts already `done` (a run that was stopped); `save(values)` after each rollout."""
+    out = list(done)
     lp = ro.prompt_width
-    for i in range(len(ro)):
+    for i in range(len(out), len(ro)):
         t0 = time.process_time()
         prompt = ro.input_ids[i, :lp][ro.attention_mask[i, :lp].bool()].tolist()
         completion = ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist()
@@ -142,6 +145,8 @@ def rollout_values(model, tok, ro: Rollout, golds: list[str], seeds: list[int], 
         log(f"[values] rollout {i + 1}/{len(ro)}: n_R {len(positions)}, {rec['cpu_s']:.0f} CPU s, "
             f"max |ΔV| {max(map(abs, rec['dv']), default=0):.2f}")
         out.append(rec)
+        if save is not None:
+            save(out)
     return out
 
 
@@ -287,15 +292,14 @@ def main(argv=None) -> dict:
     golds = [p.answer for p in problems for _ in range(G)]
     rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
     cached = json.loads(args.values.read_text()) if args.values is not None and args.values.is_file() else None
-    if cached is not None and cached["settings"] == key and cached["texts"] == ro.texts:
-        values = cached["values"]
-        print(f"[values] reused {args.values} ({len(values)} rollouts)", flush=True)
-    else:
-        values = rollout_values(model, tok, ro, golds, seeds, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                batch=args.batch)
-        if args.values is not None:
-            args.values.parent.mkdir(parents=True, exist_ok=True)
-            args.values.write_text(json.dumps({"settings": key, "texts": ro.texts, "values": values}))
+    done = cached["values"] if cached is not None and cached["settings"] == key and cached["texts"] == ro.texts else []
+    if args.values is not None:
+        args.values.parent.mkdir(parents=True, exist_ok=True)
+    if done:
+        print(f"[values] reused {args.values} ({len(done)} of {len(ro)} rollouts)", flush=True)
+    values = rollout_values(model, tok, ro, golds, seeds, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            batch=args.batch, done=done, save=None if args.values is None else
+                            lambda vs: write_json_atomic(args.values, {"settings": key, "texts": ro.texts, "values": vs}))
     scores = control_scores(model, ro, seeds, args.temperature)
     gate = {"gate_quantile": args.gate_quantile, "gate_boost": args.gate_boost}
     for name in args.method:
