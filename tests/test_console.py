@@ -68,6 +68,26 @@ def test_a_library_warning_is_shown_once(caplog):
     assert said.count("test_console: the same warning at every save") == 1 and said.count("test_console: another one") == 1
 
 
+@pytest.mark.parametrize("bars", [False, True])
+def test_a_gguf_loads_with_its_bar_only_where_bars_are_wanted(bars):
+    """transformers' GGUF de-quantization draws its own tqdm bar, ignoring its progress-bar setting: while a
+    GGUF loads (oar/training/models.py), that bar follows the setting quiet_libraries made."""
+    pytest.importorskip("gguf")
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from oar.training.models import _gguf_bar_as_configured
+
+    console.quiet_libraries(bars=bars)
+    try:
+        bar = gguf_utils.tqdm
+        with _gguf_bar_as_configured({"gguf_file": "m.gguf"}):
+            assert gguf_utils.tqdm(range(2)).disable is not bars
+        assert gguf_utils.tqdm is bar  # restored
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 def test_the_heatmap_script_writes_into_the_run_folder(tiny_model, tmp_path):
     from dataclasses import asdict
 

@@ -159,6 +159,7 @@ CHECKED = [  # the same through check_config in this process (a child each costs
     (["--method", "ppo"], "--method ppo"),
     (["--beta", "-1"], "--beta -1.0"),
     (["--epsilon", "1.5"], "--epsilon 1.5"),
+    (["--epsilon", "-0.1"], "--epsilon -0.1"),  # it sets clip_high too: named once, not twice
     (["--max_completion_length", "0"], "--max_completion_length 0"),
     (["--eval_size", "-1"], "--eval_size -1"),
     (["--eval_steps", "-1"], "--eval_steps -1"),

@@ -352,7 +352,8 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0.")
     need(cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: must be >= 0.")
     need(0 <= cfg.clip_low < 1, f"--clip_low {cfg.clip_low}: must lie in [0, 1).")
-    need(cfg.clip_high >= 0, f"--clip_high {cfg.clip_high}: must be >= 0.")
+    # --epsilon sets both: a negative one is named once, by the clip_low check above
+    need(cfg.clip_high >= 0 or cfg.clip_high == cfg.clip_low, f"--clip_high {cfg.clip_high}: must be >= 0.")
     need(cfg.collective_timeout >= 1, f"--collective_timeout {cfg.collective_timeout}: must be >= 1 (seconds).")
     need(cfg.kl_beta >= 0, f"--kl_beta {cfg.kl_beta}: must be >= 0 (0 turns the penalty off).")
     for name in ("warmup_steps", "probe_warmup", "eval_every", "save_every"):

@@ -6,6 +6,8 @@ Calling them (position ids, caches, a logits forward) is oar/lm.py's job.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -116,7 +118,8 @@ def load_model(name: str, *, dtype: str = "float32"):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # pads are masked out; sharing EOS is harmless
     tokenizer.padding_side = "left"
-    model = _loaded(name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs))
+    with _gguf_bar_as_configured(kwargs):
+        model = _loaded(name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs))
     if "gguf_file" in kwargs:
         # transformers dequantizes GGUF weights on load: what remains is a plain float model, which
         # save_pretrained refuses while the GGUF quantizer is still attached.
@@ -124,6 +127,24 @@ def load_model(name: str, *, dtype: str = "float32"):
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config
     return model, tokenizer
+
+
+@contextmanager
+def _gguf_bar_as_configured(kwargs: dict):
+    """transformers' GGUF de-quantization draws its tqdm bar whatever its own progress-bar setting says
+    (oar.training.console.quiet_libraries sets it): while a GGUF loads, the bar follows that setting."""
+    if "gguf_file" not in kwargs:
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = partial(bar, disable=not hf_logging.is_progress_bar_enabled())
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def _tokenizer_class(source: str, auto):
