@@ -191,6 +191,7 @@ def main(argv=None) -> None:
     from dataclasses import asdict
 
     from oar.training.config import Config
+    from oar.training.console import bars_wanted, quiet_libraries
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     src = p.add_mutually_exclusive_group()
@@ -208,6 +209,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"heatmap.py: error: --run {a.run}: no final/ model there (a run writes it when it finishes); "
                              f"pass a finished output_dir, or --model.")
         cfg |= json.loads((Path(a.run) / "config.json").read_text()) if (Path(a.run) / "config.json").exists() else {}
+    quiet_libraries(bars_wanted(True))  # transformers' loading bar only on a terminal, as train.py's
     torch.manual_seed(a.seed)
     model, tok = load_model(str(Path(a.run) / "final") if a.run else model_source(a.model))
     model.eval()
