@@ -73,6 +73,7 @@ from oar.sampler import (
 from oar.training.checkpoint import write_json_atomic
 from oar.training.data import load_problems
 from oar.training.models import load_model
+from scripts.analysis.attribution import spearman
 
 CONTROLS = ("random", "surprisal", "entropy")
 TOP = 0.2  # recall@k: k = ceil(TOP * n_R)
@@ -186,28 +187,6 @@ def control_scores(model, ro: Rollout, seeds: list[int], temperature: float) -> 
 
 
 # ------------------------------------------------------------------------------------------ metrics
-
-def average_ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks 1..n, ties given the mean of the ranks they span."""
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x))
-    sx, start = np.asarray(x)[order], 0
-    for end in range(1, len(x) + 1):
-        if end == len(x) or sx[end] != sx[start]:
-            ranks[order[start:end]] = (start + 1 + end) / 2
-            start = end
-    return ranks
-
-
-def spearman(a, b) -> float:
-    """Spearman's rank correlation; 0 when either is constant, NaN below 2 tokens."""
-    if len(a) < 2:
-        return math.nan
-    ra, rb = average_ranks(np.asarray(a, float)), average_ranks(np.asarray(b, float))
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    denom = math.sqrt(float((ra ** 2).sum() * (rb ** 2).sum()))
-    return float((ra * rb).sum() / denom) if denom > 0 else 0.0
-
 
 def top_membership(x, k: int) -> np.ndarray:
     """P(token is among the k largest of x) under random tie-breaking: 1 above the cut, a share at it."""
