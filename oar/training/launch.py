@@ -79,8 +79,9 @@ def exit_at_once(message: str) -> None:
     peer died or stalled. Tearing down then can hang for ever: the main thread frees DDP's reducer and
     with it the gloo process group, whose destructor joins a worker thread that is still freeing the
     failed collective's tensors and waits for the interpreter lock the main thread holds (seen with
-    py-spy: 2 of 5 stalled-peer runs of test_lost_process hung there). Nothing is lost: checkpoints and
-    summaries are renamed into place whole, metrics.jsonl is closed after every step's line."""
+    py-spy: 2 of 5 stalled-peer runs of test_lost_process hung there). Checkpoints and summaries are
+    renamed into place whole and metrics.jsonl is closed after every step's line, so they are kept; a
+    tracker's last buffered events may be lost (docs/resuming.md)."""
     sys.stdout.flush()
     print(message, file=sys.stderr, flush=True)
     os._exit(1)

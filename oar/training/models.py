@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -140,7 +139,7 @@ def _gguf_bar_as_configured(kwargs: dict):
     from transformers.utils import logging as hf_logging
 
     bar = gguf_utils.tqdm
-    gguf_utils.tqdm = partial(bar, disable=not hf_logging.is_progress_bar_enabled())
+    gguf_utils.tqdm = functools.partial(bar, disable=not hf_logging.is_progress_bar_enabled())
     try:
         yield
     finally:
