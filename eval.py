@@ -17,8 +17,8 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 
-from oar.training.config import (BACKEND_FLAGS, BackendSettings, EvalSettings, ModelSettings, check_backend_settings, check_eval_settings,
-                                 check_model_settings, check_output_dir)
+from oar.training.checks import check_backend_settings, check_eval_settings, check_model_settings, check_output_dir
+from oar.training.config import BACKEND_FLAGS, BackendSettings, EvalSettings, ModelSettings
 from oar.training.flags import Alias, FlagParser
 
 

@@ -78,7 +78,8 @@ from oar.sampler import format_prompt, resolve_instruction
 from oar.tasks.tiny_arith_cache import model_source
 from oar.training import checkpoint as ckpt
 from oar.training import lora, rollout_backend, sharding
-from oar.training.config import Config, check_config, check_resume, micro_batch, parse_args
+from oar.training.checks import check_config
+from oar.training.config import Config, check_resume, micro_batch, parse_args
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
 from oar.training.data import DataError, run_problems, step_prompts

@@ -137,7 +137,8 @@ def test_a_method_breaking_the_protocol_at_run_time_is_named(tiny_model, tmp_pat
 
 
 def test_a_method_name_the_table_lacks_is_named_with_the_choices():
-    from oar.training.config import check_config, parse_args
+    from oar.training.checks import check_config
+    from oar.training.config import parse_args
 
     builtins = "grpo, oar-g, oar-p, entropy, entropy-mask, tempo, oar-g+tempo, random-gate"
     for extra, message in (([], f"--method mine: choose one of {builtins} (or name a module that defines it with --credit_module)."),

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oar.training.config import Config, check_config, micro_batch, parse_args
+from oar.training.checks import check_config
+from oar.training.config import Config, micro_batch, parse_args
 from tinyrun import EVAL, TINY, TRAIN, final_params, metrics, run_inprocess, run_script
 
 

@@ -184,7 +184,7 @@ def test_a_bad_value_stops_with_one_line_that_names_its_flag(argv, named, tmp_pa
 
 @pytest.mark.parametrize("argv, named", CHECKED, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
 def test_a_bad_value_is_named_as_typed_by_the_checks(argv, named):
-    from oar.training.config import check_config
+    from oar.training.checks import check_config
 
     with pytest.raises(ValueError) as err:
         check_config(parse_args(argv), num_processes=1)

@@ -117,7 +117,8 @@ def test_training_runs_the_window_mode_and_names_bad_settings(tiny_model, tmp_pa
     """train.py --perturb_mode window scores through window_perturbation_scores (W = --perturb_window),
     and impossible settings are named before anything loads."""
     import oar.oar_perturb as oar_perturb  # the entry point training calls, which calls the window file
-    from oar.training.config import check_config, parse_args
+    from oar.training.checks import check_config
+    from oar.training.config import parse_args
     from tinyrun import TINY, metrics, run_inprocess
 
     seen = []

@@ -121,7 +121,8 @@ def test_the_compiled_step_gives_the_same_tokens_on_a_cpu():
 
 
 def test_train_py_refuses_a_compiled_loop_under_fsdp_and_an_unknown_loop():
-    from oar.training.config import Config, check_config
+    from oar.training.checks import check_config
+    from oar.training.config import Config
 
     for kwargs, match in ((dict(decode_loop="compiled", fsdp=True), "under --fsdp"), (dict(decode_loop="graph"), "one of eager")):
         with pytest.raises(ValueError, match=match):

@@ -1,11 +1,11 @@
-"""Every setting of a training run, and the checks that refuse impossible ones before anything loads.
+"""Every setting of a training run, and what a resumed run may change.
 
 `Config` is train.py's command line: one flag per field, its help the docstring under the field
 (oar/training/flags.py), grouped as GROUPS says, with other libraries' names (ALIASES, docs/flags.md).
 The settings token credit reads are declared once, in oar/credit_settings.py, which `Config`
 extends; `Config.credit()` derives a run's CreditSettings. `ModelSettings` and `EvalSettings` are
-shared with eval.py, and so are their checks. `check_config` names every impossible setting with its
-fix; `check_resume` refuses a resume that would splice two different runs into one.
+shared with eval.py, and so are their checks (oar/training/checks.py, which names every impossible
+setting with its fix). `check_resume` refuses a resume that would splice two different runs into one.
 
 This module imports no torch at import time: `train.py --help` and a bad flag answer before torch loads.
 """
@@ -13,7 +13,6 @@ This module imports no torch at import time: `train.py --help` and a bad flag an
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import ClassVar
 
 from oar import credit_settings as cs
@@ -252,117 +251,6 @@ def micro_batch(cfg: Config, num_processes: int) -> int:
     """Rollouts per forward/backward: --micro_batch_size, or all of a process's rollouts when it holds
     fewer (8 GPUs x 4 prompts x 8 rollouts is one micro-batch of 32 at the default 64)."""
     return max(1, min(cfg.micro_batch_size, cfg.prompts_per_step // num_processes * cfg.group_size))
-
-
-def check_model_settings(cfg: ModelSettings) -> list[str]:
-    """Impossible loading and sampling settings, shared by train.py and eval.py."""
-    import torch
-
-    from oar.sampler import DECODE_LOOPS
-
-    problems = []
-    need = lambda ok, msg: ok or problems.append(msg)
-    need(isinstance(getattr(torch, cfg.dtype, None), torch.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
-    need(cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: must be >= 1.")
-    need(cfg.decode_loop in DECODE_LOOPS, f"--decode_loop {cfg.decode_loop}: one of {', '.join(DECODE_LOOPS)}.")
-    return problems
-
-
-def check_backend_settings(cfg: BackendSettings) -> list[str]:
-    """Impossible rollout-backend settings, shared by train.py and eval.py (what vLLM cannot serve is
-    oar.training.rollout_backend.check's, once the model is known)."""
-    problems = []
-    need = lambda ok, msg: ok or problems.append(msg)
-    need(cfg.rollout_backend in ("own", "vllm"), f"--rollout_backend {cfg.rollout_backend}: own or vllm.")
-    need(cfg.vllm_importance_sampling_cap >= 0, f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: must be >= 0 (0: off).")
-    need(0 < cfg.vllm_gpu_memory_utilization <= 1, f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must lie in (0, 1].")
-    return problems
-
-
-def check_eval_settings(cfg: EvalSettings) -> list[str]:
-    """Impossible evaluation settings, shared by train.py and eval.py."""
-    problems = []
-    need = lambda ok, msg: ok or problems.append(msg)
-    need(cfg.eval_size >= 0, f"--eval_size {cfg.eval_size}: must be >= 0 (0: every problem).")
-    need(cfg.eval_batch_size >= 1, f"--eval_batch_size {cfg.eval_batch_size}: must be >= 1.")
-    need(cfg.eval_samples >= 1 and cfg.eval_temperature >= 0 and (cfg.eval_samples == 1 or cfg.eval_temperature > 0),
-         f"--eval_samples {cfg.eval_samples} / --eval_temperature {cfg.eval_temperature}: k >= 1, temperature >= 0, "
-         f"and k > 1 needs --eval_temperature > 0 (greedy samples are all the same).")
-    return problems
-
-
-def check_output_dir(output_dir: str) -> list[str]:
-    return [] if not Path(output_dir).exists() or Path(output_dir).is_dir() else [
-        f"--output_dir {output_dir} is a file; pass a directory (it is created if missing)."]
-
-
-def check_config(cfg: Config, num_processes: int) -> None:
-    """Every impossible setting, named with its fix, before anything expensive happens (ValueError,
-    one line per problem)."""
-    from oar.credit import CreditError, credit_methods
-    from oar.reward_table import RewardError, reward_terms
-    from oar.training.launch import tracker_problem
-    from oar.oar_perturb import MODES as PERTURB_MODES
-    from oar.probes import PROBES
-    from oar.training import lora
-
-    problems = []
-    need = lambda ok, msg: ok or problems.append(msg)
-    try:  # a user's module is imported here, so that one that fails stops the run before anything loads
-        methods = credit_methods(cfg.credit_module)
-        where = f"with --credit_module {cfg.credit_module}" if cfg.credit_module else "or name a module that defines it with --credit_module"
-        need(cfg.method in methods, f"--method {cfg.method}: choose one of {', '.join(methods)} ({where}).")
-    except CreditError as err:
-        problems.append(str(err))
-    try:  # likewise a --reward_module: imported, and each of its functions called once on an example
-        reward_terms(cfg.reward, cfg.reward_module)
-    except RewardError as err:
-        problems.append(str(err))
-    problems += [problem for name in cfg.log_with.split(",") if name and (problem := tracker_problem(name))]
-    need(cfg.probe in PROBES, f"--probe {cfg.probe}: choose one of {', '.join(PROBES)}.")
-    need(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO needs >= 2 rollouts per prompt for a baseline.")
-    need(cfg.prompts_per_step % num_processes == 0,
-         f"--prompts_per_step {cfg.prompts_per_step} does not divide over {num_processes} processes; use a multiple of {num_processes}.")
-    local = cfg.prompts_per_step // num_processes * cfg.group_size
-    need(cfg.micro_batch_size >= 1 and local % micro_batch(cfg, num_processes) == 0,
-         f"--micro_batch_size {cfg.micro_batch_size} must divide the {local} rollouts each process holds "
-         f"(prompts_per_step / processes x group_size), or be at least that many (one micro-batch).")
-    need(cfg.rollout_batch_size >= 0 and (cfg.rollout_batch_size == 0 or (cfg.prompts_per_step // num_processes) % cfg.rollout_batch_size == 0),
-         f"--rollout_batch_size {cfg.rollout_batch_size} must divide each process's {cfg.prompts_per_step // num_processes} prompts "
-         f"(prompts_per_step / processes), or be 0 (all at once).")
-    need(0.0 < cfg.gate_quantile < 1.0, f"--gate_quantile {cfg.gate_quantile}: must lie strictly between 0 and 1.")
-    need(cfg.gate_boost >= 0, f"--gate_boost {cfg.gate_boost}: must be >= 0.")
-    need(cfg.noise_std >= 0, f"--noise_std {cfg.noise_std}: must be >= 0.")
-    need(cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts need sampling (> 0).")
-    need(0 < cfg.top_p <= 1, f"--top_p {cfg.top_p}: must lie in (0, 1].")
-    need(not (cfg.fsdp and cfg.decode_loop == "compiled"), "--decode_loop compiled with --fsdp: the gathered parameters move "
-         "every step, so a captured step would not replay; use --decode_loop static under --fsdp.")
-    need(cfg.aggregation in ("seq_mean", "token_mean"), f"--aggregation {cfg.aggregation}: seq_mean or token_mean.")
-    need(cfg.advantage_scale in ("group", "batch", "none"), f"--advantage_scale {cfg.advantage_scale}: group, batch or none.")
-    need(cfg.outcome_source in ("rollout", "reference"), f"--outcome_source {cfg.outcome_source}: rollout or reference.")
-    need(cfg.steps >= 1, f"--steps {cfg.steps}: must be >= 1.")
-    need(cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: must be >= 1.")
-    need(cfg.perturb_mode in PERTURB_MODES, f"--perturb_mode {cfg.perturb_mode}: choose one of {', '.join(PERTURB_MODES)}.")
-    need(cfg.perturb_window >= 0, f"--perturb_window {cfg.perturb_window}: must be >= 0.")
-    need(not cfg.fsdp or num_processes >= 2, "--fsdp shards over processes: start 2 or more with "
-         "`accelerate launch --multi_gpu --num_processes N train.py --fsdp ...`, or drop --fsdp.")
-    need(cfg.num_iterations >= 1, f"--num_iterations {cfg.num_iterations}: must be >= 1 (1 = one update per batch of rollouts).")
-    need(cfg.keep_checkpoints >= 1, f"--keep_checkpoints {cfg.keep_checkpoints}: must be >= 1.")
-    need(cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0.")
-    need(cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0.")
-    need(cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: must be >= 0.")
-    need(0 <= cfg.clip_low < 1, f"--clip_low {cfg.clip_low}: must lie in [0, 1).")
-    # --epsilon sets both: a negative one is named once, by the clip_low check above
-    need(cfg.clip_high >= 0 or cfg.clip_high == cfg.clip_low, f"--clip_high {cfg.clip_high}: must be >= 0.")
-    need(cfg.collective_timeout >= 1, f"--collective_timeout {cfg.collective_timeout}: must be >= 1 (seconds).")
-    need(cfg.kl_beta >= 0, f"--kl_beta {cfg.kl_beta}: must be >= 0 (0 turns the penalty off).")
-    for name in ("warmup_steps", "probe_warmup", "eval_every", "save_every"):
-        need(getattr(cfg, name) >= 0, f"--{name} {getattr(cfg, name)}: must be >= 0.")
-    problems += check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg) + check_output_dir(cfg.output_dir)
-    problems += lora.check_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules,
-                                    default_alpha=Config.lora_alpha, default_targets=Config.lora_target_modules)
-    if problems:
-        raise ValueError("\n".join(problems))
 
 
 def check_resume(cfg: Config, state: dict, where) -> None:
