@@ -39,8 +39,6 @@ import re
 import threading
 from fractions import Fraction
 
-import math_verify
-
 from oar.answers import find_answer, group_end
 
 MV_SECONDS = 1.0  # deadline for math-verify's parse + verify of one pair
@@ -147,22 +145,31 @@ def _deadline(seconds: float):
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
 
 
-# We pass timeouts of None on purpose (`_deadline` replaces them); math-verify warns once about it.
-for _name in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(_name).addFilter(lambda record: "Timeout is disabled" not in record.getMessage())
+@functools.cache
+def _math_verify():
+    """math-verify, imported on first use: it brings sympy (~0.8 s of every process's start, and plain
+    numbers never need it). Called before a deadline starts: the import must not count against it."""
+    import math_verify
 
-_LATEX_ONLY = (math_verify.LatexExtractionConfig(boxed_match_priority=0),)
+    # We pass timeouts of None on purpose (`_deadline` replaces them); math-verify warns once about it.
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(lambda record: "Timeout is disabled" not in record.getMessage())
+    math_verify.parse("\\boxed{1}", parsing_timeout=None)  # its first parse builds the grammar (~0.2 s): not under a deadline
+    return math_verify
 
 
 @functools.lru_cache(maxsize=4096)  # a gold answer is parsed once per prompt, not once per rollout
 def _parse(answer: str) -> tuple:
-    return tuple(math_verify.parse("\\boxed{" + answer + "}", _LATEX_ONLY, parsing_timeout=None))
+    math_verify = _math_verify()
+    latex_only = (math_verify.LatexExtractionConfig(boxed_match_priority=0),)
+    return tuple(math_verify.parse("\\boxed{" + answer + "}", latex_only, parsing_timeout=None))
 
 
 def _math_verify_equal(pred: str, gold: str) -> bool:
     """math-verify's verdict within MV_SECONDS; False on a timeout, an error or a refused input."""
     if max(len(pred), len(gold)) > MV_MAX_CHARS or _may_explode(pred) or _may_explode(gold):
         return False
+    math_verify = _math_verify()  # outside the deadline
     try:
         with _deadline(MV_SECONDS):  # verify of an empty parse is False
             return math_verify.verify(list(_parse(gold)), list(_parse(pred)), timeout_seconds=None)

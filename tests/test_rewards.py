@@ -298,3 +298,28 @@ def test_every_gold_answer_matches_itself():
         forms = [f"\\boxed{{{gold}}}"] + ([f"#### {gold}"] if dataset == "gsm8k" else [])
         failures += [(dataset, text) for text in forms if not answers_match(extract_answer(text), gold)]
     assert rows > 2_000 and not failures, failures[:10]
+
+
+
+def test_math_verify_loads_on_first_need_and_before_the_deadline():
+    """A fresh process: importing the rewards and checking plain numbers leave sympy unloaded (~0.8 s of
+    every start saved); the first answer that needs math-verify enters the deadline (1 s) with the
+    module imported and its parser warmed up (~0.2 s more), so neither counts against the verdict."""
+    import subprocess
+    import sys
+
+    code = """
+import contextlib, sys, oar.rewards as r
+assert r.answers_match('1,000', '1000') and 'sympy' not in sys.modules
+entered, deadline = [], r._deadline
+@contextlib.contextmanager
+def recording(seconds):
+    entered.append('sympy' in sys.modules and r._math_verify.cache_info().currsize == 1)
+    with deadline(seconds):
+        yield
+r._deadline = recording
+print(r.answers_match('\\\\sqrt{50}', '5\\\\sqrt{2}'), entered)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["True", "[True]"], out.stdout + out.stderr[-2000:]
