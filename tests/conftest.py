@@ -44,6 +44,15 @@ def padded_batch(seed: int = 0, vocab_size: int = 40):
     return torch.stack(rows), torch.stack(attn), torch.stack(reas), torch.stack(ans)
 
 
+def pytest_configure(config):
+    """In a pytest-xdist worker (`pytest -n 2`), one torch thread, for its own work and the runs it starts
+    (OMP_NUM_THREADS is inherited). With torch's default of a thread per core, two workers on two cores
+    took as long as one process (docs/dependencies.md has the measurements)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def model():
     return tiny_llama()
