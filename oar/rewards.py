@@ -154,7 +154,11 @@ def _math_verify():
     # We pass timeouts of None on purpose (`_deadline` replaces them); math-verify warns once about it.
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(lambda record: "Timeout is disabled" not in record.getMessage())
-    math_verify.parse("\\boxed{1}", parsing_timeout=None)  # its first parse builds the grammar (~0.2 s): not under a deadline
+    # Its first parse builds the grammar and its first verify loads sympy's simplification: ~0.5-0.9 s
+    # together, which the first answer's 1 s deadline must not pay (it did: a right answer scored 0)
+    latex = (math_verify.LatexExtractionConfig(boxed_match_priority=0),)
+    math_verify.verify(math_verify.parse("\\boxed{2x+2}", latex, parsing_timeout=None),
+                       math_verify.parse("\\boxed{2(x+1)}", latex, parsing_timeout=None), timeout_seconds=None)
     return math_verify
 
 
