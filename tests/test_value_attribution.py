@@ -62,6 +62,34 @@ def test_values_find_a_planted_wrong_result_on_the_tiny_model(tiny_model):
     assert v["dv"] == [-1.0 if t == where else 0.0 for t in v["positions"]] and v["se"] == [0.0] * 10 and v["v0"] == 1.0
 
 
+
+def test_a_prefixs_continuations_share_its_prefill_and_sample_what_one_row_at_a_time_would(tiny_model):
+    """continuation_rewards prefills a prefix once for its K continuations (the sampler's group_size):
+    the same rewards as sampling every (prefix, continuation) row on its own, at a temperature where the
+    seeds' outcomes differ, with batches that cut the prefixes unevenly (batch 8, K 4: 2 a call, 5 prefixes)."""
+    from oar.rewards import reward
+    from oar.rollout import char_offsets
+    from oar.sampler import decode, encode_prompts, format_prompt, stop_token_ids
+    from oar.training.models import load_model
+
+    model, tok = load_model(str(tiny_model))
+    prompt = encode_prompts(tok, [format_prompt(tok, "Compute 5 + 3.")], "cpu")[0][0].tolist()
+    completion = tok("5 + 3 = 8\n#### 8", add_special_tokens=False)["input_ids"]
+    prefixes, k, stop, hot = [0, 2, 3, 5, 6], 4, stop_token_ids(model, tok), 2.0
+    shared = va.continuation_rewards(model, tok, prompt, completion, "8", prefixes, k, 7, max_new_tokens=20, temperature=hot, batch=8)
+    alone = {}
+    for j in prefixes:
+        for c in range(k):
+            ids = torch.tensor([prompt + completion[:j]])
+            row = decode(model, ids, torch.ones_like(ids), max_new_tokens=20 - j, temperature=hot, top_p=1.0, eos_token_ids=stop,
+                         pad_token_id=tok.pad_token_id, seeds=[7 * 1_000_003 + c])[0][0].tolist()
+            end = next((n for n, x in enumerate(row) if x in stop), len(row))
+            alone[(j, c)] = reward(char_offsets(tok, completion[:j] + row[:end])[0], "8")
+    assert shared == alone
+    # the seeds matter: at some prefix the K continuations do not all end alike
+    assert any(len({alone[(j, c)] for c in range(k)}) == 2 for j in prefixes), alone
+
+
 def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, capsys):
     """One command on the tiny model: sampled rollouts, K = 2 continuations, the controls and a method
     (here random-gate, through the credit interface); a second method reuses the cached values."""

@@ -17,8 +17,8 @@ and each reasoning token t gets
 Continuation k of a rollout uses the same seed at every prefix (common random numbers: the K paired
 differences R_{t+1,k} - R_{t,k} cancel much of the sampling noise), so ΔV_t is their mean and its
 Monte-Carlo standard error is their standard deviation / sqrt(K) (ddof 1). Prefixes are batched
-(rows of similar length together, `--batch` rows a call); each row's prompt and prefix are prefilled
-once and its keys/values reused for the continuation (the sampler's KV cache).
+(prefixes of similar length together, `--batch` continuation rows a call); a prefix's prompt and text
+are prefilled once and their keys/values copied to its K continuations (the sampler's `group_size`).
 
 A method is scored through train.py's credit interface (oar.credit.step_credit): any built-in
 (`--method oar-g`, `oar-p`, `entropy`, `tempo`, `random-gate`, ...) or one of a `--credit_module`'s,
@@ -99,15 +99,15 @@ def continuation_rewards(model, tok, prompt: list[int], completion: list[int], g
     `prefixes`, c < k. The continuation of prefix j gets the rollout's remaining budget max_new_tokens - j;
     continuation c draws from seed `seed * 1_000_003 + c` at every prefix (common random numbers)."""
     stop = stop_token_ids(model, tok)
-    rows = [(j, c) for j in prefixes for c in range(k)]
     out = {}
-    for start in range(0, len(rows), batch):
-        part = rows[start:start + batch]
-        ids, mask = _left_pad([prompt + completion[:j] for j, _ in part], tok.pad_token_id)
-        budget = max_new_tokens - min(j for j, _ in part)
-        cont, _ = decode(model, ids, mask, max_new_tokens=budget, temperature=temperature, top_p=1.0, eos_token_ids=stop,
-                         pad_token_id=tok.pad_token_id, seeds=[seed * 1_000_003 + c for _, c in part])
-        for (j, c), row in zip(part, cont.tolist()):
+    per_call = max(1, batch // k)  # prefixes a call; a prefix's k continuations share its one prefill (group_size k)
+    for start in range(0, len(prefixes), per_call):
+        part = prefixes[start:start + per_call]
+        ids, mask = _left_pad([prompt + completion[:j] for j in part], tok.pad_token_id)
+        cont, _ = decode(model, ids, mask, max_new_tokens=max_new_tokens - min(part), temperature=temperature, top_p=1.0,
+                         eos_token_ids=stop, pad_token_id=tok.pad_token_id, group_size=k,
+                         seeds=[seed * 1_000_003 + c for _ in part for c in range(k)])
+        for (j, c), row in zip([(j, c) for j in part for c in range(k)], cont.tolist()):
             row = row[:max_new_tokens - j]  # this prefix's own budget
             end = next((n for n, x in enumerate(row) if x in stop), len(row))
             text = char_offsets(tok, completion[:j] + row[:end])[0]  # what the sampler's text of that rollout would be
