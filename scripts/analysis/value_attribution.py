@@ -72,7 +72,7 @@ from oar.sampler import (
 )
 from oar.training.checkpoint import write_json_atomic
 from oar.training.data import load_problems
-from oar.training.models import load_model
+from oar.training.models import SMOLLM2, load_model, smollm2_gguf
 from scripts.analysis.attribution import spearman
 
 CONTROLS = ("random", "surprisal", "entropy")
@@ -256,14 +256,23 @@ def parse_args(argv=None):
     return args
 
 
+def portable(settings: dict) -> dict:
+    """The settings the values depend on, as --values records them: the model by its file or folder name,
+    not where it lies (a site-packages or a clone differs between machines; `smollm2` is its GGUF's name),
+    so values made on one machine resume on another. The rollouts' texts are recorded beside them, and a
+    run reuses values only when its own rollouts are the same texts: another model cannot pass for this one."""
+    model = settings["model"]
+    return settings | {"model": smollm2_gguf().name if model == SMOLLM2 else Path(model).name}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     model, tok = load_model(args.model)
     model.eval()
     problems = load_problems(args.data, split=args.split, limit=args.problems)[: args.problems]
     instruction = resolve_instruction(args.instruction, args.data, args.model)
-    key = {k: getattr(args, k) for k in ("model", "data", "split", "instruction", "problems", "group_size", "k", "max_new_tokens",
-                                         "temperature", "seed")}
+    key = portable({k: getattr(args, k) for k in ("model", "data", "split", "instruction", "problems", "group_size", "k",
+                                                  "max_new_tokens", "temperature", "seed")})
     G = args.group_size
     seeds = [args.seed * 1_000_003 + n for n in range(len(problems) * G)]
     prompts = [format_prompt(tok, p.problem, instruction) for p in problems]
@@ -271,7 +280,7 @@ def main(argv=None) -> dict:
     golds = [p.answer for p in problems for _ in range(G)]
     rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
     cached = json.loads(args.values.read_text()) if args.values is not None and args.values.is_file() else None
-    done = cached["values"] if cached is not None and cached["settings"] == key and cached["texts"] == ro.texts else []
+    done = cached["values"] if cached is not None and portable(cached["settings"]) == key and cached["texts"] == ro.texts else []
     if args.values is not None:
         args.values.parent.mkdir(parents=True, exist_ok=True)
     if done:
