@@ -263,7 +263,8 @@ def test_every_credit_method_trains_with_lora_and_fsdp_variants(tiny, tmp_path):
 
 
 def test_the_benchmark_times_every_backend_on_the_same_batch(tiny, loaded):
-    """scripts/bench/bench_rollouts.py's vLLM row: three backends, the same rollouts count, full lengths."""
+    """scripts/bench/bench_rollouts.py's vLLM row: three backends, the same rollouts count, full lengths, each
+    timed `repeats` times (in alternating order) and reported by the median."""
     import sys
     from pathlib import Path
 
@@ -275,9 +276,10 @@ def test_the_benchmark_times_every_backend_on_the_same_batch(tiny, loaded):
     model, tok = loaded
     ids, attn = encode_prompts(tok, _prompts(tok, PROBLEMS[:2]), "cpu")
     r = br.backend_speeds(model, tiny, ids, attn, group_size=3, new_tokens=6, pad=tok.pad_token_id, kv_cache_gib=0.0625,
-                          max_model_length=256)
+                          max_model_length=256, repeats=3)
     assert set(r["variants"]) == {"eager", "hf_generate", "vllm"} and r["rollouts"] == 6 and r["engine_start_s"] > 0
     for x in r["variants"].values():
+        assert len(x["times_s"]) == 3 and x["median_s"] == sorted(x["times_s"])[1]
         assert x["tokens_per_s"] == 6 * 6 / x["median_s"]
     assert r["vllm_vs_own"] == r["variants"]["eager"]["median_s"] / r["variants"]["vllm"]["median_s"]
 

