@@ -119,8 +119,19 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     again = json.loads((tmp_path / "values.json").read_text())
     strip = lambda vs: [{k: v for k, v in r.items() if k != "cpu_s"} for r in vs]
     assert strip(again["values"]) == strip(whole["values"])
+    # --cached_only: the table of the rollouts that have values so far, and no new values
+    (tmp_path / "values.json").write_text(json.dumps(whole | {"values": whole["values"][:2]}))
+    capsys.readouterr()
+    interim = va.main(common + ["--method", "grpo", "--cached_only"])
+    assert "rollout 3/4" not in capsys.readouterr().out and interim["rollouts_with_values"] == 2
+    assert [r["rollout"] for r in interim["records"]] == [r["rollout"] for r in first["records"] if r["rollout"] < 2]
+    assert len(json.loads((tmp_path / "values.json").read_text())["values"]) == 2
+    with pytest.raises(SystemExit, match="holds no values"):  # values of other settings: nothing to score
+        va.main(common + ["--k", "3", "--method", "grpo", "--cached_only"])  # the last --k counts
     with pytest.raises(SystemExit):
         va.parse_args(["--model", "x", "--method", "no-such-method"])
+    with pytest.raises(SystemExit):
+        va.parse_args(["--model", "x", "--cached_only"])  # nothing to score without --values
 
 
 def test_values_made_on_another_machine_resume_where_the_model_lies_elsewhere():

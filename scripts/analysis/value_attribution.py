@@ -2,6 +2,7 @@
 
     python scripts/analysis/value_attribution.py --model M.gguf --data problems.jsonl --method oar-g
     python scripts/analysis/value_attribution.py --model M --credit_module my_credit.py --method my-method --values runs/va/values.json
+    python scripts/analysis/value_attribution.py ... --values runs/va/values.json --cached_only   # the table so far, while a run goes on
 
 Legend: P problems, G rollouts per problem, N = P x G rollouts, T completion tokens, n_R a rollout's
 reasoning tokens (before the final-answer marker), K continuations per prefix, L positions.
@@ -248,7 +249,11 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=64, help="continuation rows per sampling call")
     p.add_argument("--values", type=Path, default=None, help="JSON cache of the rollouts' values (written; reused when its settings match)")
     p.add_argument("--out", type=Path, default=None, help="write the table and per-rollout metrics here (JSON)")
+    p.add_argument("--cached_only", action="store_true", help="score the methods on the rollouts whose values --values "
+                   "already holds and compute no more: an interim table while a long run is still going")
     args = p.parse_args(argv)
+    if args.cached_only and args.values is None:
+        p.error("--cached_only scores the values of --values FILE: give the file")
     table_ = credit_methods(args.credit_module)
     unknown = [m for m in args.method if m not in table_]
     if unknown:
@@ -285,7 +290,9 @@ def main(argv=None) -> dict:
         args.values.parent.mkdir(parents=True, exist_ok=True)
     if done:
         print(f"[values] reused {args.values} ({len(done)} of {len(ro)} rollouts)", flush=True)
-    values = rollout_values(model, tok, ro, golds, seeds, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    if args.cached_only and not done:
+        raise SystemExit(f"value_attribution.py: error: --cached_only: {args.values} holds no values for these settings and rollouts")
+    values = done if args.cached_only else rollout_values(model, tok, ro, golds, seeds, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             batch=args.batch, done=done, save=None if args.values is None else
                             lambda vs: write_json_atomic(args.values, {"settings": key, "texts": ro.texts, "values": vs}))
     scores = control_scores(model, ro, seeds, args.temperature)
@@ -305,12 +312,13 @@ def main(argv=None) -> dict:
     se_all = [s for v in values for s in v["se"]]
     dv_all = [(d, s) for v in values for d, s in zip(v["dv"], v["se"])]
     result = {"settings": key | {"methods": args.method, "credit_module": args.credit_module, "probe": args.probe, **gate},
-              "rollouts": len(ro), "scored_rollouts": len(records), "correct": int(rewards.sum()),
+              "rollouts": len(ro), "rollouts_with_values": len(values), "scored_rollouts": len(records), "correct": int(rewards.sum()),
               "reasoning_tokens": sum(r["n_reasoning"] for r in records),
               "mc_se_mean": float(np.mean(se_all)) if se_all else math.nan,
               "frac_significant": float(np.mean([abs(d) > 2 * s for d, s in dv_all])) if dv_all else math.nan,
               "values_cpu_s": sum(v["cpu_s"] for v in values), "table": table(records, names), "records": records}
-    print(f"{len(records)} rollouts with reasoning tokens of {len(ro)} ({result['correct']} correct), {result['reasoning_tokens']} "
+    print(f"{len(records)} rollouts with reasoning tokens of the {len(values)} with values, of {len(ro)} ({result['correct']} correct), "
+          f"{result['reasoning_tokens']} "
           f"reasoning tokens; K = {args.k}: mean Monte-Carlo s.e. of ΔV {result['mc_se_mean']:.3f}, "
           f"{100 * result['frac_significant']:.0f}% of tokens with |ΔV| > 2 s.e.; values {result['values_cpu_s']:.0f} CPU s")
     print(result["table"])
