@@ -126,8 +126,9 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     assert "rollout 3/4" not in capsys.readouterr().out and interim["rollouts_with_values"] == 2
     assert [r["rollout"] for r in interim["records"]] == [r["rollout"] for r in first["records"] if r["rollout"] < 2]
     assert len(json.loads((tmp_path / "values.json").read_text())["values"]) == 2
-    with pytest.raises(SystemExit, match="holds no values"):  # values of other settings: nothing to score
-        va.main(common + ["--k", "3", "--method", "grpo", "--cached_only"])  # the last --k counts
+    with pytest.raises(SystemExit, match="other settings or other rollouts"):  # refused, not overwritten
+        va.main(common + ["--k", "3", "--method", "grpo"])  # the last --k counts
+    assert len(json.loads((tmp_path / "values.json").read_text())["values"]) == 2
     with pytest.raises(SystemExit):
         va.parse_args(["--model", "x", "--method", "no-such-method"])
     with pytest.raises(SystemExit):
@@ -149,3 +150,16 @@ def test_values_made_on_another_machine_resume_where_the_model_lies_elsewhere():
     except metadata.PackageNotFoundError:
         return  # the shortcut resolves only with the package installed
     assert va.portable({"model": "smollm2", "k": 8}) == va.portable(here)
+
+
+def test_values_are_reused_only_for_the_same_rollouts():
+    """The values index tokens: the same texts cut into other tokens, or the same tokens with another model's
+    log-probs (two checkpoints both named `final`), do not reuse them; a machine's rounding (1e-5) does. A
+    file written before ids were recorded is matched on its texts."""
+    here = {"texts": ["1 + 23 = 24"], "ids": [[5, 6, 7]], "logprobs": [[-0.5, -1.25, -0.01]]}
+    assert va.same_rollouts(here, here)
+    assert va.same_rollouts(here | {"logprobs": [[-0.50001, -1.25, -0.01]]}, here)
+    assert not va.same_rollouts(here | {"ids": [[5, 8, 7]]}, here)
+    assert not va.same_rollouts(here | {"logprobs": [[-0.5, -1.4, -0.01]]}, here)
+    assert not va.same_rollouts(here | {"texts": ["1 + 23 = 25"]}, here)
+    assert va.same_rollouts({"texts": here["texts"]}, here)

@@ -40,8 +40,9 @@ Controls, always in the table: `random` (uniform scores from each rollout's seed
 (-log p of the token at the sampling temperature) and `entropy` (of the distribution it was drawn
 from), read from the same forward. Each cell: mean over rollouts ± standard error across rollouts
 (n rollouts where the metric is defined). The expensive part (the values) is kept in `--values`
-(JSON, written after every rollout) and reused when the settings match: a stopped run resumes at its next
-rollout, and scoring another method costs only its weights.
+(JSON, written after every rollout, with the rollouts' texts, token ids and log-probs) and reused when the
+settings and the rollouts match (`same_rollouts`; a file of others is refused, not overwritten): a stopped
+run resumes at its next rollout, and scoring another method costs only its weights.
 """
 
 from __future__ import annotations
@@ -264,10 +265,35 @@ def parse_args(argv=None):
 def portable(settings: dict) -> dict:
     """The settings the values depend on, as --values records them: the model by its file or folder name,
     not where it lies (a site-packages or a clone differs between machines; `smollm2` is its GGUF's name),
-    so values made on one machine resume on another. The rollouts' texts are recorded beside them, and a
-    run reuses values only when its own rollouts are the same texts: another model cannot pass for this one."""
+    so values made on one machine resume on another. A name does not tell two checkpoints apart (every
+    run's is `final`): `same_rollouts` checks the rollouts themselves."""
     model = settings["model"]
     return settings | {"model": smollm2_gguf().name if model == SMOLLM2 else Path(model).name}
+
+
+LOGPROB_TOLERANCE = 1e-2  # another machine's float rounding moves a log-prob by ~1e-5 (docs/vllm.md); another model's, by far more
+
+
+def rollout_record(ro: Rollout) -> dict:
+    """What --values records of the rollouts its values belong to: the texts, each completion's token ids and
+    the sampler's log-prob of every one of them (4 decimals)."""
+    lp = ro.prompt_width
+    ids = [ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist() for i in range(len(ro))]
+    logprobs = [[round(x, 4) for x in ro.sample_logprobs[i, lp:][ro.completion_mask[i, lp:]].tolist()] for i in range(len(ro))]
+    return {"texts": ro.texts, "ids": ids, "logprobs": logprobs}
+
+
+def same_rollouts(cached: dict, here: dict) -> bool:
+    """Whether cached values belong to these rollouts: the same texts, the same token ids (a text can be
+    cut into tokens more than one way, and the values index tokens), and log-probs within LOGPROB_TOLERANCE
+    (the same model: two checkpoints can sample the same tokens from the same seeds, not with the same
+    probabilities). A file written before ids and log-probs were recorded is matched on its texts."""
+    if cached["texts"] != here["texts"]:
+        return False
+    if "ids" not in cached:
+        return True
+    return cached["ids"] == here["ids"] and all(
+        len(a) == len(b) and all(abs(x - y) <= LOGPROB_TOLERANCE for x, y in zip(a, b)) for a, b in zip(cached["logprobs"], here["logprobs"]))
 
 
 def main(argv=None) -> dict:
@@ -285,16 +311,20 @@ def main(argv=None) -> dict:
     golds = [p.answer for p in problems for _ in range(G)]
     rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
     cached = json.loads(args.values.read_text()) if args.values is not None and args.values.is_file() else None
-    done = cached["values"] if cached is not None and portable(cached["settings"]) == key and cached["texts"] == ro.texts else []
+    record = rollout_record(ro)
+    if cached is not None and not (portable(cached["settings"]) == key and same_rollouts(cached, record)):
+        raise SystemExit(f"value_attribution.py: error: {args.values} holds the values of other settings or other rollouts "
+                         f"(another model?); give another --values file, or delete it to start again.")
+    done = cached["values"] if cached is not None else []
     if args.values is not None:
         args.values.parent.mkdir(parents=True, exist_ok=True)
     if done:
         print(f"[values] reused {args.values} ({len(done)} of {len(ro)} rollouts)", flush=True)
     if args.cached_only and not done:
-        raise SystemExit(f"value_attribution.py: error: --cached_only: {args.values} holds no values for these settings and rollouts")
+        raise SystemExit(f"value_attribution.py: error: --cached_only: {args.values} holds no values yet")
     values = done if args.cached_only else rollout_values(model, tok, ro, golds, seeds, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             batch=args.batch, done=done, save=None if args.values is None else
-                            lambda vs: write_json_atomic(args.values, {"settings": key, "texts": ro.texts, "values": vs}))
+                            lambda vs: write_json_atomic(args.values, {"settings": key, **record, "values": vs}))
     scores = control_scores(model, ro, seeds, args.temperature)
     gate = {"gate_quantile": args.gate_quantile, "gate_boost": args.gate_boost}
     for name in args.method:
