@@ -8,9 +8,15 @@ primary metric), held-out avg@2 and pass@2 at steps 0, 6, 12, 16, the steps to 5
 (first step whose mean of `reward/mean` over it and the two before reaches 0.5; steps + 1 if never),
 `policy/entropy` at the last step, and CPU seconds (study_time.json). Per comparison (the page's list):
 the paired difference over the seeds where both arms finished, mean ± standard error (ddof 1), the
-paired t statistic and its two-sided p-value (df = n - 1). The decision rule is then applied: test 1
+paired t statistic and its two-sided p-value (df = n - 1), for the primary metric and for held-out
+avg@2 and pass@2 at each evaluated step. The decision rule is then applied: test 1
 (oar-g-q25 - random-gate-q25) and test 2 (oar-g-q25 - oar-g-q40), each at alpha 0.05, on balanced
 seeds only, and none on fewer than three.
+
+Before any number, every run is checked (`check_runs`): all runs ran the same settings but for their
+arm's own (method, gate, credit module) and seed, steps 1..N each, from the model build the ledger
+records; a run that fails stops the report. Runs made by different code (study_time.json's hashes of
+train.py and oar/) are listed under the table: the study's code moved between its runs.
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ ARMS = ("grpo", "oar-g-q25", "random-gate-q25", "oar-g-q40", "inverted-q25")
 COMPARISONS = (("oar-g-q25", "random-gate-q25"), ("oar-g-q25", "oar-g-q40"), ("oar-g-q25", "grpo"), ("random-gate-q25", "grpo"),
                ("oar-g-q40", "grpo"), ("inverted-q25", "grpo"), ("inverted-q25", "random-gate-q25"))
 ALPHA, MIN_SEEDS = 0.05, 3
+# What an arm sets (study.py's ARMS), and what may differ between runs of one study without changing what
+# is trained (where the run lies, and train.py's RESUMABLE settings: micro-batching, evaluation cadence, ...)
+ARM_SETTINGS = {"method", "gate_quantile", "gate_boost", "credit_module", "seed"}
+FREE_SETTINGS = {"model", "output_dir", "resume", "micro_batch_size", "eval_batch_size", "save_every", "keep_checkpoints", "log_with",
+                 "gradient_checkpointing", "perturb_chunk_tokens", "decode_loop", "progress", "collective_timeout",
+                 "vllm_gpu_memory_utilization", "max_bad_steps"}
 BEGIN, END = "<!-- REPORT BEGIN (research/signal-or-gate/report.py) -->", "<!-- REPORT END -->"
 
 
@@ -74,8 +86,8 @@ def paired(diffs: list[float]) -> dict:
     if n < 2:
         return {"n": n, "mean": mean, "se": None, "t": None, "p": None}
     se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
-    if se == 0:
-        return {"n": n, "mean": mean, "se": 0.0, "t": None, "p": None}
+    if se == 0:  # every seed the same difference: no t (the verdict says so, apart from too few seeds)
+        return {"n": n, "mean": mean, "se": 0.0, "t": None, "p": None, "zero_spread": True}
     t = mean / se
     return {"n": n, "mean": mean, "se": se, "t": t, "p": 2 * t_sf(abs(t), n - 1)}
 
@@ -87,15 +99,48 @@ def run_metrics(path: Path) -> dict | None:
     summary = json.loads((path / "summary.json").read_text())
     rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     reward = [r["reward/mean"] for r in rows]
-    smooth = [sum(reward[max(0, i - 2): i + 1]) / len(reward[max(0, i - 2): i + 1]) for i in range(len(reward))]
-    reached = next((i + 1 for i, v in enumerate(smooth) if v >= 0.5), summary["steps"] + 1)
+    # the first step whose mean with the two before it reaches 0.5: a full window of three steps, so step 3 at the earliest
+    reached = next((i + 1 for i in range(2, len(reward)) if sum(reward[i - 2: i + 1]) / 3 >= 0.5), summary["steps"] + 1)
     held = {0: (summary["accuracy_before"], (summary.get("pass_before") or {}).get("pass@2"))}
     held |= {r["step"]: (r["eval/accuracy"], r.get("eval/pass@2")) for r in rows if "eval/accuracy" in r}
     held[summary["steps"]] = (summary["accuracy_after"], (summary.get("pass_after") or {}).get("pass@2"))
     timing = json.loads((path / "study_time.json").read_text()) if (path / "study_time.json").is_file() else {}
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
+    build = json.loads((path / "ledger.json").read_text()).get("weights_sha256") if (path / "ledger.json").is_file() else None
     return {"mean_reward": sum(reward) / len(reward), "reward": reward, "steps_to_50": reached, "final_entropy": rows[-1]["policy/entropy"],
             "heldout": {str(s): {"avg": a, "pass@2": p} for s, (a, p) in sorted(held.items())},
-            "cpu_seconds": timing.get("cpu_seconds") if not timing.get("unmeasured") else None}
+            "cpu_seconds": timing.get("cpu_seconds") if not timing.get("unmeasured") else None,
+            "steps": summary["steps"], "steps_logged": [r["step"] for r in rows], "config": config, "build": build,
+            "code": timing.get("code", [])}
+
+
+def check_runs(runs: dict, build: str | None) -> list[str]:
+    """What would make the runs' comparison silently wrong, one line each: a run without its config.json,
+    settings that differ between runs beyond their arm's own and FREE_SETTINGS, steps other than 1..N
+    (N the same for all), a model build other than the ledger's (builds/<task>.json). Empty: all agree."""
+    problems, first = [], None
+    for arm, by_seed in runs.items():
+        for seed, r in sorted(by_seed.items()):
+            name = f"{arm}-s{seed}"
+            if r["config"] is None:
+                problems.append(f"{name}: no config.json")
+                continue
+            if r["config"].get("seed") != seed:
+                problems.append(f"{name}: config.json says seed {r['config'].get('seed')}")
+            if r["steps_logged"] != list(range(1, r["steps"] + 1)):
+                problems.append(f"{name}: metrics.jsonl has steps {r['steps_logged']}, not 1..{r['steps']}")
+            if build is not None and r["build"] not in (None, build):
+                problems.append(f"{name}: started from model build {r['build'][:12]}, the ledger's is {build[:12]}")
+            shared = {k: v for k, v in r["config"].items() if k not in ARM_SETTINGS | FREE_SETTINGS}
+            if first is None:
+                first = (name, shared, r["steps"])
+                continue
+            differ = {k: (first[1].get(k), v) for k, v in shared.items() if k in first[1] and first[1][k] != v}
+            if r["steps"] != first[2]:
+                differ["steps run"] = (first[2], r["steps"])
+            if differ:
+                problems.append(f"{name}: settings differ from {first[0]}'s: {differ}")
+    return problems
 
 
 def collect(ledger: Path, task: str) -> dict[str, dict[int, dict]]:
@@ -109,12 +154,15 @@ def collect(ledger: Path, task: str) -> dict[str, dict[int, dict]]:
 
 
 def compare(runs: dict, a: str, b: str) -> dict:
-    """a - b over the seeds where both finished: the primary metric (points) and held-out avg@2 at the last step (points)."""
+    """a - b over the seeds where both finished, in points: the primary metric, and held-out avg@2 and pass@2
+    at every step both evaluated (`heldout`, by step; `heldout_last`: avg@2 at the last step)."""
     seeds = sorted(set(runs[a]) & set(runs[b]))
     out = {"seeds": seeds, "mean_reward": paired([100 * (runs[a][s]["mean_reward"] - runs[b][s]["mean_reward"]) for s in seeds])}
-    last = [s for s in seeds if runs[a][s]["heldout"] and runs[b][s]["heldout"]]
-    end = lambda r: r["heldout"][max(r["heldout"], key=int)]["avg"]  # noqa: E731
-    out["heldout_last"] = paired([100 * (end(runs[a][s]) - end(runs[b][s])) for s in last])
+    steps = sorted(set.intersection(*[set(runs[x][s]["heldout"]) for s in seeds for x in (a, b)]) if seeds else set(), key=int)
+    out["heldout"] = {step: {m: paired([100 * (runs[a][s]["heldout"][step][m] - runs[b][s]["heldout"][step][m]) for s in seeds
+                                        if runs[a][s]["heldout"][step][m] is not None and runs[b][s]["heldout"][step][m] is not None])
+                             for m in ("avg", "pass@2")} for step in steps}
+    out["heldout_last"] = out["heldout"][steps[-1]]["avg"] if steps else paired([])
     return out
 
 
@@ -122,15 +170,20 @@ def decide(comparisons: dict) -> dict:
     """The page's decision rule on tests 1 and 2 (None: not enough balanced seeds to test)."""
     def verdict(key):
         c = comparisons[key]["mean_reward"]
-        if c["n"] < MIN_SEEDS or c["p"] is None:
+        if c["n"] < MIN_SEEDS:
             return None
+        if c.get("zero_spread"):
+            return "no spread over seeds (no t-test)"
         return "positive" if c["p"] < ALPHA and c["mean"] > 0 else "negative" if c["p"] < ALPHA else "not significant"
 
     signal, gate = verdict("oar-g-q25 - random-gate-q25"), verdict("oar-g-q25 - oar-g-q40")
-    held = comparisons["oar-g-q25 - oar-g-q40"]["heldout_last"]
-    inverted = comparisons["inverted-q25 - random-gate-q25"]["mean_reward"]
+    held = comparisons["oar-g-q25 - oar-g-q40"]["heldout_last"]  # q25 - q40: "q25 is not behind q40" is a mean >= 0
+    inverted = comparisons["inverted-q25 - random-gate-q25"]
+    enough = inverted["mean_reward"]["n"] >= MIN_SEEDS
     return {"scores_carry_information": signal,
-            "inverted_at_or_below_random": None if inverted["n"] < MIN_SEEDS else inverted["mean"] <= 0,
+            # "ends at or below": read both ways (amendment 2), on the primary metric and on held-out avg@2 at the last step
+            "inverted_at_or_below_random": None if not enough else {
+                "mean_training_reward": inverted["mean_reward"]["mean"] <= 0, "heldout_last_step": inverted["heldout_last"]["mean"] <= 0},
             "change_default_gate_to_q25_b1": None if gate is None else gate == "positive" and held["n"] > 0 and held["mean"] >= 0}
 
 
@@ -147,14 +200,19 @@ def table(runs: dict, comparisons: dict) -> str:
         cpu = [r["cpu_seconds"] for r in by_seed.values() if r["cpu_seconds"]]
         lines.append(f"| {arm} | {len(by_seed)} ({', '.join(map(str, sorted(by_seed)))}) | {100 * mean([r['mean_reward'] for r in by_seed.values()]):.1f}% | "
                      f"{held} | {mean([r['steps_to_50'] for r in by_seed.values()]):.1f} | {mean([r['final_entropy'] for r in by_seed.values()]):.3f} | "
-                     f"{mean(cpu) / 60 if cpu else math.nan:.0f} |")
-    lines += ["", "| paired difference (points) | seeds | mean training reward ± s.e. (t, p) | held-out avg@2 at the last step ± s.e. |",
-              "| --- | --- | --- | --- |"]
+                     f"{mean(cpu) / 60 if cpu else math.nan:.0f} ({len(cpu)} run{'s' * (len(cpu) != 1)}) |")
+    lines += ["", "| paired difference (points) | seeds | mean training reward ± s.e. (t, p) | held-out avg@2 at the last step ± s.e. "
+              "| held-out pass@2 at the last step ± s.e. |", "| --- | --- | --- | --- | --- |"]
     for key, c in comparisons.items():
-        r, h = c["mean_reward"], c["heldout_last"]
+        last = c["heldout"][max(c["heldout"], key=int)]["pass@2"] if c["heldout"] else paired([])
         fmt = lambda x, tp=True: "n/a" if not x["n"] else f"{x['mean']:+.1f}" + (f" ± {x['se']:.1f}" if x["se"] is not None else "") + (  # noqa: E731
             f" (t = {x['t']:.2f}, p = {x['p']:.3f})" if tp and x["t"] is not None else "")
-        lines.append(f"| {key} | {len(c['seeds'])} | {fmt(r)} | {fmt(h, False)} |")
+        lines.append(f"| {key} | {len(c['seeds'])} | {fmt(c['mean_reward'])} | {fmt(c['heldout_last'], False)} | {fmt(last, False)} |")
+    versions = sorted({v for by_seed in runs.values() for r in by_seed.values() for v in r["code"]})
+    if len(versions) > 1:
+        made = {v: [f"{arm}-s{s}" for arm, by_seed in runs.items() for s, r in sorted(by_seed.items()) if v in r["code"]] for v in versions}
+        lines += ["", f"The runs were made by {len(versions)} versions of train.py and oar/ (study_time.json): "
+                  + "; ".join(f"{v}: {', '.join(names)}" for v, names in made.items()) + "."]
     return "\n".join(lines)
 
 
@@ -188,10 +246,15 @@ def plot(runs: dict, path: Path) -> None:
 
 def write(ledger: Path, out: Path, task: str) -> dict:
     runs = collect(ledger, task)
+    build = Path(ledger) / "builds" / f"{task}.json"
+    problems = check_runs(runs, json.loads(build.read_text())["weights_sha256"] if build.is_file() else None)
+    if problems:
+        raise SystemExit("report.py: error: these runs cannot be compared as one study:\n  " + "\n  ".join(problems))
     comparisons = {f"{a} - {b}": compare(runs, a, b) for a, b in COMPARISONS}
     acceptance = Path(ledger) / "acceptance.json"
     summary = {"task": task, "acceptance": json.loads(acceptance.read_text()) if acceptance.is_file() else None,
-               "runs": {a: {str(s): {k: v for k, v in r.items() if k != "reward"} for s, r in b.items()} for a, b in runs.items()},
+               "runs": {a: {str(s): {k: v for k, v in r.items() if k not in ("reward", "config", "steps_logged")} for s, r in b.items()}
+                        for a, b in runs.items()},
                "comparisons": comparisons, "decision": decide(comparisons)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
