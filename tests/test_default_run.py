@@ -10,11 +10,15 @@ equal to the recorded float, and the final weights must hash equal: on a CPU the
 deterministic (two runs of the same commit agree bit for bit), so a refactor that changes any number
 of the default run, however little, fails here. The thread count is pinned: on two threads (measured
 at the recording commit) the weights and every metric are the same except sampler/logprob_diff_*,
-the rounding gap between the cached decode and the update forward, which moves in its 7th digit. Recording it on another CPU kind may move the floats
-(docs/default-run.md: the RL curve moves by rounding between CPUs); the recording says where it was
-made.
+the rounding gap between the cached decode and the update forward, which moves in its 7th digit.
 
-Re-record (only when a change of the numbers is intended, and say why in the commit):
+Another CPU kind moves the floats (docs/default-run.md: the RL curve moves by rounding between CPUs):
+torch picks its kernels by the CPU's capability (AVX2, AVX512, ...). So the file keeps one recording per
+CPU kind, named by the CPU and the capability torch uses, and the test compares with this machine's
+(or, for a kind never recorded, with the first recording, whose capability was not written down).
+
+Record this machine's kind (a new kind: after checking that the first recording's own commit gives the
+same numbers here as HEAD; a change of the numbers: only when intended, and say why in the commit):
     python tests/test_default_run.py --record
 """
 
@@ -60,11 +64,11 @@ def run_default(out: Path) -> dict:
 
 @pytest.mark.slow  # ~25 s alone on one thread of this project's CPU, up to 45 s on shared cores
 def test_the_default_run_logs_the_recorded_numbers(tmp_path):
-    want = json.loads(RECORD.read_text())
+    want = recording(json.loads(RECORD.read_text())["recordings"])
     got = run_default(tmp_path / "run")
-    where = (f"recorded at {want['recorded_at_commit']} on {want['machine']} (torch {want['torch']}); this is {cpu_name()} "
-             f"(torch {torch.__version__}). On the same CPU kind and torch a difference is a change of the run; on another, "
-             f"compare with the recording's commit on this machine first")
+    where = (f"recorded at {want['recorded_at_commit']} on {want['machine']} ({want['cpu_capability'] or 'capability not recorded'}, "
+             f"torch {want['torch']}); this is {cpu_name()} ({cpu_capability()}, torch {torch.__version__}). On the same CPU kind and "
+             f"torch a difference is a change of the run; on another, compare with the recording's commit on this machine first")
     assert len(got["metrics"]) == len(want["metrics"]) == 3
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"]), start=1):
         # every recorded metric is still logged under its name; metrics added since (reward/<term>) are new keys
@@ -72,6 +76,17 @@ def test_the_default_run_logs_the_recorded_numbers(tmp_path):
         moved = {k: (w[k], g[k]) for k in w if g[k] != w[k]}  # exact: the run is deterministic on a CPU
         assert not moved, f"step {step}: (recorded, now) {moved}; {where}"
     assert got["weights_sha256"] == want["weights_sha256"], f"the final weights differ from the recorded run's; {where}"
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels were chosen for on this machine (AVX2, AVX512, ...)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def recording(recordings: list[dict]) -> dict:
+    """This machine's kind's recording: the same CPU name and capability, else the first (kind not recorded)."""
+    here = [r for r in recordings if (r["machine"], r["cpu_capability"]) == (cpu_name(), cpu_capability())]
+    return (here or recordings)[0]
 
 
 def cpu_name() -> str:
@@ -89,18 +104,18 @@ def record() -> None:
                            text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         result = run_default(Path(tmp) / "run")
+    kind = {"machine": cpu_name(), "cpu_capability": cpu_capability()}
+    this = {"recorded_at_commit": commit + (" (with uncommitted changes to oar/ or train.py)" if dirty else ""), **kind,
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__, **result}
+    others = [r for r in json.loads(RECORD.read_text())["recordings"] if {k: r[k] for k in kind} != kind] if RECORD.is_file() else []
     RECORD.parent.mkdir(exist_ok=True)
     RECORD.write_text(json.dumps({
         "what": "the first 3 steps of `accelerate launch train.py` (OAR-G, tiny-arith, arith): every logged metric "
-                "but time/* and oar/seconds_per_rollout, and the sha256 of final/model.safetensors's tensors "
-                "(tests/test_default_run.py)",
+                "but time/* and oar/seconds_per_rollout, and the sha256 of final/model.safetensors's tensors, "
+                "one recording per CPU kind (tests/test_default_run.py)",
         "command": "OMP_NUM_THREADS=1 python train.py " + " ".join(ARGS),
-        "recorded_at_commit": commit + (" (with uncommitted changes to oar/ or train.py)" if dirty else ""),
-        "machine": cpu_name(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        **result}, indent=1) + "\n")
-    print(f"wrote {RECORD}")
+        "recordings": others + [this]}, indent=1) + "\n")
+    print(f"wrote {RECORD}: {len(others) + 1} recording(s)")
 
 
 if __name__ == "__main__":
