@@ -123,8 +123,10 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     (tmp_path / "values.json").write_text(json.dumps(whole | {"values": whole["values"][:2]}))
     capsys.readouterr()
     interim = va.main(common + ["--method", "grpo", "--cached_only"])
-    assert "rollout 3/4" not in capsys.readouterr().out and interim["rollouts_with_values"] == 2
+    assert "rollout 3/4" not in capsys.readouterr().out and (interim["rollouts"], interim["rollouts_with_values"]) == (4, 2)
     assert [r["rollout"] for r in interim["records"]] == [r["rollout"] for r in first["records"] if r["rollout"] < 2]
+    for a, b in zip(interim["records"], first["records"]):  # only the first group is scored: the same numbers for it
+        assert a["methods"]["surprisal"] == b["methods"]["surprisal"] and a["methods"]["random"] == b["methods"]["random"]
     assert len(json.loads((tmp_path / "values.json").read_text())["values"]) == 2
     with pytest.raises(SystemExit, match="other settings or other rollouts"):  # refused, not overwritten
         va.main(common + ["--k", "3", "--method", "grpo"])  # the last --k counts

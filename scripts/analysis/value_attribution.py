@@ -325,6 +325,10 @@ def main(argv=None) -> dict:
     values = done if args.cached_only else rollout_values(model, tok, ro, golds, seeds, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             batch=args.batch, done=done, save=None if args.values is None else
                             lambda vs: write_json_atomic(args.values, {"settings": key, **record, "values": vs}))
+    total = len(ro)
+    if len(values) < total:  # --cached_only before the values are complete: only the groups that have values are scored
+        keep = math.ceil(len(values) / G) * G
+        ro, rewards, golds, seeds = ro.select(slice(0, keep)), rewards[:keep], golds[:keep], seeds[:keep]
     scores = control_scores(model, ro, seeds, args.temperature)
     gate = {"gate_quantile": args.gate_quantile, "gate_boost": args.gate_boost}
     for name in args.method:
@@ -342,12 +346,13 @@ def main(argv=None) -> dict:
     se_all = [s for v in values for s in v["se"]]
     dv_all = [(d, s) for v in values for d, s in zip(v["dv"], v["se"])]
     result = {"settings": key | {"methods": args.method, "credit_module": args.credit_module, "probe": args.probe, **gate},
-              "rollouts": len(ro), "rollouts_with_values": len(values), "scored_rollouts": len(records), "correct": int(rewards.sum()),
+              "rollouts": total, "rollouts_with_values": len(values), "scored_rollouts": len(records),
+              "correct": int(rewards[:len(values)].sum()),
               "reasoning_tokens": sum(r["n_reasoning"] for r in records),
               "mc_se_mean": float(np.mean(se_all)) if se_all else math.nan,
               "frac_significant": float(np.mean([abs(d) > 2 * s for d, s in dv_all])) if dv_all else math.nan,
               "values_cpu_s": sum(v["cpu_s"] for v in values), "table": table(records, names), "records": records}
-    print(f"{len(records)} rollouts with reasoning tokens of the {len(values)} with values, of {len(ro)} ({result['correct']} correct), "
+    print(f"{len(records)} rollouts with reasoning tokens of the {len(values)} with values ({result['correct']} correct), of {total}; "
           f"{result['reasoning_tokens']} "
           f"reasoning tokens; K = {args.k}: mean Monte-Carlo s.e. of ΔV {result['mc_se_mean']:.3f}, "
           f"{100 * result['frac_significant']:.0f}% of tokens with |ΔV| > 2 s.e.; values {result['values_cpu_s']:.0f} CPU s")
