@@ -98,12 +98,15 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
               "--max_new_tokens", "20", "--temperature", "1.0", "--values", str(tmp_path / "values.json")]
     first = va.main(common + ["--method", "random-gate", "--out", str(tmp_path / "a.json")])
     assert first["rollouts"] == 4 and first["scored_rollouts"] >= 1 and first["values_cpu_s"] > 0
-    assert set(first["records"][0]["methods"]) == {"random", "surprisal", "entropy", "random-gate"}
+    assert set(first["records"][0]["methods"]) == {"control: random", "control: surprisal", "control: entropy", "random-gate"}
     assert "| random-gate |" in first["table"]
-    second = va.main(common + ["--method", "grpo"])
+    second = va.main(common + ["--method", "grpo", "entropy"])  # the credit method `entropy` beside the entropy control
+    assert "| control: entropy |" in second["table"] and "| entropy |" in second["table"]
+    for r in second["records"]:  # the gated method and the raw control are two columns, not one overwriting the other
+        assert set(r["methods"]) == {"control: random", "control: surprisal", "control: entropy", "grpo", "entropy"}
     assert [r["rollout"] for r in second["records"]] == [r["rollout"] for r in first["records"]]
     for a, b in zip(first["records"], second["records"]):  # the same values, so the same controls' numbers
-        assert a["methods"]["surprisal"] == b["methods"]["surprisal"]
+        assert a["methods"]["control: surprisal"] == b["methods"]["control: surprisal"]
     grpo = [r["methods"]["grpo"] for r in second["records"]]
     assert all(m["spearman"] == 0.0 for m in grpo)  # a constant method
     # A run stopped after its first rollout's values resumes at the second, to the same values, also where
@@ -126,7 +129,8 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     assert "rollout 3/4" not in capsys.readouterr().out and (interim["rollouts"], interim["rollouts_with_values"]) == (4, 2)
     assert [r["rollout"] for r in interim["records"]] == [r["rollout"] for r in first["records"] if r["rollout"] < 2]
     for a, b in zip(interim["records"], first["records"]):  # only the first group is scored: the same numbers for it
-        assert a["methods"]["surprisal"] == b["methods"]["surprisal"] and a["methods"]["random"] == b["methods"]["random"]
+        assert a["methods"]["control: surprisal"] == b["methods"]["control: surprisal"]
+        assert a["methods"]["control: random"] == b["methods"]["control: random"]
     assert len(json.loads((tmp_path / "values.json").read_text())["values"]) == 2
     with pytest.raises(SystemExit, match="other settings or other rollouts"):  # refused, not overwritten
         va.main(common + ["--k", "3", "--method", "grpo"])  # the last --k counts

@@ -36,9 +36,10 @@ rollout's reasoning tokens:
               rollout gets (A_i w_t with A_i < 0, so -w_t) is the sign of ΔV_t. For w >= 0 this is
               the mass on the tokens that lowered the chance of success; GRPO's (w = 1) is their share.
 
-Controls, always in the table: `random` (uniform scores from each rollout's seed), `surprisal`
-(-log p of the token at the sampling temperature) and `entropy` (of the distribution it was drawn
-from), read from the same forward. Each cell: mean over rollouts ± standard error across rollouts
+Controls, always in the table as `control: random` (uniform scores from each rollout's seed), `control:
+surprisal` (-log p of the token at the sampling temperature) and `control: entropy` (of the distribution
+it was drawn from; raw, where the credit method `entropy` is the same score through the gate), read
+from the same forward. Each cell: mean over rollouts ± standard error across rollouts
 (n rollouts where the metric is defined). The expensive part (the values) is kept in `--values`
 (JSON, written after every rollout, with the rollouts' texts, token ids and log-probs) and reused when the
 settings and the rollouts match (`same_rollouts`; a file of others is refused, not overwritten): a stopped
@@ -77,7 +78,7 @@ from oar.training.data import load_problems
 from oar.training.models import SMOLLM2, load_model, smollm2_gguf
 from scripts.analysis.attribution import spearman
 
-CONTROLS = ("random", "surprisal", "entropy")
+CONTROLS = ("control: random", "control: surprisal", "control: entropy")  # named apart from the credit methods (`entropy` is one)
 TOP = 0.2  # recall@k: k = ceil(TOP * n_R)
 
 
@@ -185,7 +186,7 @@ def control_scores(model, ro: Rollout, seeds: list[int], temperature: float) -> 
         surprisal[i, lp:] = -torch.log_softmax(z, -1).gather(-1, ro.input_ids[i, lp:, None])[:, 0]
         entropy[i, lp:] = token_entropy(z[None])[0]
     rand = torch.stack([torch.rand(width, generator=torch.Generator().manual_seed(s + 31337)) for s in seeds])
-    return {"random": rand, "surprisal": surprisal, "entropy": entropy}
+    return dict(zip(CONTROLS, (rand, surprisal, entropy)))
 
 
 # ------------------------------------------------------------------------------------------ metrics
