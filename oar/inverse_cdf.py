@@ -62,12 +62,13 @@ def head_choice(probs: torch.Tensor, u: torch.Tensor, k: int = HEAD) -> tuple[to
     """(token (B,), sure (B,)): `sorted_choice`'s token at top-p 1 wherever `sure`, found among the k
     most likely tokens; rows not sure must be sorted. Float32 probabilities on a CPU (module docstring)."""
     vals, idx = probs.topk(k + 1, dim=-1)  # descending, as the sort's first k + 1
-    wide = probs.double()
-    exact = wide.sum(-1)  # the total in float64, in another order than the sort's
+    exact = probs.sum(-1, dtype=torch.float64)  # the total in float64, in another order than the sort's
     total = exact.float()
     above, below = (torch.nextafter(total, torch.full_like(total, end)) for end in (float("inf"), 0.0))
     midpoints = [(total.double() + x.double()) / 2 for x in (below, above)]
-    slack = probs.shape[-1] * 2.0 ** -51 * wide.abs().sum(-1)  # twice the two orders' combined rounding bound
+    # twice the two orders' combined rounding bound, V x 2**-52 x sum |p|; probabilities are >= 0, so sum |p| is the total
+    # (a NaN makes every comparison below False: the row is sorted)
+    slack = probs.shape[-1] * 2.0 ** -51 * exact
     total_sure = (exact - midpoints[0] > slack) & (midpoints[1] - exact > slack) & above.isfinite()  # the largest float32 rounds to inf above
     cdf = vals[:, :k].cumsum(-1)
     position = torch.searchsorted(cdf, (u * total).unsqueeze(-1), right=True).squeeze(-1)
