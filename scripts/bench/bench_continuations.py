@@ -30,14 +30,7 @@ sys.path.insert(0, str(ROOT))
 from oar.sampler import decode, encode_prompts, format_prompt, resolve_instruction, sample, stop_token_ids  # noqa: E402
 from oar.tasks.tiny_arith_cache import model_source  # noqa: E402
 from oar.training.models import load_model  # noqa: E402
-
-
-def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs))
-    ids, mask = torch.full((len(seqs), width), pad), torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
-    return ids, mask
+from scripts.analysis.delta_v import left_pad  # noqa: E402
 
 
 def continuations(model, tok, prompt, completion, prefixes, k, *, shared: bool, batch: int, **sampling) -> list[list[int]]:
@@ -47,7 +40,7 @@ def continuations(model, tok, prompt, completion, prefixes, k, *, shared: bool, 
     for start in range(0, len(prefixes), per_call):
         part = prefixes[start:start + per_call]
         texts = [prompt + completion[:j] for j in part for _ in ([0] if shared else range(k))]
-        ids, mask = _left_pad(texts, tok.pad_token_id)
+        ids, mask = left_pad(texts, tok.pad_token_id)
         out, _ = decode(model, ids, mask, max_new_tokens=sampling["max_new_tokens"] - min(part), temperature=sampling["temperature"],
                         top_p=1.0, eos_token_ids=stop_token_ids(model, tok), pad_token_id=tok.pad_token_id,
                         seeds=[c for _ in part for c in range(k)], group_size=k if shared else 1)
