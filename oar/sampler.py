@@ -58,14 +58,19 @@ def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor,
     """Left-padded prompt ids and attention mask, (N, Lp). A chat-templated prompt already holds its
     special tokens, so none are added a second time."""
     templated = bool(getattr(tokenizer, "chat_template", None))
-    encoded = [tokenizer(p, add_special_tokens=not templated)["input_ids"] for p in prompts]
-    width = max(len(e) for e in encoded)
-    ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(encoded), width), dtype=torch.long)
-    for i, e in enumerate(encoded):
-        ids[i, width - len(e):] = torch.tensor(e, dtype=torch.long)
-        mask[i, width - len(e):] = 1
+    ids, mask = left_pad([tokenizer(p, add_special_tokens=not templated)["input_ids"] for p in prompts], tokenizer.pad_token_id)
     return ids.to(device), mask.to(device)
+
+
+def left_pad(seqs: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists as left-padded ids and attention mask, (N, max length), on the CPU."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
 
 
 @torch.no_grad()

@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from oar.rewards import reward
 from oar.rollout import Rollout, char_offsets
-from oar.sampler import decode, stop_token_ids
+from oar.sampler import decode, left_pad, stop_token_ids
 from oar.training.models import SMOLLM2, smollm2_gguf
 
 
@@ -60,15 +59,6 @@ def continuation_rewards(model, tok, prompt: list[int], completion: list[int], g
             text = char_offsets(tok, completion[:j] + row[:end])[0]  # what the sampler's text of that rollout would be
             out[(j, c)] = reward(text, gold)
     return out
-
-
-def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
-    return ids, mask
 
 
 def rollout_values(model, tok, ro: Rollout, golds: list[str], seeds: list[int], *, k: int, max_new_tokens: int, temperature: float,

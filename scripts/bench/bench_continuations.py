@@ -27,10 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from oar.sampler import decode, encode_prompts, format_prompt, resolve_instruction, sample, stop_token_ids  # noqa: E402
+from oar.sampler import decode, encode_prompts, format_prompt, left_pad, resolve_instruction, sample, stop_token_ids  # noqa: E402
 from oar.tasks.tiny_arith_cache import model_source  # noqa: E402
 from oar.training.models import load_model  # noqa: E402
-from scripts.analysis.delta_v import left_pad  # noqa: E402
 
 
 def continuations(model, tok, prompt, completion, prefixes, k, *, shared: bool, batch: int, **sampling) -> list[list[int]]:
