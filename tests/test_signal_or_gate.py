@@ -192,10 +192,7 @@ def _synthetic_ledger(root: Path, base: dict, wobble: dict = {}, seeds=range(3),
 
     from research.common.study_run import effective
 
-    arms = {"grpo": {"method": "grpo"}, "oar-g-q25": {"method": "oar-g", "gate_quantile": 0.25, "gate_boost": 1.0},
-            "random-gate-q25": {"method": "random-gate", "gate_quantile": 0.25, "gate_boost": 1.0},
-            "oar-g-q40": {"method": "oar-g", "gate_quantile": 0.4, "gate_boost": 2.0},
-            "inverted-q25": {"method": "oar-g-inverted", "credit_module": "inverted.py", "gate_quantile": 0.25, "gate_boost": 1.0}}
+    arms = _study().ARMS
     for arm, r in base.items():
         for seed in seeds:
             d = root / "runs" / "arith-mix" / f"{arm}-s{seed}"

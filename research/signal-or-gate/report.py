@@ -30,17 +30,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from oar.training.config import RESUMABLE  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 ARMS = ("grpo", "oar-g-q25", "random-gate-q25", "oar-g-q40", "inverted-q25")
 COMPARISONS = (("oar-g-q25", "random-gate-q25"), ("oar-g-q25", "oar-g-q40"), ("oar-g-q25", "grpo"), ("random-gate-q25", "grpo"),
                ("oar-g-q40", "grpo"), ("inverted-q25", "grpo"), ("inverted-q25", "random-gate-q25"))
 ALPHA, MIN_SEEDS = 0.05, 3
-# What an arm sets (study.py's ARMS), and what may differ between runs of one study without changing what
-# is trained (where the run lies, and train.py's RESUMABLE settings: micro-batching, evaluation cadence, ...)
+# What an arm sets (study.py's ARMS), and what may differ between runs of one study without changing what is
+# trained or measured: where the run and its model lie, and the settings a resume may change (train.py's
+# RESUMABLE) but the step count and the held-out evaluation's, which the report compares
 ARM_SETTINGS = {"method", "gate_quantile", "gate_boost", "credit_module", "seed"}
-FREE_SETTINGS = {"model", "output_dir", "resume", "micro_batch_size", "eval_batch_size", "save_every", "keep_checkpoints", "log_with",
-                 "gradient_checkpointing", "perturb_chunk_tokens", "decode_loop", "progress", "collective_timeout",
-                 "vllm_gpu_memory_utilization", "max_bad_steps"}
+FREE_SETTINGS = (RESUMABLE - {"steps", "eval_dataset", "eval_every", "eval_size", "score_all"}) | {"model"}
 BEGIN, END = "<!-- REPORT BEGIN (research/signal-or-gate/report.py) -->", "<!-- REPORT END -->"
 
 
