@@ -17,13 +17,14 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 
-from oar.training.checks import check_backend_settings, check_eval_settings, check_model_settings, check_output_dir
-from oar.training.config import BACKEND_FLAGS, BackendSettings, EvalSettings, ModelSettings
+from oar.training.checks import (check_backend_settings, check_eval_settings, check_model_settings, check_output_dir,
+                                 check_process_settings)
+from oar.training.config import BACKEND_FLAGS, BackendSettings, EvalSettings, ModelSettings, ProcessSettings
 from oar.training.flags import Alias, FlagParser
 
 
 @dataclass(frozen=True)
-class EvalConfig(ModelSettings, EvalSettings, BackendSettings):
+class EvalConfig(ModelSettings, EvalSettings, BackendSettings, ProcessSettings):
     """Every setting of an evaluation; saved beside the results. The model and evaluation settings are
     train.py's (oar/training/config.py), with the same names, defaults and checks."""
 
@@ -40,7 +41,8 @@ class EvalConfig(ModelSettings, EvalSettings, BackendSettings):
 GROUPS = {"what to evaluate": ("model", "dataset", "split", "output_dir", "instruction", "dtype", "seed"),
           "sampling": ("eval_size", "eval_samples", "eval_temperature", "eval_top_p", "max_new_tokens", "eval_batch_size",
                        "decode_loop"),
-          "vLLM rollouts": BACKEND_FLAGS}
+          "vLLM rollouts": BACKEND_FLAGS,
+          "distributed": ("collective_timeout",)}
 ALIASES = (  # eval.py's names before they became train.py's
     Alias("limit", "eval_size", origin="its old name"),
     Alias("num_samples", "eval_samples", origin="its old name"),
@@ -60,7 +62,8 @@ def parser() -> FlagParser:
 def check(cfg: EvalConfig) -> list[str]:
     """Every impossible setting of an evaluation: train.py's checks of the same settings, and top_p's."""
     top_p = [] if 0 < cfg.eval_top_p <= 1 else [f"--eval_top_p {cfg.eval_top_p}: must lie in (0, 1]."]
-    return check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg) + top_p + check_output_dir(cfg.output_dir)
+    return (check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg) + check_process_settings(cfg) + top_p
+            + check_output_dir(cfg.output_dir))
 
 
 if __name__ == "__main__":  # --help and a bad flag answer here, before torch and transformers load
@@ -74,20 +77,21 @@ from oar.training.console import bars_wanted, quiet_libraries
 from oar.training import rollout_backend
 from oar.training.data import DataError, load_problems
 from oar.training.evaluation import evaluate
-from oar.training.launch import end, make_accelerator, release
+from oar.training.launch import Stopped, end, exit_at_once, lost_process, make_accelerator, release, stop_on_sigterm
 from oar.training.models import ModelError, load_model, resolve_model
 from oar.sampler import resolve_instruction
 from oar.tasks.tiny_arith_cache import model_source
 
 
-def main(cfg: EvalConfig) -> dict:
+AGAIN = "Run the same command again: an evaluation keeps nothing partial, it starts over."  # a lost process's hint
 
-    accelerator = make_accelerator()
+
+def main(cfg: EvalConfig) -> dict:
+    if impossible := check(cfg):  # the process group's timeout among them
+        raise SystemExit("eval.py: error: " + "\n".join(impossible))
+    accelerator = make_accelerator(cfg.collective_timeout)
     quiet_libraries(bars_wanted(accelerator.is_main_process))  # their bars where ours are; each warning once
     try:  # cheap checks before the model is loaded
-        impossible = check(cfg)
-        if impossible:
-            raise ValueError("\n".join(impossible))
         resolve_model(cfg.model)
         problems = load_problems(cfg.dataset, split=cfg.split, limit=cfg.eval_size or None)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
@@ -120,11 +124,18 @@ def main(cfg: EvalConfig) -> dict:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm("eval.py", AGAIN)  # the launcher's way to stop this process when another one died
     try:
         main(CONFIG)
+    except Stopped as stop:  # a teardown could hang once a peer is lost (launch.exit_at_once)
+        exit_at_once(stop.code)
     except SystemExit as stop:  # a flag given by its old name is named as typed
         if not isinstance(stop.code, str):
             raise
         raise SystemExit(parser().as_typed(stop.code, sys.argv[1:])) from None
+    except RuntimeError as err:  # the gather (or the group's start) whose peer died or stalled: a message, not a traceback
+        if (message := lost_process(err, "eval.py", CONFIG.collective_timeout, AGAIN)) is None:
+            raise
+        exit_at_once(message)
     finally:
         release()  # after an error: the process group ends before the interpreter does

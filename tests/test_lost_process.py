@@ -7,7 +7,7 @@ stops rank 0 at once (SIGTERM; oar/training/launch.py's stop_on_sigterm) unless 
 stops it first. A stopped rank is seen by nobody: rank 0 waits in its next collective until
 --collective_timeout, exits with a message, and the launcher then kills the stopped rank (SIGTERM,
 which a stopped process does not act on, then SIGKILL 30 s later). Nothing in the code knows about
-the test: the signals are real.
+the test: the signals are real. eval.py, which has nothing to resume, stops the same way (the last test).
 """
 
 import os
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyrun import TINY, assert_same_metrics, check_ok, finish, kill_all, launch, launch_command, marked, metrics, run_inprocess, spawn
+from tinyrun import EVAL, TINY, assert_same_metrics, check_ok, finish, kill_all, launch, launch_command, marked, metrics, run_inprocess, spawn
 
 TIMEOUT = 20  # --collective_timeout here: a tiny step is ~1 s, so no healthy wait comes near it, even on a loaded machine
 MARGIN = 30  # seconds of slack on a loaded 2-core machine, for a process to notice and exit
@@ -39,8 +39,8 @@ def uninterrupted(tiny_model, tmp_path_factory):
     return metrics(out)
 
 
-def _ranks(token: str) -> dict[int, int]:
-    """{local rank: pid} of the run's train.py processes."""
+def _ranks(token: str, script: str = "train.py") -> dict[int, int]:
+    """{local rank: pid} of the run's `script` processes."""
     ranks = {}
     for pid, cmd in marked(token).items():
         try:
@@ -48,7 +48,7 @@ def _ranks(token: str) -> dict[int, int]:
         except OSError:
             continue
         rank = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"LOCAL_RANK=")]
-        if "train.py" in cmd and rank:
+        if script in cmd and rank:
             ranks[int(rank[0])] = pid
     return ranks
 
@@ -112,3 +112,30 @@ def test_a_timed_out_run_leaves_nothing_behind_even_in_another_session():
     with pytest.raises(subprocess.TimeoutExpired):
         finish(proc, token, timeout=1)
     _wait(lambda: not marked(token), 10, "both to be killed")
+
+
+@pytest.mark.slow
+def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout(tiny_model, tmp_path):
+    """eval.py has train.py's --collective_timeout and its way to stop: rank 1 is stopped as soon as it exists
+    (long before it joins the process group), so rank 0 waits in the group's start until the timeout, then
+    says so in one line, and the launcher ends the stopped rank (gloo's default wait would be 30 minutes)."""
+    args = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "eval"),
+            "--instruction", "", "--max_new_tokens", "20", "--collective_timeout", str(TIMEOUT)]
+    proc, token = spawn(launch_command(args, num_processes=2, script=EVAL))
+    try:
+        ranks = _wait(lambda: r if len(r := _ranks(token, "eval.py")) == 2 else None, 120, "both ranks")
+        os.kill(ranks[1], signal.SIGSTOP)
+        stalled = time.monotonic()
+        _wait(lambda: not Path(f"/proc/{ranks[0]}").exists() or Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] == "Z",
+              TIMEOUT + MARGIN + 30, "rank 0 to exit")  # + 30: rank 0 imports torch and loads the model before it waits
+        survivor_s = time.monotonic() - stalled
+        done = finish(proc, token, timeout=GRACE + MARGIN)
+        left = marked(token)
+    finally:
+        kill_all(proc, token)
+    assert not left, left
+    assert done.returncode != 0 and TIMEOUT <= survivor_s <= TIMEOUT + MARGIN + 30, (done.returncode, survivor_s)
+    said = [line for line in done.stderr.splitlines() if line.startswith("eval.py: ")]
+    assert len(said) == 1 and "died or stalled" in said[0] and f"--collective_timeout is {TIMEOUT} s" in said[0], done.stderr[-3000:]
+    assert "starts over" in said[0] and "--resume" not in said[0]  # an evaluation has nothing to resume
+    assert not re.search(r"\[rank\d\]:\s*Traceback", done.stderr), done.stderr[-3000:]

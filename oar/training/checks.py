@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from oar.training.config import BackendSettings, Config, EvalSettings, ModelSettings, micro_batch
+from oar.training.config import BackendSettings, Config, EvalSettings, ModelSettings, ProcessSettings, micro_batch
 
 
 def check_model_settings(cfg: ModelSettings) -> list[str]:
@@ -48,6 +48,12 @@ def check_eval_settings(cfg: EvalSettings) -> list[str]:
          f"--eval_samples {cfg.eval_samples} / --eval_temperature {cfg.eval_temperature}: k >= 1, temperature >= 0, "
          f"and k > 1 needs --eval_temperature > 0 (greedy samples are all the same).")
     return problems
+
+
+def check_process_settings(cfg: ProcessSettings) -> list[str]:
+    """Impossible multi-process settings, shared by train.py and eval.py."""
+    ok = cfg.collective_timeout >= 1
+    return [] if ok else [f"--collective_timeout {cfg.collective_timeout}: must be >= 1 (seconds)."]
 
 
 def check_output_dir(output_dir: str) -> list[str]:
@@ -113,11 +119,11 @@ def check_config(cfg: Config, num_processes: int) -> None:
     need(0 <= cfg.clip_low < 1, f"--clip_low {cfg.clip_low}: must lie in [0, 1).")
     # --epsilon sets both: a negative one is named once, by the clip_low check above
     need(cfg.clip_high >= 0 or cfg.clip_high == cfg.clip_low, f"--clip_high {cfg.clip_high}: must be >= 0.")
-    need(cfg.collective_timeout >= 1, f"--collective_timeout {cfg.collective_timeout}: must be >= 1 (seconds).")
     need(cfg.kl_beta >= 0, f"--kl_beta {cfg.kl_beta}: must be >= 0 (0 turns the penalty off).")
     for name in ("warmup_steps", "probe_warmup", "eval_every", "save_every"):
         need(getattr(cfg, name) >= 0, f"--{name} {getattr(cfg, name)}: must be >= 0.")
-    problems += check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg) + check_output_dir(cfg.output_dir)
+    problems += check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg) + check_process_settings(cfg)
+    problems += check_output_dir(cfg.output_dir)
     problems += lora.check_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules,
                                     default_alpha=Config.lora_alpha, default_targets=Config.lora_target_modules)
     if problems:

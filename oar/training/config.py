@@ -86,7 +86,18 @@ class EvalSettings:
 
 
 @dataclass(frozen=True)
-class Config(ModelSettings, EvalSettings, BackendSettings, CreditSettings):
+class ProcessSettings:
+    """How a process of a multi-process run waits for the others, for train.py and eval.py."""
+
+    collective_timeout: int = 3600
+    """Seconds a process waits at a collective (an all-reduce, a barrier, the evaluation's gather) for the
+    others before it stops with a message (a process that stalled; one that died stops the others at
+    once). An hour: a process may wait that long for its peers' OAR-P scoring of a long step, for the main
+    process to write a large model's checkpoint, or for the slowest shard of an evaluation (docs/resuming.md)."""
+
+
+@dataclass(frozen=True)
+class Config(ModelSettings, EvalSettings, BackendSettings, ProcessSettings, CreditSettings):
     """Every setting of a run; saved as config.json in the output directory. The fields of the bases
     (credit, model, evaluation) are declared there, once."""
 
@@ -170,11 +181,6 @@ class Config(ModelSettings, EvalSettings, BackendSettings, CreditSettings):
     on processes where accelerate's FSDP plugin does not (CPU); on GPUs configs/fsdp2.yaml shards."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
-    collective_timeout: int = 3600
-    """Seconds a process waits at a collective (an all-reduce, a barrier) for the others before the run
-    stops with a message (a process that stalled; one that died stops the run at once). An hour: a
-    process may wait that long for its peers' OAR-P scoring of a long step, or for the main process to
-    write a large model's checkpoint (docs/resuming.md)."""
 
     # Fixed, no longer flags (REMOVED): arith problems drawn for training; non-finite steps in a row that stop a run.
     train_size: ClassVar[int] = REMOVED["train_size"]

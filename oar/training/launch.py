@@ -40,38 +40,40 @@ def make_accelerator(collective_timeout: float | None = None, **kwargs):
     return Accelerator(cpu=launched and not torch.cuda.is_available(), kwargs_handlers=handlers, **kwargs)
 
 
-RESUME_HINT = "Run the same command with --resume to continue from the last checkpoint."
+RESUME_HINT = "Run the same command with --resume to continue from the last checkpoint."  # train.py's
 
 
 class Stopped(SystemExit):
     """SIGTERM arrived (`stop_on_sigterm`); its code is the message."""
 
 
-def stop_on_sigterm(script: str) -> None:
+def stop_on_sigterm(script: str, hint: str = RESUME_HINT) -> None:
     """Exit with a message on SIGTERM instead of dying silently: the launcher sends it to every process
     once one has failed (the failure is then reported above this line), a scheduler when it cancels a job.
     The handler raises `Stopped`, so the code unwinds as from an error (no checkpoint is half-written:
-    they are written to a temporary name and renamed); the entry point then ends with `exit_at_once`."""
+    they are written to a temporary name and renamed); the entry point then ends with `exit_at_once`.
+    `hint`: what to do next (train.py's resumes; eval.py's starts again)."""
     def stop(signum, frame):
         raise Stopped(f"{script}: stopped by SIGTERM: the launcher stops every process once one of them has died "
-                      f"or failed, or the job was cancelled. {RESUME_HINT}")
+                      f"or failed, or the job was cancelled. {hint}")
 
     signal.signal(signal.SIGTERM, stop)
 
 
-def lost_process(err: BaseException, script: str, collective_timeout: float) -> str | None:
+def lost_process(err: BaseException, script: str, collective_timeout: float, hint: str = RESUME_HINT) -> str | None:
     """The one-line message for an error raised by a collective operation whose peer process is gone
     (gloo: 'Connection closed by peer' at once when it died, 'Timed out waiting ...' when it stalled
-    past the timeout; NCCL: a DistBackendError), or None for any other error."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    past the timeout; NCCL: a DistBackendError), or by the process group's start when a peer never
+    joined it (a DistStoreError after the same timeout); None for any other error."""
+    if not torch.distributed.is_available():
         return None
     text = str(err).strip()
-    if not (isinstance(err, torch.distributed.DistError) or any(s in text for s in ("gloo", "NCCL", "Connection closed by peer",
-                                                                                         "Connection reset by peer", "Timed out waiting"))):
+    gloo = any(s in text for s in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
+    if not (isinstance(err, torch.distributed.DistError) or (torch.distributed.is_initialized() and gloo)):
         return None
     what = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)[:200]  # without gloo's source path
     return (f"{script}: error: another process of this run died or stalled (a collective operation failed: {what}; "
-            f"--collective_timeout is {collective_timeout:g} s). This process stops too. {RESUME_HINT}")
+            f"--collective_timeout is {collective_timeout:g} s). This process stops too. {hint}")
 
 
 def exit_at_once(message: str) -> None:
