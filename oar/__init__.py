@@ -4,7 +4,8 @@ One file per concept, in layers whose imports point down only (pyproject.toml's 
 contracts check it), bottom to top:
   model calls   `lm` (position ids, caches, a logits forward)
   the maths     `grpo` (advantages, loss, log-probs), `probes` (outcome distributions), `oar_perturb`
-                (OAR-P scores; `oar_perturb_window`, its window mode), `oar_grad` (OAR-G scores),
+                (OAR-P scores; `oar_perturb_exact` and `oar_perturb_window`, its
+                exact and window modes), `oar_grad` (OAR-G scores),
                 `gating` (bi-level weights), `tempo`, `entropy_credit`, `answers` and `rewards`
                 (answer extraction and checking), `inverse_cdf` (the token choice)
   rollouts      `rollout` (a step's layout and masks)
