@@ -263,19 +263,19 @@ def test_every_credit_method_trains_with_lora_and_fsdp_variants(tiny, tmp_path):
 
 
 def test_the_benchmark_times_every_backend_on_the_same_batch(tiny, loaded):
-    """scripts/bench/bench_rollouts.py's vLLM row: three backends, the same rollouts count, full lengths, each
+    """scripts/bench/bench_vllm.py's vLLM row: three backends, the same rollouts count, full lengths, each
     timed `repeats` times (in alternating order) and reported by the median."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
-    import bench_rollouts as br
+    import bench_vllm
 
     from oar.sampler import encode_prompts
 
     model, tok = loaded
     ids, attn = encode_prompts(tok, _prompts(tok, PROBLEMS[:2]), "cpu")
-    r = br.backend_speeds(model, tiny, ids, attn, group_size=3, new_tokens=6, pad=tok.pad_token_id, kv_cache_gib=0.0625,
+    r = bench_vllm.backend_speeds(model, tiny, ids, attn, group_size=3, new_tokens=6, pad=tok.pad_token_id, kv_cache_gib=0.0625,
                           max_model_length=256, repeats=3)
     assert set(r["variants"]) == {"eager", "hf_generate", "vllm"} and r["rollouts"] == 6 and r["engine_start_s"] > 0
     for x in r["variants"].values():

@@ -207,6 +207,7 @@ def rollouts_main(args) -> None:
     import torch
 
     import bench_rollouts as br
+    import bench_vllm
 
     if args.threads:
         bp.set_threads(args.threads)
@@ -215,7 +216,7 @@ def rollouts_main(args) -> None:
     say(f"machine: {res['machine']['cpu']}, torch threads {res['machine']['torch_threads']}, load average "
         f"{res['machine']['load_average_1min']:.1f} (shared machine: read ratios)")
     if args.vllm:
-        res["vllm_cpu"] = v = br.vllm_cpu_case(args.cache_dir, say, prompts=args.vllm_prompts, repeats=args.vllm_repeats)
+        res["vllm_cpu"] = v = bench_vllm.vllm_cpu_case(args.cache_dir, say, prompts=args.vllm_prompts, repeats=args.vllm_repeats)
         res.update({f"rollouts_{k}_smollm2_cpu": v[k] for k in ("vllm_vs_own", "vllm_vs_generate", "own_vs_generate")})
     elif args.device == "cuda":
         res["machine"].update(device="cuda", gpu=torch.cuda.get_device_name())
