@@ -23,14 +23,15 @@ from oar.lm import cache_kwargs, position_ids
 
 @torch.no_grad()
 def decode_eager(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-                 group_size: int = 1, on_token: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 group_size: int = 1, skip_draws: list[int] | None = None,
+                 on_token: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache (`oar.sampler.decode`'s default loop). (P, Lp) prompts ->
     ((B, T) completion ids, (B, T) float32 log-probs of them), B = P x group_size (a prompt's rollouts
     contiguous), ids padded with `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens.
     Each prompt is prefilled once and its keys/values copied to its G rollouts."""
     b = prompt_ids.shape[0] * group_size
     assert len(seeds) == b, (len(seeds), b)
-    uniforms = draw_uniforms(seeds, max_new_tokens, prompt_ids.device)  # (B, max_new_tokens)
+    uniforms = draw_uniforms(seeds, max_new_tokens, prompt_ids.device, skip_draws)  # (B, max_new_tokens)
     eos = torch.tensor(sorted(eos_token_ids), device=prompt_ids.device)
     logits, cache, pos = prefill(model, prompt_ids, prompt_mask)
     if group_size > 1:  # the G rollouts of a prompt share its prefill
@@ -55,10 +56,13 @@ def decode_eager(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature,
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
-def draw_uniforms(seeds: list[int], length: int, device) -> torch.Tensor:
-    """(B, length): row i holds the first `length` draws of its own generator seeded with seeds[i], the
-    same numbers as one draw per step."""
-    return torch.stack([torch.rand(length, generator=torch.Generator().manual_seed(int(s))) for s in seeds]).to(device)
+def draw_uniforms(seeds: list[int], length: int, device, skip: list[int] | None = None) -> torch.Tensor:
+    """(B, length): row i holds draws skip[i] .. skip[i] + length - 1 (skip: 0 for every row when None) of its
+    own generator seeded with seeds[i], the same numbers as one draw per step. A row that skips j draws
+    continues a j-token prefix with the numbers a rollout of that seed would use at the same positions."""
+    skip = skip or [0] * len(seeds)
+    assert len(skip) == len(seeds) and min(skip, default=0) >= 0, (len(skip), len(seeds))
+    return torch.stack([torch.rand(j + length, generator=torch.Generator().manual_seed(int(s)))[j:] for s, j in zip(seeds, skip)]).to(device)
 
 
 def prefill(model, prompt_ids, prompt_mask):

@@ -119,15 +119,19 @@ def generate(model, prompt_ids, prompt_mask, **kwargs) -> torch.Tensor:
 
 @torch.no_grad()
 def decode(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-           group_size: int = 1, loop: str = "eager", on_token: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           group_size: int = 1, skip_draws: list[int] | None = None, loop: str = "eager",
+           on_token: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache. (P, Lp) prompts -> ((B, T) completion ids, (B, T) float32
     log-probs of them), B = P x group_size (a prompt's rollouts contiguous), ids padded with
     `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens. Each prompt is prefilled
     once and its keys/values copied to its G rollouts. `loop`: "eager" (oar/eager_decode.py), or the
-    same steps in fixed shapes, "static" or "compiled" (oar/static_decode.py)."""
+    same steps in fixed shapes, "static" or "compiled" (oar/static_decode.py). `skip_draws`: per row, how
+    many draws of its seed's stream to pass over first (`eager_decode.draw_uniforms`), so that continuations
+    of a rollout's prefixes of different lengths share their random numbers position by position
+    (scripts/analysis/delta_v.py); None: none."""
     assert loop in DECODE_LOOPS, loop
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_ids=eos_token_ids,
-                  pad_token_id=pad_token_id, seeds=seeds, group_size=group_size, on_token=on_token)
+                  pad_token_id=pad_token_id, seeds=seeds, group_size=group_size, skip_draws=skip_draws, on_token=on_token)
     if loop == "eager":
         return decode_eager(model, prompt_ids, prompt_mask, **kwargs)
     return decode_static(model, prompt_ids, prompt_mask, compiled=loop == "compiled", **kwargs)

@@ -62,7 +62,7 @@ def static_cache_or_reason(model, width: int):
 
 @torch.no_grad()
 def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-                  group_size: int = 1, compiled: bool = False, check_every: int = CHECK_EVERY,
+                  group_size: int = 1, skip_draws: list[int] | None = None, compiled: bool = False, check_every: int = CHECK_EVERY,
                   on_token: Callable[[], None] | None = None):
     """`oar.sampler.decode` in fixed shapes (same arguments and outputs); `compiled`: the step through
     torch.compile (a CUDA graph on a GPU)."""
@@ -77,9 +77,9 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
             print(f"oar.sampler: the fixed-shape decode loop cannot run here ({why}); the eager loop samples instead", file=sys.stderr)
         return decode_eager(model, prompt_ids, prompt_mask, max_new_tokens=T, temperature=temperature, top_p=top_p,
                       eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, seeds=seeds, group_size=group_size,
-                      on_token=on_token)
+                      skip_draws=skip_draws, on_token=on_token)
 
-    uniforms = draw_uniforms(seeds, T, device)
+    uniforms = draw_uniforms(seeds, T, device, skip_draws)
     eos = torch.tensor(sorted(eos_token_ids), device=device)
     logits, prompt_cache, pos = prefill(model, prompt_ids, prompt_mask)  # P rows, as the eager loop
     for src, dst in zip(prompt_cache.layers, cache.layers):  # each prompt's keys/values to its G rows

@@ -26,17 +26,66 @@ def test_delta_v_by_hand():
 
 
 def test_metrics_by_hand():
-    """|ΔV| = 0, 0, 0.75, 0, 0 on a wrong rollout (k = ceil(0.2 * 5) = 1): a method that peaks at t = 2 has
-    recall 1 and Spearman 1; a constant one recall 1/5 (its top-1 is any token) and Spearman 0; the one
-    significant token raised V (ΔV > 0), so the credit -w a wrong rollout gives it disagrees: sign agreement 0."""
-    dv, se = [0, 0, 0.75, 0, 0], [0, 0, 0.16, 0, 0]
-    peak = va.metrics([1, 1, 3, 1, 1], dv, se, correct=False)
-    assert peak == {"spearman": pytest.approx(1.0), "recall": pytest.approx(1.0), "sign_agree": 0.0}
-    flat = va.metrics([1, 1, 1, 1, 1], dv, se, correct=False)
-    assert flat == {"spearman": 0.0, "recall": pytest.approx(0.2), "sign_agree": 0.0}
-    drop = va.metrics([1, 1, 3, 1, 1], [0, 0, -0.75, 0, 0], se, correct=False)  # the token lowered V: blaming it agrees
-    assert drop["sign_agree"] == 1.0 and math.isnan(va.metrics([1, 1, 3, 1, 1], dv, se, correct=True)["sign_agree"])
+    """ΔV = 0, 0, 0.75, 0, 0 on a wrong rollout, K = 8 with 6 of the 8 paired differences +1 at t = 2 (k = ceil(0.2 * 5)
+    = 1): the target ΔV² - se² peaks at t = 2, so a method that peaks there has recall 1 and Spearman 1; a constant one
+    recall 1/5 (its top-1 is any token) and Spearman 0; the sign test flags t = 2 (p = 2 / 2^6), a token that raised
+    V (ΔV > 0), so the credit -w a wrong rollout gives it disagrees: sign agreement 0."""
+    v = {"dv": [0, 0, 0.75, 0, 0], "se": [0, 0, 0.16, 0, 0], "plus": [0, 0, 6, 0, 0], "minus": [0] * 5}
+    peak = va.metrics([1, 1, 3, 1, 1], v, correct=False)
+    assert peak == {"spearman": pytest.approx(1.0), "recall": pytest.approx(1.0), "sign_agree": 0.0, "sign_num": 0.0, "sign_den": 3.0}
+    flat = va.metrics([1, 1, 1, 1, 1], v, correct=False)
+    assert (flat["spearman"], flat["recall"], flat["sign_agree"]) == (0.0, pytest.approx(0.2), 0.0)
+    drop = va.metrics([1, 1, 3, 1, 1], v | {"dv": [0, 0, -0.75, 0, 0], "plus": [0] * 5, "minus": [0, 0, 6, 0, 0]}, correct=False)
+    assert drop["sign_agree"] == 1.0 and math.isnan(va.metrics([1, 1, 3, 1, 1], v, correct=True)["sign_agree"])
+    # three +1s of eight (ΔV = 0.375) are not significant (p = 0.25): no token to agree with
+    assert math.isnan(va.metrics([1, 1, 3, 1, 1], v | {"dv": [0, 0, 0.375, 0, 0], "plus": [0, 0, 3, 0, 0]}, correct=False)["sign_agree"])
+    # a rollout whose continuations all ended alike says nothing: undefined, not 0
+    still = va.metrics([1, 1, 3, 1, 1], {"dv": [0] * 5, "se": [0] * 5, "plus": [0] * 5, "minus": [0] * 5}, correct=False)
+    assert math.isnan(still["spearman"]) and math.isnan(still["recall"])
+    # the target discounts noise: ΔV 0.5 measured to s.e. 0.1 ranks above ΔV 0.6 measured to s.e. 0.45
+    noisy = va.metrics([2, 1], {"dv": [0.5, 0.6], "se": [0.1, 0.45], "plus": [4, 5], "minus": [0, 1]}, correct=True)
+    assert noisy["spearman"] == pytest.approx(1.0)
     np.testing.assert_allclose(va.top_membership([3, 1, 1, 0], 2), [1, 0.5, 0.5, 0])  # a tie at the cut shares the slot
+
+
+def test_the_sign_test_its_chance_rate_and_the_corrections_by_hand():
+    assert dvm.sign_test(8, 0) == 2 / 256 and dvm.sign_test(0, 0) == 1.0 and dvm.sign_test(1, 1) == 1.0
+    assert dvm.sign_test(5, 1) == pytest.approx(2 * (1 + 6) / 64)
+    assert va.null_flag_chance(6) == 2 / 64 and va.null_flag_chance(5) == 0.0  # 5 of 5 gives p = 1/16 at best
+    assert va.benjamini_hochberg([0.5, 0.001, 0.04, 0.02]) == 3  # thresholds 0.025, 0.05, 0.075, 0.1
+    assert va.benjamini_hochberg([0.2, 0.3]) == 0
+    # a problem's rollouts are one unit: means 1 and 3 over two problems (the first with two rollouts)
+    mean, se, n, clusters = va.clustered_mean_se([0.5, 1.5, 3.0, math.nan], [0, 0, 1, 1])
+    assert (mean, n, clusters) == (2.0, 3, 2) and se == pytest.approx(1.0)  # std(1, 3) / sqrt(2)
+
+
+def test_continuation_streams_never_replay_a_rollout():
+    """Rollouts are seeded seed * 1_000_003 + n; every continuation seed lies outside that set."""
+    rollouts = [s * 1_000_003 + n for s in range(3) for n in range(100)]
+    continuations = {dvm.continuation_seed(r, c) for r in rollouts for c in range(8)}
+    assert len(continuations) == 300 * 8 and not continuations & set(rollouts)
+
+
+@pytest.mark.parametrize("loop", ["eager", "static"])
+def test_a_continuation_that_skips_a_prefixs_draws_replays_the_rollout(tiny_model, loop):
+    """Common random numbers: a rollout of seed s, cut after j tokens and continued with seed s skipping j draws,
+    is the same rollout (the same numbers at the same positions), at a temperature where other seeds differ, in
+    either decode loop. So the continuations of prefixes t and t + 1 are the same text wherever the first drew
+    the rollout's token t."""
+    from oar.sampler import decode, encode_prompts, format_prompt, stop_token_ids
+    from oar.training.models import load_model
+
+    model, tok = load_model(str(tiny_model))
+    ids, mask = encode_prompts(tok, [format_prompt(tok, "Compute 25 + 38.")], "cpu")
+    stop, hot = stop_token_ids(model, tok), 1.5
+    kw = dict(temperature=hot, top_p=1.0, eos_token_ids=stop, pad_token_id=tok.pad_token_id, loop=loop)
+    whole = [decode(model, ids, mask, max_new_tokens=16, seeds=[s], **kw)[0][0].tolist() for s in range(4)]
+    assert len({tuple(w) for w in whole}) > 1  # the seeds matter at this temperature
+    for s, rollout in enumerate(whole):
+        for j in (1, 3, 6):
+            prefix = torch.cat([ids, torch.tensor([rollout[:j]])], 1)
+            rest = decode(model, prefix, torch.ones_like(prefix), max_new_tokens=16 - j, seeds=[s], skip_draws=[j], **kw)[0][0].tolist()
+            assert rest == rollout[j:], (s, j)
 
 
 def test_values_find_a_planted_wrong_result_on_the_tiny_model(tiny_model):
@@ -60,14 +109,16 @@ def test_values_find_a_planted_wrong_result_on_the_tiny_model(tiny_model):
     (v,) = values
     where = tok.convert_ids_to_tokens(planted).index("8")
     assert v["positions"] == list(range(10))  # '3 + 4 = 8\n' is the reasoning span
-    assert v["dv"] == [-1.0 if t == where else 0.0 for t in v["positions"]] and v["se"] == [0.0] * 10 and v["v0"] == 1.0
+    assert v["dv"] == [-1.0 if t == where else 0.0 for t in v["positions"]] and v["se"] == [0.0] * 10 and v["v_first"] == 1.0
+    assert v["minus"] == [2 if t == where else 0 for t in v["positions"]] and v["plus"] == [0] * 10
 
 
 
 def test_a_prefixs_continuations_share_its_prefill_and_sample_what_one_row_at_a_time_would(tiny_model):
     """continuation_rewards prefills a prefix once for its K continuations (the sampler's group_size):
-    the same rewards as sampling every (prefix, continuation) row on its own, at a temperature where the
-    seeds' outcomes differ, with batches that cut the prefixes unevenly (batch 8, K 4: 2 a call, 5 prefixes)."""
+    the same rewards as sampling every (prefix, continuation) row on its own (continuation c's stream, its
+    first j draws skipped for prefix j), at a temperature where the seeds' outcomes differ, with batches
+    that cut the prefixes unevenly (batch 8, K 4: 2 a call, 5 prefixes)."""
     from oar.rewards import reward
     from oar.rollout import char_offsets
     from oar.sampler import decode, encode_prompts, format_prompt, stop_token_ids
@@ -83,7 +134,7 @@ def test_a_prefixs_continuations_share_its_prefill_and_sample_what_one_row_at_a_
         for c in range(k):
             ids = torch.tensor([prompt + completion[:j]])
             row = decode(model, ids, torch.ones_like(ids), max_new_tokens=20 - j, temperature=hot, top_p=1.0, eos_token_ids=stop,
-                         pad_token_id=tok.pad_token_id, seeds=[7 * 1_000_003 + c])[0][0].tolist()
+                         pad_token_id=tok.pad_token_id, seeds=[dvm.continuation_seed(7, c)], skip_draws=[j])[0][0].tolist()
             end = next((n for n, x in enumerate(row) if x in stop), len(row))
             alone[(j, c)] = reward(char_offsets(tok, completion[:j] + row[:end])[0], "8")
     assert shared == alone
@@ -99,17 +150,17 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
               "--max_new_tokens", "20", "--temperature", "1.0", "--values", str(tmp_path / "values.json")]
     first = va.main(common + ["--method", "random-gate", "--out", str(tmp_path / "a.json")])
     assert first["rollouts"] == 4 and first["scored_rollouts"] >= 1 and first["values_cpu_s"] > 0
-    assert set(first["records"][0]["methods"]) == {"control: random", "control: surprisal", "control: entropy", "random-gate"}
+    assert set(first["records"][0]["methods"]) == {*va.CONTROLS, "random-gate"}
     assert "| random-gate |" in first["table"]
     second = va.main(common + ["--method", "grpo", "entropy"])  # the credit method `entropy` beside the entropy control
     assert "| control: entropy |" in second["table"] and "| entropy |" in second["table"]
     for r in second["records"]:  # the gated method and the raw control are two columns, not one overwriting the other
-        assert set(r["methods"]) == {"control: random", "control: surprisal", "control: entropy", "grpo", "entropy"}
+        assert set(r["methods"]) == {*va.CONTROLS, "grpo", "entropy"}
     assert [r["rollout"] for r in second["records"]] == [r["rollout"] for r in first["records"]]
     for a, b in zip(first["records"], second["records"]):  # the same values, so the same controls' numbers
         assert a["methods"]["control: surprisal"] == b["methods"]["control: surprisal"]
     grpo = [r["methods"]["grpo"] for r in second["records"]]
-    assert all(m["spearman"] == 0.0 for m in grpo)  # a constant method
+    assert all(m["spearman"] == 0.0 or math.isnan(m["spearman"]) for m in grpo)  # a constant method (undefined: no ΔV)
     # A run stopped after its first rollout's values resumes at the second, to the same values, also where
     # the file was written on another machine (the model recorded at another path, as files before
     # `portable` recorded it)
@@ -161,12 +212,13 @@ def test_values_made_on_another_machine_resume_where_the_model_lies_elsewhere():
 
 def test_values_are_reused_only_for_the_same_rollouts():
     """The values index tokens: the same texts cut into other tokens, or the same tokens with another model's
-    log-probs (two checkpoints both named `final`), do not reuse them; a machine's rounding (1e-5) does. A
-    file written before ids were recorded is matched on its texts."""
-    here = {"texts": ["1 + 23 = 24"], "ids": [[5, 6, 7]], "logprobs": [[-0.5, -1.25, -0.01]]}
+    log-probs (two checkpoints both named `final`), or other gold answers, do not reuse them; a machine's
+    rounding (1e-5) does. A file of the first values format (no ids, no golds) is not reused."""
+    here = {"texts": ["1 + 23 = 24"], "ids": [[5, 6, 7]], "logprobs": [[-0.5, -1.25, -0.01]], "golds": ["24"]}
     assert dvm.same_rollouts(here, here)
     assert dvm.same_rollouts(here | {"logprobs": [[-0.50001, -1.25, -0.01]]}, here)
     assert not dvm.same_rollouts(here | {"ids": [[5, 8, 7]]}, here)
     assert not dvm.same_rollouts(here | {"logprobs": [[-0.5, -1.4, -0.01]]}, here)
     assert not dvm.same_rollouts(here | {"texts": ["1 + 23 = 25"]}, here)
-    assert dvm.same_rollouts({"texts": here["texts"]}, here)
+    assert not dvm.same_rollouts(here | {"golds": ["25"]}, here)
+    assert not dvm.same_rollouts({"texts": here["texts"]}, here)

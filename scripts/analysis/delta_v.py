@@ -7,10 +7,20 @@ model at the rollout temperature within the rollout's remaining token budget, an
 
     ΔV_t = V_{t+1} - V_t = V(prefix <= t) - V(prefix < t),
 
-the mean of the K paired differences R_{t+1,k} - R_{t,k} (continuation k uses one seed at every prefix:
-common random numbers), with the Monte-Carlo standard error std(ddof 1) / sqrt(K). A prefix is
-prefilled once for its K continuations (the sampler's `group_size`). The values are kept in a JSON file
-with the settings and the rollouts they belong to (`portable`, `rollout_record`, `same_rollouts`).
+the mean of the K paired differences d_{t,c} = R_{t+1,c} - R_{t,c}, with the Monte-Carlo standard error
+std(ddof 1) / sqrt(K). Common random numbers make the pairs share their noise: continuation c of every
+prefix draws its token at completion position p with the same uniform u_c[p] of one seeded stream (the
+sampler's `skip_draws`), so the continuations of prefixes t and t + 1 differ only where the one from t
+resampled position t to another token than the rollout's (with probability 1 - p(c_t)); where it drew
+c_t they are the same text and d_{t,c} = 0 (to float rounding of the two batches). ΔV stays unbiased
+(each V_j is a mean over K independent streams) and its noise concentrates where the token mattered.
+The continuation streams' seeds are disjoint from every rollout seed (`continuation_seed`), so no
+continuation replays a rollout. With 0/1 rewards d is -1, 0 or 1, and under "token t does not move V"
+its non-zero values are +1 or -1 with probability 1/2 each: `sign_test` is exact.
+
+A prefix is prefilled once for its K continuations (the sampler's `group_size`). The values are kept in
+a JSON file with the settings and the rollouts they belong to (`portable`, `rollout_record`,
+`same_rollouts`; VALUES_FORMAT says how they were made).
 """
 
 from __future__ import annotations
@@ -27,23 +37,50 @@ from oar.sampler import decode, left_pad, stop_token_ids
 from oar.training.models import SMOLLM2, smollm2_gguf
 
 
+VALUES_FORMAT = 2  # 1: continuation c of every prefix drew from the start of its stream (pairs barely coupled); 2: this
+CONTINUATION_OFFSET = 500_000  # continuation seeds are = this + c (mod 1_000_003); rollout seeds (= n < this) never are
+
+
+def continuation_seed(rollout_seed: int, c: int) -> int:
+    """The seed of continuation c's stream for a rollout: disjoint from every seed `seed * 1_000_003 + n`
+    (n < CONTINUATION_OFFSET) the rollouts are sampled with, and from other rollouts' continuations."""
+    assert 0 <= c < 1_000_003 - CONTINUATION_OFFSET
+    return rollout_seed * 1_000_003 + CONTINUATION_OFFSET + c
+
+
 def needed_prefixes(positions: list[int]) -> list[int]:
     """Prefix lengths j whose value ΔV at completion positions `positions` needs: every t and t + 1."""
     return sorted({t for t in positions} | {t + 1 for t in positions})
 
 
+def paired_differences(rewards: dict[tuple[int, int], float], positions: list[int], k: int) -> np.ndarray:
+    """d_{t,c} = R_{t+1,c} - R_{t,c} (n_R, K) from the continuation rewards {(j, c): r}."""
+    return np.array([[rewards[(t + 1, c)] - rewards[(t, c)] for c in range(k)] for t in positions], dtype=np.float64).reshape(-1, k)
+
+
 def delta_v(rewards: dict[tuple[int, int], float], positions: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """ΔV_t and its Monte-Carlo standard error (n_R,) from the continuation rewards {(j, k): r} (paired over k)."""
-    diff = np.array([[rewards[(t + 1, c)] - rewards[(t, c)] for c in range(k)] for t in positions], dtype=np.float64)
+    """ΔV_t and its Monte-Carlo standard error (n_R,) from the continuation rewards {(j, c): r} (paired over c)."""
+    diff = paired_differences(rewards, positions, k)
     se = diff.std(axis=1, ddof=1) / math.sqrt(k) if k > 1 else np.full(len(positions), math.nan)
     return diff.mean(axis=1), se
+
+
+def sign_test(plus: int, minus: int) -> float:
+    """Two-sided exact sign test of `plus` +1s against `minus` -1s (zeros dropped): the p-value of 'the
+    token does not move V', under which each non-zero difference is +1 or -1 with probability 1/2."""
+    n = plus + minus
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(plus, minus) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 def continuation_rewards(model, tok, prompt: list[int], completion: list[int], gold: str, prefixes: list[int], k: int, seed: int, *,
                          max_new_tokens: int, temperature: float, batch: int = 64) -> dict[tuple[int, int], float]:
     """{(j, c): reward of prefix completion[:j] continued by the model with continuation seed c}, every j in
     `prefixes`, c < k. The continuation of prefix j gets the rollout's remaining budget max_new_tokens - j;
-    continuation c draws from seed `seed * 1_000_003 + c` at every prefix (common random numbers)."""
+    continuation c draws from the stream of `continuation_seed(seed, c)`, position p with its draw p at every
+    prefix (common random numbers: the prefix of length j skips j draws)."""
     stop = stop_token_ids(model, tok)
     out = {}
     per_call = max(1, batch // k)  # prefixes a call; a prefix's k continuations share its one prefill (group_size k)
@@ -52,7 +89,8 @@ def continuation_rewards(model, tok, prompt: list[int], completion: list[int], g
         ids, mask = left_pad([prompt + completion[:j] for j in part], tok.pad_token_id)
         cont, _ = decode(model, ids, mask, max_new_tokens=max_new_tokens - min(part), temperature=temperature, top_p=1.0,
                          eos_token_ids=stop, pad_token_id=tok.pad_token_id, group_size=k,
-                         seeds=[seed * 1_000_003 + c for _ in part for c in range(k)])
+                         seeds=[continuation_seed(seed, c) for _ in part for c in range(k)],
+                         skip_draws=[j for j in part for _ in range(k)])
         for (j, c), row in zip([(j, c) for j in part for c in range(k)], cont.tolist()):
             row = row[:max_new_tokens - j]  # this prefix's own budget
             end = next((n for n, x in enumerate(row) if x in stop), len(row))
@@ -63,8 +101,11 @@ def continuation_rewards(model, tok, prompt: list[int], completion: list[int], g
 
 def rollout_values(model, tok, ro: Rollout, golds: list[str], seeds: list[int], *, k: int, max_new_tokens: int, temperature: float,
                    batch: int, log=print, done: list[dict] = (), save=None) -> list[dict]:
-    """Per rollout: its reasoning positions (completion indices), ΔV and its s.e. there, V_0 and the seconds it took.
+    """Per rollout: its reasoning positions (completion indices); ΔV, its s.e., and the counts of +1 and -1
+    paired differences there; v_first, V before its first reasoning token; the CPU seconds it took.
     Starts after the rollouts already `done` (a run that was stopped); `save(values)` after each rollout."""
+    cont = {continuation_seed(s, c) for s in seeds for c in range(k)}
+    assert not cont & set(seeds), "a continuation stream would replay a rollout"
     out = list(done)
     lp = ro.prompt_width
     for i in range(len(out), len(ro)):
@@ -72,13 +113,16 @@ def rollout_values(model, tok, ro: Rollout, golds: list[str], seeds: list[int], 
         prompt = ro.input_ids[i, :lp][ro.attention_mask[i, :lp].bool()].tolist()
         completion = ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist()
         positions = ro.reasoning_mask[i, lp:].nonzero().flatten().tolist()
-        rec = {"positions": positions, "dv": [], "se": [], "v0": None}
+        rec = {"positions": positions, "dv": [], "se": [], "plus": [], "minus": [], "v_first": None}
         if positions:
             prefixes = needed_prefixes(positions)
             r = continuation_rewards(model, tok, prompt, completion, golds[i], prefixes, k, seeds[i], max_new_tokens=max_new_tokens,
                                      temperature=temperature, batch=batch)
+            assert set(r.values()) <= {0.0, 1.0}, "the sign test and the counts assume 0/1 rewards"
             dv, se = delta_v(r, positions, k)
-            rec |= {"dv": dv.tolist(), "se": se.tolist(), "v0": float(np.mean([r[(prefixes[0], c)] for c in range(k)]))}
+            d = paired_differences(r, positions, k)
+            rec |= {"dv": dv.tolist(), "se": se.tolist(), "plus": (d > 0).sum(1).tolist(), "minus": (d < 0).sum(1).tolist(),
+                    "v_first": float(np.mean([r[(prefixes[0], c)] for c in range(k)]))}
         rec["cpu_s"] = time.process_time() - t0
         log(f"[values] rollout {i + 1}/{len(ro)}: n_R {len(positions)}, {rec['cpu_s']:.0f} CPU s, "
             f"max |ΔV| {max(map(abs, rec['dv']), default=0):.2f}")
@@ -100,23 +144,21 @@ def portable(settings: dict) -> dict:
 LOGPROB_TOLERANCE = 1e-2  # another machine's float rounding moves a log-prob by ~1e-5 (docs/vllm.md); another model's, by far more
 
 
-def rollout_record(ro: Rollout) -> dict:
-    """What --values records of the rollouts its values belong to: the texts, each completion's token ids and
-    the sampler's log-prob of every one of them (4 decimals)."""
+def rollout_record(ro: Rollout, golds: list[str]) -> dict:
+    """What --values records of the rollouts its values belong to: the texts, each completion's token ids,
+    the sampler's log-prob of every one of them (4 decimals), and the gold answers the rewards checked."""
     lp = ro.prompt_width
     ids = [ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist() for i in range(len(ro))]
     logprobs = [[round(x, 4) for x in ro.sample_logprobs[i, lp:][ro.completion_mask[i, lp:]].tolist()] for i in range(len(ro))]
-    return {"texts": ro.texts, "ids": ids, "logprobs": logprobs}
+    return {"texts": ro.texts, "ids": ids, "logprobs": logprobs, "golds": list(golds)}
 
 
 def same_rollouts(cached: dict, here: dict) -> bool:
     """Whether cached values belong to these rollouts: the same texts, the same token ids (a text can be
     cut into tokens more than one way, and the values index tokens), and log-probs within LOGPROB_TOLERANCE
     (the same model: two checkpoints can sample the same tokens from the same seeds, not with the same
-    probabilities). A file written before ids and log-probs were recorded is matched on its texts."""
-    if cached["texts"] != here["texts"]:
+    probabilities), and the same gold answers (an edited data set changes the rewards)."""
+    if any(cached.get(key) != here[key] for key in ("texts", "ids", "golds")):
         return False
-    if "ids" not in cached:
-        return True
-    return cached["ids"] == here["ids"] and all(
+    return all(
         len(a) == len(b) and all(abs(x - y) <= LOGPROB_TOLERANCE for x, y in zip(a, b)) for a, b in zip(cached["logprobs"], here["logprobs"]))

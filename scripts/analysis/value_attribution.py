@@ -15,8 +15,9 @@ and each reasoning token t gets
 
     ΔV_t = V_{t+1} - V_t = V(prefix <= t) - V(prefix < t).
 
-Continuation k of a rollout uses the same seed at every prefix (common random numbers: the K paired
-differences R_{t+1,k} - R_{t,k} cancel much of the sampling noise), so ΔV_t is their mean and its
+Continuation c of every prefix of a rollout draws position p with the same random number (common random
+numbers: the continuations of prefixes t and t + 1 are the same text unless the first resampled token t),
+so ΔV_t is the mean of K paired differences, exact 0s where the token's choice did not matter, and its
 Monte-Carlo standard error is their standard deviation / sqrt(K) (ddof 1). Prefixes are batched
 (prefixes of similar length together, `--batch` continuation rows a call); a prefix's prompt and text
 are prefilled once and their keys/values copied to its K continuations (the sampler's `group_size`).
@@ -29,22 +30,35 @@ group whose rewards are equal still gets its weights), the update forward's logi
 seeds. Its weights w_t (gated: monotone in the score for OAR's methods) are compared with ΔV on each
 rollout's reasoning tokens:
 
-  spearman    rank correlation of w_t with |ΔV_t| (0 when either is constant)
-  recall@k    of the k = ceil(0.2 n_R) tokens with the largest |ΔV_t|, the share among the method's k
-              largest w_t (ties at either cut shared out in expectation: a constant method scores k / n_R)
-  sign agree  on wrong rollouts (reward 0), the tokens whose ΔV_t is significant (|ΔV_t| > 2 s.e.):
-              the share of the method's credit mass |w_t| on tokens where the sign of the credit a wrong
-              rollout gets (A_i w_t with A_i < 0, so -w_t) is the sign of ΔV_t. For w >= 0 this is
-              the mass on the tokens that lowered the chance of success; GRPO's (w = 1) is their share.
+  target      ΔV_t^2 - se_t^2, an unbiased estimate of ΔV_t^2: ranking |ΔV_t| itself would rank the
+              noise, which is largest where V is near 1/2, whatever the token did
+  spearman    rank correlation of w_t with the target (undefined, not 0, on a rollout whose target is
+              constant: every continuation of every prefix ended alike)
+  recall@k    of the k = ceil(0.2 n_R) tokens with the largest target, the share among the method's k
+              largest w_t (ties at either cut shared out in expectation: a constant method scores k / n_R;
+              undefined where the target is constant)
+  sign agree  on wrong rollouts (reward 0), the tokens whose ΔV_t is significant (an exact sign test of
+              its paired differences, p < 0.05; `delta_v.sign_test`): the share of the method's credit
+              mass |w_t| on tokens where the sign of the credit a wrong rollout gets (A_i w_t with
+              A_i < 0, so -w_t) is the sign of ΔV_t. For w >= 0 this is the mass on the tokens that
+              lowered the chance of success; GRPO's (w = 1) is their share. Also pooled over all
+              wrong rollouts' significant tokens (one mass, in the JSON and the printout).
 
 Controls, always in the table as `control: random` (uniform scores from each rollout's seed), `control:
-surprisal` (-log p of the token at the sampling temperature) and `control: entropy` (of the distribution
+surprisal` (-log p of the token at the sampling temperature), `control: entropy` (of the distribution
 it was drawn from; raw, where the credit method `entropy` is the same score through the gate), read
-from the same forward. Each cell: mean over rollouts ± standard error across rollouts
-(n rollouts where the metric is defined). The expensive part (the values) is kept in `--values`
-(JSON, written after every rollout, with the rollouts' texts, token ids and log-probs) and reused when the
-settings and the rollouts match (`same_rollouts`; a file of others is refused, not overwritten): a stopped
-run resumes at its next rollout, and scoring another method costs only its weights.
+from the same forward, and `control: position` (t / n_R: a method that only leans later or earlier).
+Each cell: the mean over rollouts where the metric is defined, ± its standard error with the rollouts
+clustered by problem (the G rollouts of a problem, which the group methods see together, are one unit:
+the s.e. is over the problems' means); n rollouts (problems). Beside Spearman, each method's paired
+difference from `control: random` on the same rollouts, clustered the same way. The significance line
+says how many tokens the sign test flags, how many it would flag by chance if no token moved V (the
+sum over tokens of P(p < 0.05) given their number of non-zero differences), and how many survive
+Benjamini-Hochberg at q = 0.1 over all of them. The expensive part (the values) is kept in `--values`
+(JSON, written after every rollout, with the rollouts' texts, token ids, log-probs and gold answers) and
+reused when the settings (VALUES_FORMAT among them) and the rollouts match (`same_rollouts`; a file of
+others is refused, not overwritten): a stopped run resumes at its next rollout, and scoring another method
+costs only its weights.
 """
 
 from __future__ import annotations
@@ -75,10 +89,12 @@ from oar.training.checkpoint import write_json_atomic
 from oar.training.data import load_problems
 from oar.training.models import load_model
 from scripts.analysis.attribution import spearman
-from scripts.analysis.delta_v import portable, rollout_record, rollout_values, same_rollouts
+from scripts.analysis.delta_v import VALUES_FORMAT, portable, rollout_record, rollout_values, same_rollouts, sign_test
 
-CONTROLS = ("control: random", "control: surprisal", "control: entropy")  # named apart from the credit methods (`entropy` is one)
+CONTROLS = ("control: random", "control: surprisal", "control: entropy", "control: position")  # apart from the methods (`entropy` is one)
 TOP = 0.2  # recall@k: k = ceil(TOP * n_R)
+ALPHA = 0.05  # a token's ΔV is significant when its sign test gives p < ALPHA
+FDR = 0.1  # Benjamini-Hochberg's q for the count of tokens that survive a correction for testing them all
 
 
 # ------------------------------------------------------------------------------------------ methods
@@ -102,7 +118,8 @@ def method_weights(name: str, module: str, model, tok, ro: Rollout, rewards, gol
 
 
 def control_scores(model, ro: Rollout, seeds: list[int], temperature: float) -> dict[str, torch.Tensor]:
-    """The controls' scores (N, L): uniform random (from each rollout's seed), the token's surprisal and entropy."""
+    """The controls' scores (N, L): uniform random (from each rollout's seed), the token's surprisal and entropy,
+    its position in the completion (a rollout's order of positions is its reasoning tokens' order)."""
     n, width = ro.input_ids.shape
     lp = ro.prompt_width
     surprisal, entropy = torch.zeros(n, width), torch.zeros(n, width)
@@ -113,7 +130,9 @@ def control_scores(model, ro: Rollout, seeds: list[int], temperature: float) -> 
         surprisal[i, lp:] = -torch.log_softmax(z, -1).gather(-1, ro.input_ids[i, lp:, None])[:, 0]
         entropy[i, lp:] = token_entropy(z[None])[0]
     rand = torch.stack([torch.rand(width, generator=torch.Generator().manual_seed(s + 31337)) for s in seeds])
-    return dict(zip(CONTROLS, (rand, surprisal, entropy)))
+    position = torch.zeros(n, width)
+    position[:, lp:] = torch.arange(width - lp, dtype=torch.float32)
+    return dict(zip(CONTROLS, (rand, surprisal, entropy, position)))
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -126,34 +145,76 @@ def top_membership(x, k: int) -> np.ndarray:
     return above + tied * (k - above.sum()) / tied.sum()
 
 
-def metrics(w, dv, se, correct: bool) -> dict:
-    """spearman, recall@k and (on a wrong rollout) sign agreement of weights `w` with ΔV over one rollout's reasoning tokens."""
-    w, dv, se = (np.asarray(v, float) for v in (w, dv, se))
+def metrics(w, v: dict, correct: bool) -> dict:
+    """spearman, recall@k and (on a wrong rollout) sign agreement of weights `w` with one rollout's values `v`
+    (delta_v.rollout_values's record) over its reasoning tokens; sign_num / sign_den: the agreeing and the
+    whole credit mass, for the pooled share."""
+    w, dv, se = (np.asarray(x, float) for x in (w, v["dv"], v["se"]))
+    target = dv ** 2 - se ** 2
     n = len(dv)
     k = max(1, math.ceil(TOP * n))
-    out = {"spearman": spearman(w, np.abs(dv)), "recall": float((top_membership(w, k) * top_membership(np.abs(dv), k)).sum() / k),
-           "sign_agree": math.nan}
-    sig = np.abs(dv) > 2 * se
-    if not correct and sig.any() and np.abs(w[sig]).sum() > 0:
-        out["sign_agree"] = float((np.abs(w[sig]) * (np.sign(-w[sig]) == np.sign(dv[sig]))).sum() / np.abs(w[sig]).sum())
+    informative = np.ptp(target) > 0
+    out = {"spearman": spearman(w, target) if informative else math.nan,
+           "recall": float((top_membership(w, k) * top_membership(target, k)).sum() / k) if informative else math.nan,
+           "sign_agree": math.nan, "sign_num": 0.0, "sign_den": 0.0}
+    sig = np.array([sign_test(a, b) < ALPHA for a, b in zip(v["plus"], v["minus"])], dtype=bool)
+    if not correct and sig.any():
+        agree = np.abs(w[sig]) * (np.sign(-w[sig]) == np.sign(dv[sig]))
+        out |= {"sign_num": float(agree.sum()), "sign_den": float(np.abs(w[sig]).sum())}
+        if out["sign_den"] > 0:
+            out["sign_agree"] = out["sign_num"] / out["sign_den"]
     return out
 
 
-def mean_se(values) -> tuple[float, float, int]:
-    v = np.array([x for x in values if not math.isnan(x)])
-    return (float(v.mean()) if len(v) else math.nan, float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan, len(v))
+def clustered_mean_se(values, clusters) -> tuple[float, float, int, int]:
+    """(mean of the clusters' means, its standard error, values, clusters) over the defined values: the values
+    of one cluster (a problem's rollouts) are one unit, each problem weighs the same."""
+    by = {}
+    for x, c in zip(values, clusters):
+        if not math.isnan(x):
+            by.setdefault(c, []).append(x)
+    means = np.array([np.mean(v) for v in by.values()])
+    n = sum(len(v) for v in by.values())
+    if not n:
+        return math.nan, math.nan, 0, 0
+    mean = float(means.mean())
+    se = float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else math.nan
+    return mean, se, n, len(means)
 
 
 def table(records: list[dict], names: list[str]) -> str:
-    lines = ["| method | Spearman with abs(ΔV) | recall@k of top-|ΔV| (k = 20% of n_R) | sign agreement, wrong rollouts |",
-             "| --- | --- | --- | --- |"]
+    lines = ["| method | Spearman with ΔV² | minus control: random's, paired | recall@k of top ΔV² (k = 20% of n_R) "
+             "| sign agreement, wrong rollouts (pooled) |", "| --- | --- | --- | --- | --- |"]
+    problems = [r["problem"] for r in records]
+    cell = lambda xs: "{:.3f} ± {:.3f} (n = {} / {})".format(*clustered_mean_se(xs, problems))
     for name in names:
-        cells = []
-        for m in ("spearman", "recall", "sign_agree"):
-            mean, se, n = mean_se([r["methods"][name][m] for r in records if name in r["methods"]])
-            cells.append(f"{mean:.3f} ± {se:.3f} (n = {n})")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        m = [r["methods"][name] for r in records]
+        versus_random = [x["spearman"] - r["methods"]["control: random"]["spearman"] for x, r in zip(m, records)]
+        num, den = sum(x["sign_num"] for x in m), sum(x["sign_den"] for x in m)
+        pooled = f" ({num / den:.3f})" if den > 0 else ""
+        lines.append(f"| {name} | {cell([x['spearman'] for x in m])} | {cell(versus_random)} | {cell([x['recall'] for x in m])} "
+                     f"| {cell([x['sign_agree'] for x in m])}{pooled} |")
+    return "\n".join(lines) + "\n\nn = rollouts / problems where the cell is defined; ± its standard error over problems."
+
+
+def null_flag_chance(n: int) -> float:
+    """P(sign test p < ALPHA) for n non-zero differences when the token does not move V (each is +1 or -1 at 1/2)."""
+    return sum(math.comb(n, a) for a in range(n + 1) if sign_test(a, n - a) < ALPHA) / 2 ** n
+
+
+def benjamini_hochberg(p_values) -> int:
+    """How many of the p-values Benjamini-Hochberg rejects at q = FDR."""
+    p = np.sort(np.asarray(p_values, float))
+    ok = p <= FDR * np.arange(1, len(p) + 1) / max(len(p), 1)
+    return int(np.nonzero(ok)[0].max() + 1) if ok.any() else 0
+
+
+def significance(values: list[dict]) -> dict:
+    """The tokens the sign test flags, those expected by chance if no token moved V, those surviving BH."""
+    counts = [(a, b) for v in values for a, b in zip(v["plus"], v["minus"])]
+    p = [sign_test(a, b) for a, b in counts]
+    return {"tokens": len(p), "significant": int(sum(x < ALPHA for x in p)),
+            "expected_by_chance": float(sum(null_flag_chance(a + b) for a, b in counts)), "bh_significant": benjamini_hochberg(p)}
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -197,7 +258,7 @@ def main(argv=None) -> dict:
     problems = load_problems(args.data, split=args.split, limit=args.problems)[: args.problems]
     instruction = resolve_instruction(args.instruction, args.data, args.model)
     key = portable({k: getattr(args, k) for k in ("model", "data", "split", "instruction", "problems", "group_size", "k",
-                                                  "max_new_tokens", "temperature", "seed")})
+                                                  "max_new_tokens", "temperature", "seed")} | {"values_format": VALUES_FORMAT})
     G = args.group_size
     seeds = [args.seed * 1_000_003 + n for n in range(len(problems) * G)]
     prompts = [format_prompt(tok, p.problem, instruction) for p in problems]
@@ -205,7 +266,7 @@ def main(argv=None) -> dict:
     golds = [p.answer for p in problems for _ in range(G)]
     rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
     cached = json.loads(args.values.read_text()) if args.values is not None and args.values.is_file() else None
-    record = rollout_record(ro)
+    record = rollout_record(ro, golds)
     if cached is not None and not (portable(cached["settings"]) == key and same_rollouts(cached, record)):
         raise SystemExit(f"value_attribution.py: error: {args.values} holds the values of other settings or other rollouts "
                          f"(another model?); give another --values file, or delete it to start again.")
@@ -234,22 +295,26 @@ def main(argv=None) -> dict:
         if not v["positions"]:
             continue
         cols = [lp + t for t in v["positions"]]
-        records.append({"rollout": i, "correct": bool(rewards[i] == 1), "n_reasoning": len(cols), "v0": v["v0"],
-                        "methods": {m: metrics(s[i, cols].tolist(), v["dv"], v["se"], bool(rewards[i] == 1)) for m, s in scores.items()}})
+        records.append({"rollout": i, "problem": i // G, "correct": bool(rewards[i] == 1), "n_reasoning": len(cols),
+                        "v_first": v["v_first"],
+                        "methods": {m: metrics(s[i, cols].tolist(), v, bool(rewards[i] == 1)) for m, s in scores.items()}})
     names = [*CONTROLS, *args.method]
-    se_all = [s for v in values for s in v["se"]]
-    dv_all = [(d, s) for v in values for d, s in zip(v["dv"], v["se"])]
+    moving = [v for v in values if any(v["plus"]) or any(v["minus"])]  # rollouts where some continuation ended otherwise
+    sig = significance(values)
     result = {"settings": key | {"methods": args.method, "credit_module": args.credit_module, "probe": args.probe, **gate},
               "rollouts": total, "rollouts_with_values": len(values), "scored_rollouts": len(records),
               "correct": int(rewards[:len(values)].sum()),
               "reasoning_tokens": sum(r["n_reasoning"] for r in records),
-              "mc_se_mean": float(np.mean(se_all)) if se_all else math.nan,
-              "frac_significant": float(np.mean([abs(d) > 2 * s for d, s in dv_all])) if dv_all else math.nan,
+              "rollouts_with_any_nonzero_difference": len(moving),
+              "mc_se_mean_where_nonzero": float(np.mean([x for v in moving for x in v["se"]])) if moving else math.nan,
+              "significance": sig,
               "values_cpu_s": sum(v["cpu_s"] for v in values), "table": table(records, names), "records": records}
     print(f"{len(records)} rollouts with reasoning tokens of the {len(values)} with values ({result['correct']} correct), of {total}; "
-          f"{result['reasoning_tokens']} "
-          f"reasoning tokens; K = {args.k}: mean Monte-Carlo s.e. of ΔV {result['mc_se_mean']:.3f}, "
-          f"{100 * result['frac_significant']:.0f}% of tokens with |ΔV| > 2 s.e.; values {result['values_cpu_s']:.0f} CPU s")
+          f"{result['reasoning_tokens']} reasoning tokens; values {result['values_cpu_s']:.0f} CPU s. K = {args.k}: "
+          f"{len(moving)} rollouts where some continuation ended otherwise (mean Monte-Carlo s.e. of ΔV there "
+          f"{result['mc_se_mean_where_nonzero']:.3f}); {sig['significant']} of {sig['tokens']} tokens significant (sign test, "
+          f"p < {ALPHA}), {sig['expected_by_chance']:.1f} expected by chance if no token moved V, {sig['bh_significant']} after "
+          f"Benjamini-Hochberg at q = {FDR}")
     print(result["table"])
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
