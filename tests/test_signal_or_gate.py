@@ -283,3 +283,34 @@ def test_report_steps_to_half_need_a_full_window(tmp_path):
     metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
     assert report.run_metrics(metrics.parent)["steps_to_50"] == 5
     assert report.paired([2.0, 2.0, 2.0])["zero_spread"]
+
+
+def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_and_shows_the_gates_shape(tmp_path):
+    """Two seeds give a difference and its s.e. but no t or p, on the page or in summary.json; a run whose gate is
+    not its arm's (a folder named oar-g-q25 that ran q = 0.4), or whose config.json lacks a setting the others
+    changed from its default, stops the report; the gate's diagnostics are averaged per arm."""
+    import json
+
+    report = _report()
+    base = {"oar-g-q25": 0.40, "random-gate-q25": 0.29}
+    ledger = _synthetic_ledger(tmp_path / "a", base, {"oar-g-q25": [0.0, 0.02]}, seeds=range(2))
+    for arm, ess in (("oar-g-q25", 0.8), ("random-gate-q25", 0.6)):
+        for seed in range(2):
+            metrics = ledger / "runs" / "arith-mix" / f"{arm}-s{seed}" / "metrics.jsonl"
+            rows = [json.loads(x) | {"oar/ess_ratio": ess + 0.1 * seed} for x in metrics.read_text().splitlines()]
+            metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "README.md").write_text(f"{report.BEGIN}\n{report.END}\n")
+    two = report.write(ledger, tmp_path / "out", "arith-mix")["comparisons"]["oar-g-q25 - random-gate-q25"]["mean_reward"]
+    assert two["n"] == 2 and two["se"] == pytest.approx(1.0) and two["t"] is None and two["p"] is None
+    page = (tmp_path / "out" / "README.md").read_text()
+    assert "| oar-g-q25 - random-gate-q25 | 2 | +12.0 ± 1.0 |" in page and "t = " not in page
+    assert "| oar-g-q25 | 0.850 |" in page and "| random-gate-q25 | 0.650 |" in page  # ESS, mean over seeds and steps
+    wrong = _synthetic_ledger(tmp_path / "b", base, config={"oar-g-q25-s1": {"gate_quantile": 0.4, "gate_boost": 2.0}})
+    with pytest.raises(SystemExit, match="oar-g-q25-s1: not the arm's settings.*gate_quantile"):
+        report.write(wrong, tmp_path / "ob", "arith-mix")
+    lacking = _synthetic_ledger(tmp_path / "c", base, config={f"{a}-s{s}": {"top_p": 0.9} for a in base for s in (0, 1)})
+    config = lacking / "runs" / "arith-mix" / "random-gate-q25-s2" / "config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "top_p"}))  # ran at the default 1.0
+    with pytest.raises(SystemExit, match="settings differ .*top_p"):
+        report.write(lacking, tmp_path / "oc", "arith-mix")

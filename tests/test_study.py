@@ -157,3 +157,4 @@ def _fake_run(root, name, seed, method, before, after, step_s):
              "oar/ess_ratio": 1.0, **({"eval/accuracy": (before + after) / 2} if s == 2 else {})} for s in range(1, 5)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 9.0, "code": ["abc"]}))
+

@@ -194,3 +194,11 @@ def test_a_run_finished_before_a_setting_existed_is_still_finished(tmp_path):
     (out / "config.json").write_text(json.dumps(saved | {"method": "oar-g"}))
     with pytest.raises(SystemExit, match="finished run with other settings"):
         run_one(SimpleNamespace(root=tmp_path), run)
+
+
+def test_a_runs_code_version_covers_its_credit_module_file():
+    """An arm that trains through a --credit_module file (the signal-or-gate study's inverted control) is
+    versioned with that file: an edit to it between seeds shows in the report; a dotted module name adds nothing."""
+    from research.common.study_run import code_version
+
+    assert code_version("research/signal-or-gate/inverted.py") != code_version() == code_version("some.module")

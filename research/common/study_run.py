@@ -79,7 +79,7 @@ def run_one(args, run) -> str:
         write_json_atomic(out / "study_time.json", {
             "seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
             "invocations": before.get("invocations", 0) + 1, "unmeasured": unmeasured, "model": model_ident(run["settings"]["model"]),
-            "code": sorted(set(before.get("code", [])) | {code_version()})})
+            "code": sorted(set(before.get("code", [])) | {code_version(run["settings"].get("credit_module", ""))})})
     if code != 0:
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail), flush=True)
@@ -88,12 +88,15 @@ def run_one(args, run) -> str:
     return "ok"
 
 
-def code_version() -> str:
-    """A hash of the code a run executes (train.py, oar/**/*.py), committed or not: the report warns
-    when the runs it compares were made by different code (the tree may change during a study)."""
+def code_version(credit_module: str = "") -> str:
+    """A hash of the code a run executes (train.py, oar/**/*.py, and its --credit_module file if it names
+    one), committed or not: the report warns when the runs it compares were made by different code (the
+    tree may change during a study)."""
     digest = hashlib.sha1()
-    for path in [ROOT / "train.py", *sorted((ROOT / "oar").rglob("*.py"))]:
-        digest.update(path.relative_to(ROOT).as_posix().encode() + path.read_bytes())
+    module = [ROOT / credit_module] if credit_module.endswith(".py") else []  # a relative path is train.py's, from ROOT
+    for path in [ROOT / "train.py", *sorted((ROOT / "oar").rglob("*.py")), *module]:
+        name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+        digest.update(name.encode() + path.read_bytes())
     return digest.hexdigest()[:10]
 
 

@@ -30,9 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from oar.training.config import RESUMABLE  # noqa: E402
+from dataclasses import asdict  # noqa: E402
+
+from oar.training.config import RESUMABLE, Config  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from study import ARMS as ARM_RUNS  # noqa: E402  (what each arm's runs must have set)
 ARMS = ("grpo", "oar-g-q25", "random-gate-q25", "oar-g-q40", "inverted-q25")
 COMPARISONS = (("oar-g-q25", "random-gate-q25"), ("oar-g-q25", "oar-g-q40"), ("oar-g-q25", "grpo"), ("random-gate-q25", "grpo"),
                ("oar-g-q40", "grpo"), ("inverted-q25", "grpo"), ("inverted-q25", "random-gate-q25"))
@@ -42,6 +46,8 @@ ALPHA, MIN_SEEDS = 0.05, 3
 # RESUMABLE) but the step count and the held-out evaluation's, which the report compares
 ARM_SETTINGS = {"method", "gate_quantile", "gate_boost", "credit_module", "seed"}
 FREE_SETTINGS = (RESUMABLE - {"steps", "eval_dataset", "eval_every", "eval_size", "score_all"}) | {"model"}
+# The gate's shape per arm (the page: "reported, not decided on"): means over the steps of train.py's diagnostics
+SHAPE = {"oar/ess_ratio": "ESS", "oar/weight_max": "weight max", "oar/frac_boosted": "boosted", "oar/frac_suppressed": "suppressed"}
 BEGIN, END = "<!-- REPORT BEGIN (research/signal-or-gate/report.py) -->", "<!-- REPORT END -->"
 
 
@@ -80,8 +86,9 @@ def _betacf(a: float, b: float, x: float) -> float:
     return f
 
 
-def paired(diffs: list[float]) -> dict:
-    """Mean, standard error (ddof 1), t and two-sided p of paired differences; None where n < 2 (or a zero spread)."""
+def paired(diffs: list[float], test_from: int = MIN_SEEDS) -> dict:
+    """Mean, standard error (ddof 1), t and two-sided p of paired differences; no s.e. where n < 2, and no t or p
+    where n < `test_from` (the page tests nothing on fewer than three seeds) or every difference is the same."""
     n = len(diffs)
     mean = sum(diffs) / n if n else math.nan
     if n < 2:
@@ -89,6 +96,8 @@ def paired(diffs: list[float]) -> dict:
     se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
     if se == 0:  # every seed the same difference: no t (the verdict says so, apart from too few seeds)
         return {"n": n, "mean": mean, "se": 0.0, "t": None, "p": None, "zero_spread": True}
+    if n < test_from:
+        return {"n": n, "mean": mean, "se": se, "t": None, "p": None}
     t = mean / se
     return {"n": n, "mean": mean, "se": se, "t": t, "p": 2 * t_sf(abs(t), n - 1)}
 
@@ -112,13 +121,16 @@ def run_metrics(path: Path) -> dict | None:
             "heldout": {str(s): {"avg": a, "pass@2": p} for s, (a, p) in sorted(held.items())},
             "cpu_seconds": timing.get("cpu_seconds") if not timing.get("unmeasured") else None,
             "steps": summary["steps"], "steps_logged": [r["step"] for r in rows], "config": config, "build": build,
-            "code": timing.get("code", [])}
+            "code": timing.get("code", []),
+            "shape": {k: sum(r[k] for r in rows if k in r) / n for k in SHAPE if (n := sum(k in r for r in rows))}}
 
 
 def check_runs(runs: dict, build: str | None) -> list[str]:
     """What would make the runs' comparison silently wrong, one line each: a run without its config.json,
-    settings that differ between runs beyond their arm's own and FREE_SETTINGS, steps other than 1..N
+    settings that differ between runs beyond their arm's own and FREE_SETTINGS (a setting a config.json lacks
+    ran as its default), an arm's own settings other than study.py's for that arm, steps other than 1..N
     (N the same for all), a model build other than the ledger's (builds/<task>.json). Empty: all agree."""
+    defaults = asdict(Config())
     problems, first = [], None
     for arm, by_seed in runs.items():
         for seed, r in sorted(by_seed.items()):
@@ -126,17 +138,21 @@ def check_runs(runs: dict, build: str | None) -> list[str]:
             if r["config"] is None:
                 problems.append(f"{name}: no config.json")
                 continue
-            if r["config"].get("seed") != seed:
-                problems.append(f"{name}: config.json says seed {r['config'].get('seed')}")
+            config = defaults | r["config"]
+            if config.get("seed") != seed:
+                problems.append(f"{name}: config.json says seed {config.get('seed')}")
+            own = {k: (v, config.get(k)) for k, v in (defaults | ARM_RUNS[arm]).items() if k in ARM_SETTINGS - {"seed"} and config.get(k) != v}
+            if own:
+                problems.append(f"{name}: not the arm's settings (study.py's, this run's): {own}")
             if r["steps_logged"] != list(range(1, r["steps"] + 1)):
                 problems.append(f"{name}: metrics.jsonl has steps {r['steps_logged']}, not 1..{r['steps']}")
             if build is not None and r["build"] not in (None, build):
                 problems.append(f"{name}: started from model build {r['build'][:12]}, the ledger's is {build[:12]}")
-            shared = {k: v for k, v in r["config"].items() if k not in ARM_SETTINGS | FREE_SETTINGS}
+            shared = {k: v for k, v in config.items() if k not in ARM_SETTINGS | FREE_SETTINGS}
             if first is None:
                 first = (name, shared, r["steps"])
                 continue
-            differ = {k: (first[1].get(k), v) for k, v in shared.items() if k in first[1] and first[1][k] != v}
+            differ = {k: (first[1].get(k), v) for k, v in shared.items() if first[1].get(k) != v}
             if r["steps"] != first[2]:
                 differ["steps run"] = (first[2], r["steps"])
             if differ:
@@ -202,6 +218,14 @@ def table(runs: dict, comparisons: dict) -> str:
         lines.append(f"| {arm} | {len(by_seed)} ({', '.join(map(str, sorted(by_seed)))}) | {100 * mean([r['mean_reward'] for r in by_seed.values()]):.1f}% | "
                      f"{held} | {mean([r['steps_to_50'] for r in by_seed.values()]):.1f} | {mean([r['final_entropy'] for r in by_seed.values()]):.3f} | "
                      f"{mean(cpu) / 60 if cpu else math.nan:.0f} ({len(cpu)} run{'s' * (len(cpu) != 1)}) |")
+    lines += ["", "Each row is its arm's mean over its own seeds (listed); the paired differences below compare the seeds both arms "
+              "finished. The gate's shape, means over steps (reported, not decided on):", "",
+              "| arm | " + " | ".join(SHAPE.values()) + " |", "| --- |" + " --- |" * len(SHAPE)]
+    for arm, by_seed in runs.items():
+        shapes = [r["shape"] for r in by_seed.values() if r["shape"]]
+        if shapes:
+            cells = [[x[k] for x in shapes if k in x] for k in SHAPE]
+            lines.append(f"| {arm} | " + " | ".join(f"{sum(c) / len(c):.3f}" if c else "n/a" for c in cells) + " |")
     lines += ["", "| paired difference (points) | seeds | mean training reward ± s.e. (t, p) | held-out avg@2 at the last step ± s.e. "
               "| held-out pass@2 at the last step ± s.e. |", "| --- | --- | --- | --- | --- |"]
     for key, c in comparisons.items():
