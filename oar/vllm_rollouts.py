@@ -103,8 +103,10 @@ def check(source: str, *, top_p: float, gguf_file: str | None = None) -> None:
 @contextmanager
 def _process_state_kept():
     """Restore what vLLM changes in the process when its engine starts in it: the random generators
-    (it seeds them) and torch.set_num_threads (it replaces it by a no-op)."""
+    (it seeds them: torch's CPU one and, on a GPU, every CUDA one, Python's, NumPy's) and
+    torch.set_num_threads (it replaces it by a no-op)."""
     states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None  # a GPU's: torch.manual_seed reseeds them too
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield
@@ -114,6 +116,8 @@ def _process_state_kept():
         torch.set_rng_state(states[0])
         random.setstate(states[1])
         np.random.set_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _refresh_tied_head(worker) -> None:
@@ -190,9 +194,11 @@ class VLLMRollouts:
         completion = torch.full((len(outs), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, T)
         logprobs = torch.zeros((len(outs), width), dtype=torch.float32)  # (B, T)
         for i, o in enumerate(outs):
-            tokens = list(o.outputs[0].token_ids)
+            tokens, entries = list(o.outputs[0].token_ids), o.outputs[0].logprobs
+            # a missing log-prob would leave a 0 that the importance weight reads as the engine's certainty
+            assert entries is not None and len(entries) == len(tokens), (len(tokens), entries and len(entries))
             completion[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            logprobs[i, : len(tokens)] = torch.tensor([entry[t].logprob for t, entry in zip(tokens, o.outputs[0].logprobs)])
+            logprobs[i, : len(tokens)] = torch.tensor([entry[t].logprob for t, entry in zip(tokens, entries)])
         for _ in range(max_new_tokens if on_token is not None else 0):
             on_token()
         device = next(model.parameters()).device
@@ -204,7 +210,8 @@ class VLLMRollouts:
         e.g. a transformers model's named_parameters), then reset the prefix cache."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_refresh_tied_head)
-        self.llm.reset_prefix_cache()
+        # False when it cannot (requests running): the next rollouts would then reuse the old weights' keys/values
+        assert self.llm.reset_prefix_cache() is not False, "vLLM could not reset its prefix cache after new weights"
 
     def close(self) -> None:
         """vLLM's own shutdown, before the trainer ends its process group: left to run at interpreter

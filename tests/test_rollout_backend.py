@@ -6,6 +6,7 @@ is the same floats as before and GRPO on the own backend ignores the vLLM settin
 where it is not installed (or with top-p it cannot score) stops with one line saying what to do.
 """
 
+import json
 import math
 
 import pytest
@@ -111,3 +112,28 @@ def _main(script: str, args: list[str]):
     import eval as evaluation
 
     return evaluation.main(evaluation.parser().parse(args))
+
+
+def test_a_gguf_conversion_is_reused_only_for_the_same_file(tiny_model, tmp_path, monkeypatch):
+    """<output_dir>/vllm-model is made once per .gguf file: the same file (path, size, modification time) reuses
+    it, another file or a changed one makes it again (a new run in an old --output_dir must not serve the old
+    weights), and so does a folder from before the source was recorded."""
+    import os
+
+    from oar.training import rollout_backend
+    from oar.training.models import load_model
+
+    made = []
+    monkeypatch.setattr(rollout_backend, "load_model", lambda name: made.append(name) or load_model(str(tiny_model)))
+    a, b, folder = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "run" / "vllm-model"
+    a.write_bytes(b"a"), b.write_bytes(b"bb")
+    folder.parent.mkdir()
+    for model, want in ((a, 1), (a, 1), (b, 2), (a, 3)):
+        rollout_backend.convert_gguf(str(model), folder)
+        assert len(made) == want and (folder / "config.json").is_file()
+        assert json.loads((folder / rollout_backend.SOURCE).read_text())["path"] == str(model.resolve())
+    os.utime(a, ns=(1, 1))  # the same path, rewritten
+    rollout_backend.convert_gguf(str(a), folder)
+    (folder / rollout_backend.SOURCE).unlink()  # a conversion made before the source was recorded
+    rollout_backend.convert_gguf(str(a), folder)
+    assert len(made) == 5 and not folder.with_name("vllm-model.tmp").exists()

@@ -12,7 +12,9 @@ serves a plain model), and the engine resets its prefix cache. For the own sampl
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -57,14 +59,32 @@ def make(backend: str, model: str, *, accelerator, folder: str | Path, **setting
 
 def convert_gguf(model_name: str, folder: Path) -> str:
     """A .gguf model as a plain folder vLLM reads: loaded through the project's loader (dequantized,
-    oar/training/models.py load_model) and saved with save_pretrained into `folder` (reused when complete)."""
-    if not (folder / "config.json").is_file():
+    oar/training/models.py load_model) and saved with save_pretrained into `folder`. A folder made from
+    the same file (its path, size and modification time, kept in SOURCE) is reused; one made from another
+    .gguf (a new run in an old --output_dir) is made again, not served as the wrong weights."""
+    source = gguf_identity(model_name)
+    marker = folder / SOURCE
+    if not ((folder / "config.json").is_file() and marker.is_file() and json.loads(marker.read_text()) == source):
         model, tokenizer = load_model(model_name)
         tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / SOURCE).write_text(json.dumps(source))
+        shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
     return str(folder)
+
+
+SOURCE = "oar_source.json"  # in a converted folder: which .gguf it was made from
+
+
+def gguf_identity(model_name: str) -> dict:
+    """The .gguf file a --model names (its resolved path), with its size and modification time."""
+    folder, kwargs = resolve_model(model_name)
+    path = (Path(folder) / kwargs["gguf_file"]).resolve()
+    stat = path.stat()
+    return {"path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def policy_weights(policy, peft_model=None) -> dict[str, torch.Tensor]:
