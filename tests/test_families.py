@@ -15,7 +15,7 @@ import torch
 
 from oar.grpo import token_logprobs
 from oar.lm import forward_logits
-from oar.training.models import enable_checkpointing
+from oar.training.models import disable_dropout, enable_checkpointing
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import clean_forward, divergence, outcome_from_logits
@@ -240,6 +240,24 @@ def test_oar_g_with_gradient_checkpointing_on_a_sliding_window_family(name):
     got = gradient_scores(model, ids, attn, reas, ans, noise=noise, noise_std=1e-2)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())  # as above
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_training_turns_every_familys_dropout_off(name):
+    """With every dropout rate of its config at 0.5, a family's model in train mode gives its eval-mode logits
+    after disable_dropout (train.py's learner calls it): pi_old, the update and the scores are one function."""
+    model_cls, config = _family(name)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.5)
+    torch.manual_seed(0)
+    model = model_cls(config).float()
+    ids, attn = long_batch()[:2]
+    want = forward_logits(model.eval(), ids, attn)
+    noisy = forward_logits(model.train(), ids, attn)
+    disable_dropout(model)
+    got = forward_logits(model.train(), ids, attn)
+    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(noisy, want, atol=1e-5)  # it had dropout to turn off
 
 
 @pytest.mark.slow

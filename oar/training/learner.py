@@ -27,7 +27,7 @@ from oar.lm import forward_logits
 from oar.tasks.tiny_arith_cache import model_source
 from oar.training import checkpoint as ckpt
 from oar.training import lora, sharding
-from oar.training.models import enable_checkpointing, load_model
+from oar.training.models import disable_dropout, enable_checkpointing, load_model
 
 
 @dataclass
@@ -70,6 +70,7 @@ class Learner:
 def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
     """Everything train.py trains from the loaded `model`, in the order that works (module docstring).
     `n_micro`: micro-batches per optimizer step on each process (accelerate's accumulation steps)."""
+    disable_dropout(model)  # one function of the weights in sampling, scoring, pi_old and the update (models.py)
     # LoRA: peft freezes the base and adds adapters in place; everything below trains, samples and scores
     # the inner transformers model (lora.inner: OAR-G needs it), the PeftModel only saves the adapter.
     peft = None

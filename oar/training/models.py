@@ -22,6 +22,20 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def disable_dropout(model) -> None:
+    """Dropout off for training (TRL's `disable_dropout`, on by default there): the update forward runs in
+    train mode, and with dropout it would compute pi_old, the PPO ratio of a later pass and the vLLM
+    correction's weight from noised log-probs, while the sampler, OAR's scores and the reference run without.
+    Sets every dropout module's p, and every float attribute of a module named like a dropout rate
+    (transformers' attentions keep theirs as floats, e.g. Llama's `attention_dropout`), to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
 class ModelError(ValueError):
     """A model name that cannot be loaded; the message says which input and what to do."""
 
