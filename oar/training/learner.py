@@ -70,7 +70,7 @@ class Learner:
 def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
     """Everything train.py trains from the loaded `model`, in the order that works (module docstring).
     `n_micro`: micro-batches per optimizer step on each process (accelerate's accumulation steps)."""
-    disable_dropout(model)  # one function of the weights in sampling, scoring, pi_old and the update (models.py)
+    disable_dropout(model)  # one function of the weights: sampling, scoring, pi_old, the update (models.py)
     # LoRA: peft freezes the base and adds adapters in place; everything below trains, samples and scores
     # the inner transformers model (lora.inner: OAR-G needs it), the PeftModel only saves the adapter.
     peft = None
