@@ -32,11 +32,15 @@ def test_metrics_by_hand():
     V (ΔV > 0), so the credit -w a wrong rollout gives it disagrees: sign agreement 0."""
     v = {"dv": [0, 0, 0.75, 0, 0], "se": [0, 0, 0.16, 0, 0], "plus": [0, 0, 6, 0, 0], "minus": [0] * 5}
     peak = va.metrics([1, 1, 3, 1, 1], v, correct=False)
-    assert peak == {"spearman": pytest.approx(1.0), "recall": pytest.approx(1.0), "sign_agree": 0.0, "sign_num": 0.0, "sign_den": 3.0}
+    assert peak == {"spearman": pytest.approx(1.0), "recall": pytest.approx(1.0), "sign_agree": 0.0, "sign_num": 0.0, "sign_den": 3.0,
+                    "balance": -1.0}  # its only ΔV-weighted credit sits on a token that raised V
     flat = va.metrics([1, 1, 1, 1, 1], v, correct=False)
     assert (flat["spearman"], flat["recall"], flat["sign_agree"]) == (0.0, pytest.approx(0.2), 0.0)
     drop = va.metrics([1, 1, 3, 1, 1], v | {"dv": [0, 0, -0.75, 0, 0], "plus": [0] * 5, "minus": [0, 0, 6, 0, 0]}, correct=False)
     assert drop["sign_agree"] == 1.0 and math.isnan(va.metrics([1, 1, 3, 1, 1], v, correct=True)["sign_agree"])
+    # the balance needs no test: credit 3 x 0.5 on a token that lowered V against 1 x 0.25 on one that raised it
+    mixed = va.metrics([1, 3, 1, 1, 1], v | {"dv": [0, -0.5, 0.25, 0, 0]}, correct=False)
+    assert mixed["balance"] == pytest.approx((1.5 - 0.25) / 1.75) and math.isnan(va.metrics([1] * 5, v, correct=True)["balance"])
     # three +1s of eight (ΔV = 0.375) are not significant (p = 0.25): no token to agree with
     assert math.isnan(va.metrics([1, 1, 3, 1, 1], v | {"dv": [0, 0, 0.375, 0, 0], "plus": [0, 0, 3, 0, 0]}, correct=False)["sign_agree"])
     # a rollout whose continuations all ended alike says nothing: undefined, not 0

@@ -42,7 +42,11 @@ rollout's reasoning tokens:
               mass |w_t| on tokens where the sign of the credit a wrong rollout gets (A_i w_t with
               A_i < 0, so -w_t) is the sign of ΔV_t. For w >= 0 this is the mass on the tokens that
               lowered the chance of success; GRPO's (w = 1) is their share. Also pooled over all
-              wrong rollouts' significant tokens (one mass, in the JSON and the printout).
+              wrong rollouts' significant tokens (one mass, in the JSON and the printout). At K = 8 the
+              test cannot flag a token with fewer than 6 non-zero differences, so few tokens qualify:
+  balance     on wrong rollouts, every reasoning token, no test: sum_t (-w_t ΔV_t) / sum_t |w_t ΔV_t|, in
+              [-1, 1]: +1 when all the method's ΔV-weighted credit sits on tokens that lowered V. ΔV's
+              noise (mean 0) dilutes it, not biases its sign; GRPO's is the rollouts' own balance.
 
 Controls, always in the table as `control: random` (uniform scores from each rollout's seed), `control:
 surprisal` (-log p of the token at the sampling temperature), `control: entropy` (of the distribution
@@ -156,7 +160,9 @@ def metrics(w, v: dict, correct: bool) -> dict:
     informative = np.ptp(target) > 0
     out = {"spearman": spearman(w, target) if informative else math.nan,
            "recall": float((top_membership(w, k) * top_membership(target, k)).sum() / k) if informative else math.nan,
-           "sign_agree": math.nan, "sign_num": 0.0, "sign_den": 0.0}
+           "sign_agree": math.nan, "sign_num": 0.0, "sign_den": 0.0, "balance": math.nan}
+    if not correct and np.abs(w * dv).sum() > 0:
+        out["balance"] = float((-w * dv).sum() / np.abs(w * dv).sum())
     sig = np.array([sign_test(a, b) < ALPHA for a, b in zip(v["plus"], v["minus"])], dtype=bool)
     if not correct and sig.any():
         agree = np.abs(w[sig]) * (np.sign(-w[sig]) == np.sign(dv[sig]))
@@ -184,7 +190,7 @@ def clustered_mean_se(values, clusters) -> tuple[float, float, int, int]:
 
 def table(records: list[dict], names: list[str]) -> str:
     lines = ["| method | Spearman with ΔV² | minus control: random's, paired | recall@k of top ΔV² (k = 20% of n_R) "
-             "| sign agreement, wrong rollouts (pooled) |", "| --- | --- | --- | --- | --- |"]
+             "| sign agreement, wrong rollouts (pooled) | ΔV-weighted sign balance, wrong rollouts |", "| --- | --- | --- | --- | --- | --- |"]
     problems = [r["problem"] for r in records]
     cell = lambda xs: "{:.3f} ± {:.3f} (n = {} / {})".format(*clustered_mean_se(xs, problems))
     for name in names:
@@ -193,7 +199,7 @@ def table(records: list[dict], names: list[str]) -> str:
         num, den = sum(x["sign_num"] for x in m), sum(x["sign_den"] for x in m)
         pooled = f" ({num / den:.3f})" if den > 0 else ""
         lines.append(f"| {name} | {cell([x['spearman'] for x in m])} | {cell(versus_random)} | {cell([x['recall'] for x in m])} "
-                     f"| {cell([x['sign_agree'] for x in m])}{pooled} |")
+                     f"| {cell([x['sign_agree'] for x in m])}{pooled} | {cell([x['balance'] for x in m])} |")
     return "\n".join(lines) + "\n\nn = rollouts / problems where the cell is defined; ± its standard error over problems."
 
 
