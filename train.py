@@ -78,7 +78,7 @@ from oar.sampler import format_prompt, resolve_instruction
 from oar.tasks.tiny_arith_cache import model_source
 from oar.training import checkpoint as ckpt
 from oar.training import lora, rollout_backend, sharding
-from oar.training.checks import check_config
+from oar.training.checks import check_config, check_launch
 from oar.training.config import Config, check_resume, micro_batch, parse_args
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
@@ -102,7 +102,8 @@ def main(cfg: Config) -> dict:
     n_proc, rank = accelerator.num_processes, accelerator.process_index
     local_prompts = cfg.prompts_per_step // n_proc
     try:  # every cheap check first: nothing is loaded or written when one fails
-        check_config(cfg, n_proc)
+        kind = getattr(accelerator.distributed_type, "value", "")
+        check_config(cfg, n_proc, check_launch(str(accelerator.mixed_precision), kind))
         method = credit_methods(cfg.credit_module)[cfg.method]  # a broken --credit_module has stopped the run
         terms = reward_terms(cfg.reward, cfg.reward_module)  # checked likewise
         resolve_model(cfg.model)
@@ -179,8 +180,10 @@ def main(cfg: Config) -> dict:
         totals, reward_parts = score(terms, ro.texts, golds, problems)
         rewards = torch.tensor(totals, device=accelerator.device)
 
-        # 3. group-relative advantage (a prompt's group is on this process: no gather needed)
-        advantages = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)  # (B,)
+        # 3. group-relative advantage (a prompt's group is on this process; --advantage_scale batch divides by
+        # the std of every process's rewards, so the advantages do not depend on the number of processes)
+        everyone = accelerator.gather(rewards) if cfg.advantage_scale == "batch" else None
+        advantages = group_advantages(rewards, cfg.group_size, cfg.advantage_scale, batch_rewards=everyone)
 
         # 4. token credit (oar/credit.py): what the method needs of the whole step, before the micro-batches,
         # so its weights depend neither on micro-batching nor on the processes; in the update's precision.
@@ -198,6 +201,7 @@ def main(cfg: Config) -> dict:
                       log=log, step=step, bad_steps=history["bad_steps"])
         if (stop := count_bad_steps(history, done.skipped, cfg.max_bad_steps)) is not None:
             raise SystemExit(stop)
+        lr = learner.schedule.get_last_lr()[0]  # the rate this step trained with (logged)
         learner.schedule.step()  # the LR schedule counts RL steps, and advances on a skipped one
         rollout_backend.follow(sampler, policy, learner.peft)  # vllm: the engine takes the new weights
         history["step_seconds"].append(time.perf_counter() - t0)
@@ -206,7 +210,7 @@ def main(cfg: Config) -> dict:
         # 6. log, evaluate, checkpoint. The step's diagnostics are the same on every process and for any
         # number of them (oar/training/runlog.py); the timings are each process's own, averaged.
         metrics = step_metrics(ro, rewards, scored, cfg.group_size, done.passes[0], done.weights,
-                               done.grad_norms[0], learner.schedule, accelerator, nonfinite=done.nonfinite)
+                               done.grad_norms[0], lr, accelerator, nonfinite=done.nonfinite)
         metrics |= pass_metrics(done.passes[1:], done.grad_norms[1:], accelerator)  # none for mu = 1
         metrics |= sampler_gap_metrics(done.gaps, accelerator)
         metrics |= reward_term_metrics(reward_parts, accelerator)

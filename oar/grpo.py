@@ -30,11 +30,13 @@ import torch
 ADVANTAGE_EPS = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
+                     batch_rewards: torch.Tensor | None = None) -> torch.Tensor:
     """Group-relative advantages A_i (maths §1.1). `rewards` (B,) -> (B,).
 
     scale="group": divide by each group's unbiased std + 1e-4 (GRPO, the default);
-    scale="batch": divide by the unbiased std of the whole batch + 1e-4 (Dr. GRPO-style robustness);
+    scale="batch": divide by the unbiased std of the whole step's rewards + 1e-4 (Dr. GRPO-style
+                   robustness): `batch_rewards`, every process's (train.py gathers them), else `rewards`;
     scale="none":  centre only. Rollouts of one prompt are contiguous: rewards.view(P, G).
     """
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (rewards.shape, group_size)
@@ -44,7 +46,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     if scale == "group":
         adv = centred / (r.std(dim=1, keepdim=True) + ADVANTAGE_EPS)
     elif scale == "batch":
-        adv = centred / (r.std() + ADVANTAGE_EPS)
+        adv = centred / ((r if batch_rewards is None else batch_rewards.float()).std() + ADVANTAGE_EPS)
     elif scale == "none":
         adv = centred
     else:

@@ -20,6 +20,8 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
     "oar-p/token_mean/mask_truncated": ["--method", "oar-p", "--aggregation", "token_mean", "--mask_truncated",
                                         "--max_new_tokens", "18"],
     "grpo/token_mean": ["--method", "grpo", "--aggregation", "token_mean"],
+    # the batch std of the advantages: over the whole step (every process's rewards), not a process's half
+    "grpo/batch_scale": ["--method", "grpo", "--aggregation", "seq_mean", "--advantage_scale", "batch"],
     # the comparators of oar/credit.py: a gate per rollout, a threshold over the whole step, a tree per group
     "entropy/seq_mean": ["--method", "entropy", "--aggregation", "seq_mean"],
     "entropy-mask/token_mean": ["--method", "entropy-mask", "--aggregation", "token_mean"],
@@ -84,6 +86,7 @@ def test_micro_batches_of_1_equal_one_batch_of_8(tiny_model, tmp_path, setting):
                                                                ("tempo/seq_mean", 2, False),
                                                                ("random-gate/seq_mean", 2, False),  # its widest-prompt gather
                                                                ("grpo/chunked", 4, False),  # --rollout_batch_size 1 on both
+                                                               ("grpo/batch_scale", 4, False),  # a std over both processes
                                                                ("oar-p/chunked/static", 4, True)])
 def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size, switch):
     """Two steps under 2 processes, or (switch) step 1 under 2 processes and step 2 resumed in one:

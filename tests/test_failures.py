@@ -89,6 +89,19 @@ def test_no_answer_all_truncated_tied_groups_are_defined(tiny_model, tmp_path, m
         assert m["oar/weight_max"] == 1 and m["oar/frac_nonfinite_scores"] == 0
 
 
+def test_groups_with_one_reward_that_is_not_a_binary_fraction_count_as_tied(tiny_model, tmp_path):
+    """A reward of 0.1 for every rollout: each group's advantages are exactly 0 (group_advantages compares the
+    rewards), and reward/frac_zero_std_groups says 1, as it must, though one group of eight 0.1s has a float32 std of 8e-9
+    (torch's row-wise std of two such groups happens to give 0: one group shows it)."""
+    module = tmp_path / "tenth.py"
+    module.write_text("REWARD_FUNCTIONS = {'tenth': lambda completion, gold, problem: 0.1}\n")
+    out = tmp_path / "run"
+    run_inprocess(_args(tiny_model, out, "--method", "grpo", "--steps", "1", "--prompts_per_step", "1", "--group_size", "8",
+                        "--reward_module", str(module), "--reward", "tenth"))
+    (m,) = metrics(out)
+    assert m["reward/mean"] == pytest.approx(0.1) and m["reward/frac_zero_std_groups"] == 1 and m["optim/grad_norm"] == 0
+
+
 def test_nonfinite_oar_scores_are_counted(tiny_model, tmp_path, monkeypatch, capsys):
     """Scores that are not finite give plain GRPO weights (gating's rule); the run says so."""
     from oar import credit_adapters  # train.py's step 4 asks oar/credit.py, whose oar-g calls this module's gradient_scores
@@ -259,6 +272,19 @@ def test_every_impossible_setting_is_named_at_once(tiny_model, tmp_path):
     message = _stops(_args(tiny_model, tmp_path / "out", "--group_size", "1", "--gate_quantile", "2", "--noise_std", "-1"),
                      "--group_size 1", "--gate_quantile 2.0", "--noise_std -1.0")
     assert len(message.splitlines()) == 3  # one line each (G = 1 leaves 2 rollouts: one micro-batch, not an error)
+
+
+def test_an_accelerate_launch_train_py_cannot_train_under_is_named(tiny_model, tmp_path, monkeypatch):
+    """fp16 mixed precision (its loss scaling skips overflowing steps, which train.py counts as failed) and DeepSpeed
+    (it replaces the accumulation train.py scales the loss for) are refused before anything loads; bf16 and DDP pass."""
+    from oar.training.checks import check_launch
+
+    assert check_launch("bf16", "MULTI_GPU") == check_launch("no", "FSDP") == []
+    assert "fp16" in check_launch("fp16", "NO")[0] and "DeepSpeed" in check_launch("no", "DEEPSPEED")[0]
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate launch --mixed_precision fp16` sets
+    with pytest.raises(SystemExit, match="fp16 mixed precision.*bf16"):
+        run_inprocess(_args(tiny_model, tmp_path / "fp16"))
+    assert not (tmp_path / "fp16").exists()
 
 
 def test_a_micro_batch_larger_than_a_process_rollouts_is_one_micro_batch():

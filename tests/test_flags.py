@@ -113,6 +113,9 @@ ALIASED = [  # TRL's (or transformers') spelling -> this project's
     (["--save_steps", "7"], ["--save_every", "7"]),
     (["--save_total_limit", "3"], ["--keep_checkpoints", "3"]),
     (["--eval_steps", "9"], ["--eval_every", "9"]),
+    (["--scale_rewards", "batch"], ["--advantage_scale", "batch"]),
+    (["--scale_rewards", "true"], ["--advantage_scale", "group"]),  # TRL's boolean spellings
+    (["--scale_rewards", "false"], ["--advantage_scale", "none"]),
 ]
 
 

@@ -26,6 +26,8 @@ def test_group_advantages_batch_and_none_scales():
     # mean 0.75, squares 3 * 0.0625 + 0.5625 = 0.75, / 3 = 0.25 -> std 0.5.
     torch.testing.assert_close(group_advantages(r, 2, scale="batch"), torch.tensor([0.5 / 0.5001, -0.5 / 0.5001, 0, 0]))
     torch.testing.assert_close(group_advantages(r, 2, scale="none"), torch.tensor([0.5, -0.5, 0, 0]))
+    # one process's half of a step: the batch std is the whole step's (train.py gathers it), not the half's 0.707
+    torch.testing.assert_close(group_advantages(r[:2], 2, scale="batch", batch_rewards=r), torch.tensor([0.5 / 0.5001, -0.5 / 0.5001]))
     with pytest.raises(ValueError, match="scale"):
         group_advantages(r, 2, scale="rank")
 

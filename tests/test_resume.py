@@ -66,6 +66,8 @@ def test_killed_run_resumes_exactly(tiny_model, tmp_path):
     # The property is only tested if the policy learns: rewards vary within groups, parameters move.
     assert sum(m["reward/frac_zero_std_groups"] < 1 and m["optim/grad_norm"] > 0 for m in want) >= 3
     assert max_abs_diff(final_params(straight), initial_params(tiny_model)) > 1e-3
+    # the logged rate is the one each step trained with: step s of a 4-step warm-up, s / 4 of 1e-3
+    assert [m["optim/lr"] for m in want] == pytest.approx([1e-3 * min(1, s / 4) for s in range(1, 7)])
 
     # 1. killed while writing checkpoint-3: accelerate's state is in checkpoint-3.tmp, not renamed yet.
     died = run_script(TRAIN, _args(tiny_model, broken), prelude=KILL_DURING_SAVE.format(step=3))

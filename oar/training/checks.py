@@ -61,9 +61,22 @@ def check_output_dir(output_dir: str) -> list[str]:
         f"--output_dir {output_dir} is a file; pass a directory (it is created if missing)."]
 
 
-def check_config(cfg: Config, num_processes: int) -> None:
+def check_launch(mixed_precision: str, distributed_type: str) -> list[str]:
+    """What `accelerate launch` (its flags or config file) set that train.py cannot train under."""
+    problems = []
+    if mixed_precision == "fp16":
+        problems.append("accelerate's fp16 mixed precision: its loss scaling skips the steps whose gradients overflow, which "
+                        "train.py counts as failed steps (and a skipped step leaves its scaler unable to unscale the next); "
+                        "launch with --mixed_precision bf16 (or no).")
+    if distributed_type == "DEEPSPEED":
+        problems.append("DeepSpeed: train.py scales the loss for accelerate's own gradient accumulation, which DeepSpeed replaces; "
+                        "launch multi-GPU DDP, or FSDP2 with --config_file configs/fsdp2.yaml.")
+    return problems
+
+
+def check_config(cfg: Config, num_processes: int, launch: list[str] = ()) -> None:
     """Every impossible setting, named with its fix, before anything expensive happens (ValueError,
-    one line per problem)."""
+    one line per problem); `launch`: check_launch's problems with the accelerator, listed with them."""
     from oar.credit import CreditError, credit_methods
     from oar.reward_table import RewardError, reward_terms
     from oar.training.launch import tracker_problem
@@ -71,7 +84,7 @@ def check_config(cfg: Config, num_processes: int) -> None:
     from oar.probes import PROBES
     from oar.training import lora
 
-    problems = []
+    problems = list(launch)
     need = lambda ok, msg: ok or problems.append(msg)
     try:  # a user's module is imported here, so that one that fails stops the run before anything loads
         methods = credit_methods(cfg.credit_module)

@@ -158,7 +158,8 @@ class Config(ModelSettings, EvalSettings, BackendSettings, ProcessSettings, Cred
     aggregation: str = "seq_mean"
     """seq_mean (mean of per-sequence token means) | token_mean (every valid token of the step / their count)."""
     advantage_scale: str = "group"
-    """Advantage divisor: group (each group's reward std) | batch (the process's batch's) | none."""
+    """Advantage divisor: group (each group's reward std) | batch (the std of the whole step's rewards, every
+    process's) | none."""
     # -- OAR
     probe: str = "answer_mean"
     """Outcome probe: last | answer_mean | answer_joint."""
@@ -223,6 +224,9 @@ ALIASES = (
     Alias("save_steps", "save_every", origin="transformers' name"),
     Alias("save_total_limit", "keep_checkpoints", origin="transformers' name"),
     Alias("eval_steps", "eval_every", origin="transformers' name"),
+    Alias("scale_rewards", "advantage_scale", values={"true": "group", "True": "group", "false": "none", "False": "none"},
+          other_values=True,
+          note="group | batch | none (TRL's true = group, false = none)"),
 )
 
 # TRL names with no alias, because the setting here means something else (docs/flags.md's table).
@@ -231,7 +235,6 @@ UNMAPPED = {
                                    "splits it into forward/backward passes (memory, not the update)",
     "gradient_accumulation_steps": "accumulation follows from --prompts_per_step x --group_size / --micro_batch_size",
     "max_steps": "--steps counts batches of rollouts, each --num_iterations optimizer steps",
-    "scale_rewards": "--advantage_scale group | batch | none, where batch is this process's batch (TRL's is global)",
     "top_entropy_quantile": "the forking-tokens mask is a credit method here: --method entropy-mask (rho 0.2)",
     "use_peft": "--lora_r > 0 trains LoRA adapters",
     "bf16": "mixed precision comes from the accelerate config (accelerate launch --mixed_precision bf16)",

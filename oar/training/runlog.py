@@ -114,7 +114,7 @@ def _replace_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, schedule, accelerator, *, nonfinite: int = 0) -> dict:
+def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, lr, accelerator, *, nonfinite: int = 0) -> dict:
     """maths §6 diagnostics of one step over every process's rollouts, the numbers one process logs for
     the same rollouts: what a diagnostic needs is gathered (the rewards, for their std and groups) or
     summed over processes (counts, token-weighted sums of the micro-batches' token means) before the
@@ -123,7 +123,7 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, sch
     cover the reasoning tokens of the rollouts OAR scored (`scored`, (B,)), on any process; `weights`
     (B, L) are on the rollouts' layout, as the credit methods return them (the float32 sums, and so the
     logged digits, depend on the layout's width). `nonfinite`: this process's rollouts whose OAR scores
-    were not finite."""
+    were not finite. `lr`: the learning rate the step's update used."""
     all_sum = _all_sum(accelerator)
     everyone = accelerator.gather(rewards)  # (B x processes,): whole groups, in the order one process holds them
     grouped = everyone.view(-1, group_size)
@@ -134,12 +134,13 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, sch
     n, length, truncated, no_answer, scored_n, nonfinite_n = all_sum(counts)
     m = {
         "reward/mean": float(everyone.mean()), "reward/std": float(everyone.std()) if len(everyone) > 1 else 0.0,
-        "reward/frac_zero_std_groups": float((grouped.std(1) == 0).float().mean()),
+        # one reward in the group: exact equality, as group_advantages decides it (a float std of 0.1 x 8 is not 0)
+        "reward/frac_zero_std_groups": float((grouped == grouped[:, :1]).all(1).float().mean()),
         "completion/length": float(length / n), "completion/frac_truncated": float(truncated / n),
     }
     means = token_means(stats, ("clip_frac", "approx_kl", "entropy", "kl_ref", "is_weight_mean"), all_sum)
     m |= {"loss/clip_frac": means["clip_frac"], "loss/approx_kl": means["approx_kl"], "policy/entropy": means["entropy"],
-          "optim/grad_norm": float(grad_norm), "optim/lr": schedule.get_last_lr()[0],
+          "optim/grad_norm": float(grad_norm), "optim/lr": float(lr),
           "oar/frac_no_answer": float(no_answer / n), "oar/frac_scored": float(scored_n / n),
           "oar/frac_nonfinite_scores": float(nonfinite_n / n)}
     if "kl_ref" in means:

@@ -119,7 +119,8 @@ def update(cfg, learner: Learner, accelerator, ro: Rollout, advantages: torch.Te
                 bad_loss += int(not torch.isfinite(loss))
                 accelerator.backward(loss * n_micro * n_proc)  # e.
                 entropy = token_entropy(logits[:, :-1].detach())  # (b, T)
-                s["entropy"] = float((entropy * valid).sum() / valid.sum().clamp(min=1))
+                # selected, not multiplied: a padded column's non-finite entropy stays out
+                s["entropy"] = float(torch.where(valid, entropy, 0.0).sum() / valid.sum().clamp(min=1))
                 s["tokens"] = float(valid.sum())  # weights the micro-batch means: the step's are token means
                 stats.append(s)
             shown.update()
