@@ -65,6 +65,7 @@ if __name__ == "__main__":  # --help and a bad flag answer here, before torch an
 
     CONFIG = parse_args(sys.argv[1:])
 
+import json
 import time
 from dataclasses import asdict
 
@@ -74,7 +75,7 @@ import torch
 from oar.credit import CreditError, credit_methods, step_credit
 from oar.grpo import group_advantages
 from oar.reward_table import RewardError, reward_terms, score
-from oar.sampler import format_prompt, resolve_instruction
+from oar.sampler import TRAINED_INSTRUCTION, format_prompt, resolve_instruction
 from oar.tasks.tiny_arith_cache import model_source
 from oar.training import checkpoint as ckpt
 from oar.training import lora, rollout_backend, sharding
@@ -82,7 +83,7 @@ from oar.training.checks import check_config, check_launch
 from oar.training.config import Config, check_resume, micro_batch, parse_args
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
-from oar.training.data import DataError, run_problems, step_prompts
+from oar.training.data import DataError, problems_digest, run_problems, step_prompts
 from oar.training.evaluation import evaluate
 from oar.training.launch import (Stopped, end, exit_at_once, gather_ragged, lost_process, make_accelerator,
                                  release, stop_on_sigterm)
@@ -110,8 +111,9 @@ def main(cfg: Config) -> dict:
         train_set, eval_set = run_problems(cfg.dataset, cfg.eval_dataset, train_size=cfg.train_size,
                                            eval_size=cfg.eval_size, seed=cfg.seed)
         resume_from = ckpt.resume_point(cfg.output_dir, cfg.resume)
+        train_data = problems_digest(train_set)
         if cfg.resume:
-            check_resume(cfg, ckpt.read_state(resume_from), resume_from)
+            check_resume(cfg, ckpt.read_state(resume_from), resume_from, train_data)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
         if cfg.lora_r:  # on the model's skeleton (meta device): no weight is read yet
             lora.check_targets(model_source(cfg.model), cfg.lora_target_modules)
@@ -132,7 +134,7 @@ def main(cfg: Config) -> dict:
     except CreditError as err:
         raise SystemExit(f"train.py: error: {err}") from None
 
-    start_step, history = 0, {"step_seconds": [], "bad_steps": 0}
+    start_step, history = 0, {"step_seconds": [], "bad_steps": 0, "train_data": train_data}
     if cfg.resume:
         state = ckpt.load_checkpoint(accelerator, resume_from, sharded=learner.sharded,
                                      frozen_skipped=learner.adapters_only)
@@ -156,9 +158,16 @@ def main(cfg: Config) -> dict:
                             loop=cfg.decode_loop, progress=log.bars, sampler=sampler)
 
     pass_at = lambda result: {k: v for k, v in result.items() if k.startswith("pass@")}  # noqa: E731
-    if eval_set and "eval_before" not in history:
+    held_out_set = problems_digest(eval_set) if eval_set else None
+    if history.get("eval_before_set", held_out_set) != held_out_set and "eval_before" in history:
+        # a resume with another --eval_dataset / --eval_size: "before" was measured on other problems
+        for key in ("eval_before", "eval_before_pass"):
+            history.pop(key, None)
+        log.say("the held-out set is not the one measured before training: no accuracy before it is reported")
+    if eval_set and start_step == 0:  # "before training" exists only before the first step
         before = held_out()[1]
-        history["eval_before"], history["eval_before_pass"] = before["accuracy"], pass_at(before)
+        history |= {"eval_before": before["accuracy"], "eval_before_pass": pass_at(before),
+                    "eval_before_set": held_out_set}
         log.say(f"held-out accuracy before training: {before['accuracy']:.3f} on {len(eval_set)} problems")
 
     for step in range(start_step, cfg.steps):
@@ -242,7 +251,13 @@ def main(cfg: Config) -> dict:
     summary |= {"param_optimizer_bytes": held["local"], "param_optimizer_bytes_unsharded": held["unsharded"]}
     # final/ is a plain model: LoRA's adapters merged into the weights, the adapter alone in final/adapter/
     state, save_adapter = learner.final_state(main=accelerator.is_main_process)  # collective when sharded
-    log.finish(summary, policy, tokenizer, state_dict=state, also=save_adapter)
+
+    def also(folder):  # the prompt's instruction, which eval.py's 'auto' then uses; LoRA's adapter
+        (folder / TRAINED_INSTRUCTION).write_text(json.dumps({"instruction": instruction}))
+        if save_adapter is not None:
+            save_adapter(folder)
+
+    log.finish(summary, policy, tokenizer, state_dict=state, also=also)
     rollout_backend.close(sampler)  # vllm: the engine ends before the process group does
     end(accelerator)
     return summary

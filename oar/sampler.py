@@ -24,6 +24,8 @@ check that users of a separate inference engine watch.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -38,12 +40,19 @@ BOXED_INSTRUCTION = "Please reason step by step, and put your final answer withi
 
 
 def resolve_instruction(instruction: str, dataset: str, model: str = "") -> str:
-    """The text appended to each problem: `instruction` as given, or for 'auto' nothing on the built-in
-    arith task or for the tiny-arith model (it knows only its own `#### N` format, whatever the data
-    file), and the usual \\boxed{} request elsewhere."""
+    """The text appended to each problem: `instruction` as given, or for 'auto' the one a model folder
+    records it was trained with (TRAINED_INSTRUCTION, which train.py writes into final/), else nothing on
+    the built-in arith task or for the tiny-arith model (it knows only its own `#### N` format, whatever
+    the data file), and the usual \\boxed{} request elsewhere."""
     if instruction != "auto":
         return instruction
+    saved = Path(model) / TRAINED_INSTRUCTION if model else None
+    if saved is not None and saved.is_file():  # eval.py on a trained model prompts as its training did
+        return json.loads(saved.read_text())["instruction"]
     return "" if dataset == "arith" or model == "tiny-arith" else BOXED_INSTRUCTION
+
+
+TRAINED_INSTRUCTION = "oar_instruction.json"  # in a trained model's folder: {"instruction": the text its training used}
 
 
 def format_prompt(tokenizer, problem: str, instruction: str = "") -> str:

@@ -35,6 +35,7 @@ def test_load_jsonl_reads_rows_skips_blank_lines_and_ignores_extra_keys(tmp_path
     ('{"prompt": "p", "answer": "1"}\n', 1, ["missing key 'problem' (or 'question'; keys present: ['answer', 'prompt'])"]),
     ('{"problem": "p", "solution": "it is 7"}\n', 1, ["key 'solution' holds no final answer"]),
     ('{"problem": "p", "answer": "So #### "}\n', 1, ["key 'answer' is empty"]),
+    ('{"problem": "p", "answer": "First 3.\\nThen 4."}\n', 1, ["key 'answer' holds a worked solution with no final answer"]),
     ('{"problem": "p", "answer": 42}\n', 1, ["'answer' must be a string", "int"]),
     ('{"problem": ["p"], "answer": "1"}\n', 1, ["'problem' must be a string", "list"]),
     ('{"problem": "  ", "answer": "1"}\n', 1, ["'problem' is empty"]),
@@ -110,6 +111,10 @@ def test_data_errors_name_no_path_outside_the_repository(tmp_path, monkeypatch):
 def test_problems_from_records_maps_hf_fields_and_gsm8k_answers():
     records = [{"question": "Q1", "answer": "She has 3.\n#### 18"}, {"problem": "Q2", "answer": "7"}]
     assert problems_from_records(records, "hf") == [Problem("Q1", "18"), Problem("Q2", "7")]
+    # a worked solution in the answer column gives its final answer, not the whole text as the gold
+    worked = [{"problem": "Q3", "answer": "We get \\boxed{7}."}, {"problem": "Q4", "answer": "3 + 4 = 7\nThe answer is 7"},
+              {"problem": "Q5", "answer": "\\frac{1}{2}"}]
+    assert problems_from_records(worked, "hf") == [Problem("Q3", "7"), Problem("Q4", "7"), Problem("Q5", "\\frac{1}{2}")]
     with pytest.raises(DataError, match="hf row 0: missing key 'answer'"):
         problems_from_records([{"question": "Q"}], "hf")
 

@@ -254,6 +254,7 @@ IMPOSSIBLE = {  # setting -> a word the message must contain
     ("--keep_checkpoints", "0"): "--keep_checkpoints",
     ("--collective_timeout", "0"): "--collective_timeout 0: must be >= 1",
     ("--steps", "0"): "--steps",
+    ("--seed", "-1"): "--seed -1: must be >= 0",
     ("--rollout_batch_size", "3"): "--rollout_batch_size 3 must divide each process's 2 prompts",
     ("--eval_samples", "4"): "--eval_samples 4 / --eval_temperature 0.0",  # k > 1 greedy samples: all the same
     ("--eval_samples", "0", "--eval_temperature", "0.7"): "--eval_samples 0",

@@ -175,3 +175,30 @@ def test_metrics_of_a_resumed_run_start_at_its_checkpoint(tmp_path):
     RunLog(Acc(), str(tmp_path), {}, resume=True, total_steps=5, start_step=2)
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_true_before(tiny_model, tmp_path):
+    """Against a 2-step run with a held-out set: --steps below the checkpoint's step and training data edited in
+    place are refused (the data order is a permutation of the problems); a resume with another held-out set
+    reports no accuracy before training (it was measured on other problems), while the same set keeps it; the
+    final model records its prompt's instruction, which eval.py's 'auto' then uses."""
+    from oar.sampler import TRAINED_INSTRUCTION, resolve_instruction
+
+    data = tmp_path / "data.jsonl"
+    data.write_text((tiny_model / "data.jsonl").read_text())
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--dataset", str(data), "--eval_dataset", str(data), "--eval_size", "6",
+            "--output_dir", str(out), "--save_every", "1", *TINY]
+    first = run_inprocess(args + ["--steps", "2"])
+    assert first["accuracy_before"] is not None
+    with pytest.raises(SystemExit, match="at step 2, past --steps 1"):
+        run_inprocess(args + ["--steps", "1", "--resume"])
+    assert run_inprocess(args + ["--steps", "3", "--resume"])["accuracy_before"] == first["accuracy_before"]
+    other = run_inprocess(args + ["--steps", "4", "--resume", "--eval_size", "5"])
+    assert other["accuracy_before"] is None and other["pass_before"] is None and other["eval_problems"] == 5
+    assert json.loads((out / "final" / TRAINED_INSTRUCTION).read_text()) == {"instruction": ""}
+    assert resolve_instruction("auto", str(data), str(out / "final")) == ""  # not the \boxed{} request of a plain folder
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same problems, in another order
+    with pytest.raises(SystemExit, match="other problems than --dataset"):
+        run_inprocess(args + ["--steps", "5", "--resume"])

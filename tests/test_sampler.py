@@ -194,4 +194,7 @@ def test_a_published_v5_ledger_run_reproduces_to_the_digit(tmp_path, loop):
     for g, w in zip(got, want):
         assert g.keys() == w.keys()
         for k in w:
-            assert g[k] == pytest.approx(w[k], rel=1e-6, abs=1e-9), k
+            if k != "optim/lr":
+                assert g[k] == pytest.approx(w[k], rel=1e-6, abs=1e-9), k
+    # the ledger's optim/lr is the next step's rate (logged after the schedule stepped, until 3ab1f25)
+    assert [g["optim/lr"] for g in got[1:]] == pytest.approx([w["optim/lr"] for w in want[:-1]], rel=1e-6)

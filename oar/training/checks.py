@@ -119,6 +119,7 @@ def check_config(cfg: Config, num_processes: int, launch: list[str] = ()) -> Non
     need(cfg.advantage_scale in ("group", "batch", "none"), f"--advantage_scale {cfg.advantage_scale}: group, batch or none.")
     need(cfg.outcome_source in ("rollout", "reference"), f"--outcome_source {cfg.outcome_source}: rollout or reference.")
     need(cfg.steps >= 1, f"--steps {cfg.steps}: must be >= 1.")
+    need(cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0 (it seeds numpy's data order, which takes no negative seed).")
     need(cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: must be >= 1.")
     need(cfg.perturb_mode in PERTURB_MODES, f"--perturb_mode {cfg.perturb_mode}: choose one of {', '.join(PERTURB_MODES)}.")
     need(cfg.perturb_window >= 0, f"--perturb_window {cfg.perturb_window}: must be >= 0.")

@@ -45,7 +45,8 @@ class ModelSettings:
     dtype: str = "float32"
     """Weights dtype when loading (mixed precision comes from the accelerate config)."""
     instruction: str = "auto"
-    """Appended to each problem; 'auto': none for arith or tiny-arith, a \\boxed{} request otherwise."""
+    """Appended to each problem; 'auto': the one a trained model's folder records (train.py's final/), else
+    none for arith or tiny-arith, a \\boxed{} request otherwise."""
     max_new_tokens: int = 64
     """Completion budget of every sample, rollouts and evaluation; longer completions are truncated."""
     decode_loop: str = "eager"
@@ -262,10 +263,19 @@ def micro_batch(cfg: Config, num_processes: int) -> int:
     return max(1, min(cfg.micro_batch_size, cfg.prompts_per_step // num_processes * cfg.group_size))
 
 
-def check_resume(cfg: Config, state: dict, where) -> None:
+def check_resume(cfg: Config, state: dict, where, train_data: str | None = None) -> None:
     """A resume continues the checkpoint's run: every setting outside RESUMABLE must be the same. A
     setting the checkpoint lacks (written before the setting existed) ran at its default, e.g. lora_r 0;
-    one it has that is no longer a flag (REMOVED) must have run at the value this version fixes."""
+    one it has that is no longer a flag (REMOVED) must have run at the value this version fixes. --steps
+    may not end before the checkpoint's step, and the training problems (`train_data`, data.problems_digest)
+    must be the checkpoint's: an edited file at the same path would reorder the data silently."""
+    if cfg.steps < state.get("step", 0):
+        raise ValueError(f"--resume: {where} is at step {state['step']}, past --steps {cfg.steps}: pass --steps >= "
+                         f"{state['step']} to continue it (its final model is already the later one).")
+    recorded = state.get("history", {}).get("train_data")
+    if None not in (recorded, train_data) and recorded != train_data:
+        raise ValueError(f"--resume: {where} trained on other problems than --dataset {cfg.dataset} now holds (an edited file, "
+                         f"another hub revision): its data order would not continue. Restore the data, or start a new run.")
     saved = {**asdict(Config()), **state.get("config", {})}
     changed = [f"--{k} {v} (the checkpoint has {saved[k]})" for k, v in asdict(cfg).items()
                if k not in RESUMABLE and k in saved and saved[k] != v]

@@ -15,6 +15,7 @@ and any process count see the same data.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -60,10 +61,24 @@ def _problem_from_record(record: Any, where: str) -> Problem:
                                 f"add an 'answer' key or remove the row.")
         elif key == "answer":
             value = gsm8k_final_answer(value)
+            if "\n" in value.strip() or "\\boxed" in value:  # a worked solution in the answer field: its final answer
+                value = extract_answer(value) or ""
+                if not value:
+                    raise DataError(f"{where}: key 'answer' holds a worked solution with no final answer (no \\boxed{{..}}, "
+                                    f"'####' or 'the answer is'); give the answer alone, or remove the row.")
         if not value.strip():
             raise DataError(f"{where}: key '{key}' is empty; give it a value or remove the row.")
         texts.append(value)
     return Problem(problem=texts[0], answer=texts[1])
+
+
+def problems_digest(problems: list[Problem]) -> str:
+    """A hash of the problems and their answers, in order: a resume checks that its training data is the
+    checkpoint's (the data order is a permutation of their count)."""
+    digest = hashlib.sha1()
+    for p in problems:
+        digest.update(p.problem.encode() + b"\0" + p.answer.encode() + b"\n")
+    return digest.hexdigest()[:16]
 
 
 def load_jsonl(path: str | Path) -> list[Problem]:
