@@ -142,8 +142,12 @@ def main(cfg: Config) -> dict:
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps,
                  start_step=start_step, progress=cfg.progress)
+    code = ckpt.code_version()  # of train.py and oar/, recorded in every checkpoint
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
+        if state.get("code", code) != code:  # allowed (a fix may be why it resumes), but said: two versions
+            log.say(f"the checkpoint was written by other code (train.py and oar/ {state['code']}, now "
+                    f"{code}): the steps after it run this version")
     # The sampler: oar.sampler.sample, or a vLLM engine in this process that follows the policy (docs/vllm.md)
     sampler = rollout_backend.make(cfg.rollout_backend, model_source(cfg.model), accelerator=accelerator,
                                    folder=cfg.output_dir, **rollout_backend.engine_settings(cfg))
@@ -234,8 +238,9 @@ def main(cfg: Config) -> dict:
             metrics |= {"eval/accuracy": mid["accuracy"]} | {f"eval/{k}": v for k, v in pass_at(mid).items()}
         log.step(step + 1, metrics)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, {"history": history,
-                                 "config": asdict(cfg)}, cfg.keep_checkpoints, sharded=learner.sharded)
+            record = {"history": history, "config": asdict(cfg), "code": code}
+            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, record, cfg.keep_checkpoints,
+                                 sharded=learner.sharded)
 
     seconds = history["step_seconds"]
     summary = {"method": cfg.method, "model": cfg.model, "steps": cfg.steps, "processes": n_proc,

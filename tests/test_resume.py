@@ -177,11 +177,12 @@ def test_metrics_of_a_resumed_run_start_at_its_checkpoint(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
-def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_true_before(tiny_model, tmp_path):
+def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_true_before(tiny_model, tmp_path, capsys):
     """Against a 2-step run with a held-out set: --steps below the checkpoint's step and training data edited in
     place are refused (the data order is a permutation of the problems); a resume with another held-out set
     reports no accuracy before training (it was measured on other problems), while the same set keeps it; the
-    final model records its prompt's instruction, which eval.py's 'auto' then uses."""
+    final model records its prompt's instruction, which eval.py's 'auto' then uses. A checkpoint written by other
+    code resumes, and says so."""
     from oar.sampler import TRAINED_INSTRUCTION, resolve_instruction
 
     data = tmp_path / "data.jsonl"
@@ -193,7 +194,12 @@ def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_tru
     assert first["accuracy_before"] is not None
     with pytest.raises(SystemExit, match="at step 2, past --steps 1"):
         run_inprocess(args + ["--steps", "1", "--resume"])
+    state = out / "checkpoint-2" / "trainer_state.json"
+    assert json.loads(state.read_text())["code"] == ckpt.code_version()
+    state.write_text(json.dumps(json.loads(state.read_text()) | {"code": "0123456789"}))
+    capsys.readouterr()
     assert run_inprocess(args + ["--steps", "3", "--resume"])["accuracy_before"] == first["accuracy_before"]
+    assert "written by other code (train.py and oar/ 0123456789" in capsys.readouterr().out
     other = run_inprocess(args + ["--steps", "4", "--resume", "--eval_size", "5"])
     assert other["accuracy_before"] is None and other["pass_before"] is None and other["eval_problems"] == 5
     assert json.loads((out / "final" / TRAINED_INSTRUCTION).read_text()) == {"instruction": ""}

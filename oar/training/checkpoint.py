@@ -12,6 +12,7 @@ checkpoint only when it holds trainer_state.json (written last).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -19,6 +20,18 @@ import shutil
 from pathlib import Path
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+ROOT = Path(__file__).resolve().parents[2]  # the repository: train.py and oar/
+
+
+def code_version(extra: tuple[Path, ...] = ()) -> str:
+    """A hash of the code a run executes (train.py, oar/**/*.py, then `extra` files), committed or not: a
+    checkpoint records it, so a resume by other code says so, and the studies' ledgers compare runs by it."""
+    digest = hashlib.sha1()
+    for path in [ROOT / "train.py", *sorted((ROOT / "oar").rglob("*.py")), *extra]:
+        if path.is_file():
+            name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+            digest.update(name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:

@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from oar.training.checkpoint import code_version as ckpt_code_version  # noqa: E402
 from oar.training.checkpoint import latest_checkpoint, write_json_atomic  # noqa: E402
 from oar.training.config import RESUMABLE, Config  # noqa: E402
 
@@ -89,15 +90,11 @@ def run_one(args, run) -> str:
 
 
 def code_version(credit_module: str = "") -> str:
-    """A hash of the code a run executes (train.py, oar/**/*.py, and its --credit_module file if it names
-    one), committed or not: the report warns when the runs it compares were made by different code (the
-    tree may change during a study)."""
-    digest = hashlib.sha1()
-    module = [ROOT / credit_module] if credit_module.endswith(".py") else []  # a relative path is train.py's, from ROOT
-    for path in [ROOT / "train.py", *sorted((ROOT / "oar").rglob("*.py")), *module]:
-        name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
-        digest.update(name.encode() + path.read_bytes())
-    return digest.hexdigest()[:10]
+    """The code a run executes (oar.training.checkpoint.code_version: train.py, oar/**/*.py), with its
+    --credit_module file if it names one: the report warns when the runs it compares were made by
+    different code (the tree may change during a study)."""
+    module = (ROOT / credit_module,) if credit_module.endswith(".py") else ()  # a relative path is train.py's, from ROOT
+    return ckpt_code_version(module)
 
 
 def _child_cpu() -> float:
