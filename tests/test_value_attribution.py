@@ -118,21 +118,21 @@ def test_values_find_a_planted_wrong_result_on_the_tiny_model(tiny_model):
 
 
 
-def test_a_prefixs_continuations_share_its_prefill_and_sample_what_one_row_at_a_time_would(tiny_model):
-    """continuation_rewards prefills a prefix once for its K continuations (the sampler's group_size):
-    the same rewards as sampling every (prefix, continuation) row on its own (continuation c's stream, its
-    first j draws skipped for prefix j), at a temperature where the seeds' outcomes differ, with batches
-    that cut the prefixes unevenly (batch 8, K 4: 2 a call, 5 prefixes)."""
+def test_continuations_are_sampled_only_where_they_deviate_and_equal_sampling_every_one(tiny_model):
+    """continuation_rewards samples only the (prefix j, continuation c) that draw another token than the rollout's
+    at j and copies the others from prefix j + 1: the same rewards as sampling every (prefix, continuation) row
+    on its own (continuation c's stream, its first j draws skipped), at a temperature where the seeds' outcomes
+    differ, with batches that cut the rows unevenly (batch 3), and fewer rows sampled than there are pairs."""
     from oar.rewards import reward
     from oar.rollout import char_offsets
     from oar.sampler import decode, encode_prompts, format_prompt, stop_token_ids
     from oar.training.models import load_model
 
     model, tok = load_model(str(tiny_model))
-    prompt = encode_prompts(tok, [format_prompt(tok, "Compute 5 + 3.")], "cpu")[0][0].tolist()
-    completion = tok("5 + 3 = 8\n#### 8", add_special_tokens=False)["input_ids"]
-    prefixes, k, stop, hot = [0, 2, 3, 5, 6], 4, stop_token_ids(model, tok), 2.0
-    shared = dvm.continuation_rewards(model, tok, prompt, completion, "8", prefixes, k, 7, max_new_tokens=20, temperature=hot, batch=8)
+    prompt = encode_prompts(tok, [format_prompt(tok, "Compute 3 + 4.")], "cpu")[0][0].tolist()
+    completion = tok("3 + 4 = 8\n#### 8", add_special_tokens=False)["input_ids"]  # a planted error: prefixes differ
+    prefixes, k, stop, hot = [0, 1, 2, 3, 5, 7, 8, 9, 10], 4, stop_token_ids(model, tok), 1.0
+    fast = dvm.continuation_rewards(model, tok, prompt, completion, "7", prefixes, k, 7, max_new_tokens=20, temperature=hot, batch=3)
     alone = {}
     for j in prefixes:
         for c in range(k):
@@ -140,10 +140,13 @@ def test_a_prefixs_continuations_share_its_prefill_and_sample_what_one_row_at_a_
             row = decode(model, ids, torch.ones_like(ids), max_new_tokens=20 - j, temperature=hot, top_p=1.0, eos_token_ids=stop,
                          pad_token_id=tok.pad_token_id, seeds=[dvm.continuation_seed(7, c)], skip_draws=[j])[0][0].tolist()
             end = next((n for n, x in enumerate(row) if x in stop), len(row))
-            alone[(j, c)] = reward(char_offsets(tok, completion[:j] + row[:end])[0], "8")
-    assert shared == alone
-    # the seeds matter: at some prefix the K continuations do not all end alike
+            alone[(j, c)] = reward(char_offsets(tok, completion[:j] + row[:end])[0], "7")
+    assert fast == alone
+    # the prefixes matter (a continuation ends otherwise before the planted 8 than after it), and the seeds do
+    assert any(len({alone[(j, c)] for j in prefixes}) == 2 for c in range(k)), alone
     assert any(len({alone[(j, c)] for c in range(k)}) == 2 for j in prefixes), alone
+    sampled = dvm.deviations(model, prompt, completion, prefixes, k, 7, temperature=hot, max_new_tokens=20)
+    assert {(10, c) for c in range(k)} <= sampled < {(j, c) for j in prefixes for c in range(k)}  # 11 is no prefix: 10 is sampled
 
 
 def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, capsys):

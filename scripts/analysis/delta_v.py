@@ -18,8 +18,11 @@ The continuation streams' seeds are disjoint from every rollout seed (`continuat
 continuation replays a rollout. With 0/1 rewards d is -1, 0 or 1, and under "token t does not move V"
 its non-zero values are +1 or -1 with probability 1/2 each: `sign_test` is exact.
 
-A prefix is prefilled once for its K continuations (the sampler's `group_size`). The values are kept in
-a JSON file with the settings and the rollouts they belong to (`portable`, `rollout_record`,
+The same coupling makes most continuations free: where continuation c of prefix j draws the rollout's
+own token j, it is continuation c of prefix j + 1, so only the continuations that draw another token
+there (`deviations`, found from one teacher-forced forward of the rollout) are sampled, and the rest are
+copied (on SmolLM2's rollouts of the study's task about one in ten (j, c) deviates). The values are kept
+in a JSON file with the settings and the rollouts they belong to (`portable`, `rollout_record`,
 `same_rollouts`; VALUES_FORMAT says how they were made).
 """
 
@@ -30,7 +33,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from oar.eager_decode import choose, draw_uniforms
+from oar.lm import forward_logits
 from oar.rewards import reward
 from oar.rollout import Rollout, char_offsets
 from oar.sampler import decode, left_pad, stop_token_ids
@@ -80,18 +86,52 @@ def continuation_rewards(model, tok, prompt: list[int], completion: list[int], g
     """{(j, c): reward of prefix completion[:j] continued by the model with continuation seed c}, every j in
     `prefixes`, c < k. The continuation of prefix j gets the rollout's remaining budget max_new_tokens - j;
     continuation c draws from the stream of `continuation_seed(seed, c)`, position p with its draw p at every
-    prefix (common random numbers: the prefix of length j skips j draws)."""
+    prefix (common random numbers: the prefix of length j skips j draws). So where continuation c of prefix
+    j draws the rollout's own token j, it is continuation c of prefix j + 1, text and reward: only the others
+    (`deviations`) are sampled, and the rest are copied from the prefix after, longest prefix first."""
+    sampled = sample_rewards(model, tok, prompt, completion, gold, sorted(deviations(model, prompt, completion, prefixes, k, seed,
+                             temperature=temperature, max_new_tokens=max_new_tokens)), seed, max_new_tokens=max_new_tokens,
+                             temperature=temperature, batch=batch)
+    out = {}
+    for j in sorted(prefixes, reverse=True):
+        for c in range(k):
+            out[(j, c)] = sampled[(j, c)] if (j, c) in sampled else out[(j + 1, c)]
+    return out
+
+
+@torch.no_grad()
+def deviations(model, prompt: list[int], completion: list[int], prefixes: list[int], k: int, seed: int, *, temperature: float,
+               max_new_tokens: int) -> set[tuple[int, int]]:
+    """The (j, c) whose continuation must be sampled: continuation c of prefix j draws at position j another
+    token than the rollout's (chosen as the sampler chooses, `eager_decode.choose`, from the rollout's own
+    teacher-forced distribution there and the stream's draw j), or prefix j + 1 is not one of `prefixes`."""
+    needed = set(prefixes)
+    ids = torch.tensor([prompt + completion], device=next(model.parameters()).device)
+    z = forward_logits(model, ids, torch.ones_like(ids), logits_to_keep=len(completion) + 1)[0, :-1]  # (T, V): z[t] predicts token t
+    u = draw_uniforms([continuation_seed(seed, c) for c in range(k)], max_new_tokens, ids.device)  # (K, max_new_tokens)
+    out = set()
+    for j in prefixes:
+        if j + 1 not in needed or j >= len(completion):
+            out |= {(j, c) for c in range(k)}
+            continue
+        token, _ = choose(z[j].expand(k, -1), temperature, 1.0, u[:, j], torch.zeros(k, dtype=torch.bool, device=ids.device), 0)
+        out |= {(j, c) for c in range(k) if int(token[c]) != completion[j]}
+    return out
+
+
+def sample_rewards(model, tok, prompt: list[int], completion: list[int], gold: str, pairs: list[tuple[int, int]], seed: int, *,
+                   max_new_tokens: int, temperature: float, batch: int = 64) -> dict[tuple[int, int], float]:
+    """{(j, c): reward} of continuation c of prefix completion[:j], sampled for each pair, `batch` rows a call
+    (pairs in order of j: rows of similar length together)."""
     stop = stop_token_ids(model, tok)
     out = {}
-    per_call = max(1, batch // k)  # prefixes a call; a prefix's k continuations share its one prefill (group_size k)
-    for start in range(0, len(prefixes), per_call):
-        part = prefixes[start:start + per_call]
-        ids, mask = left_pad([prompt + completion[:j] for j in part], tok.pad_token_id)
-        cont, _ = decode(model, ids, mask, max_new_tokens=max_new_tokens - min(part), temperature=temperature, top_p=1.0,
-                         eos_token_ids=stop, pad_token_id=tok.pad_token_id, group_size=k,
-                         seeds=[continuation_seed(seed, c) for _ in part for c in range(k)],
-                         skip_draws=[j for j in part for _ in range(k)])
-        for (j, c), row in zip([(j, c) for j in part for c in range(k)], cont.tolist()):
+    for start in range(0, len(pairs), batch):
+        part = pairs[start:start + batch]
+        ids, mask = left_pad([prompt + completion[:j] for j, _ in part], tok.pad_token_id)
+        cont, _ = decode(model, ids, mask, max_new_tokens=max_new_tokens - min(j for j, _ in part), temperature=temperature, top_p=1.0,
+                         eos_token_ids=stop, pad_token_id=tok.pad_token_id, seeds=[continuation_seed(seed, c) for _, c in part],
+                         skip_draws=[j for j, _ in part])
+        for (j, c), row in zip(part, cont.tolist()):
             row = row[:max_new_tokens - j]  # this prefix's own budget
             end = next((n for n, x in enumerate(row) if x in stop), len(row))
             text = char_offsets(tok, completion[:j] + row[:end])[0]  # what the sampler's text of that rollout would be
