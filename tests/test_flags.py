@@ -254,5 +254,8 @@ def test_resume_refuses_a_checkpoint_that_ran_a_removed_setting_otherwise():
 def test_a_recorded_config_of_an_earlier_version_reruns_unless_it_ran_a_removed_setting_otherwise():
     old = dataclasses.asdict(Config()) | REMOVED | {"max_bad_steps": 5}  # written when these were flags
     assert from_record(old, steps=3) == dataclasses.replace(Config(), steps=3)
+    # the vLLM engine's sizes, flags before f6e6ae1, changed no update: a record of them reruns
+    engine = {"vllm_kv_cache_gib": 2.0, "vllm_max_model_length": 4096, "vllm_enforce_eager": True}
+    assert from_record(old | engine, steps=3) == dataclasses.replace(Config(), steps=3)
     with pytest.raises(ValueError, match=r"ran with gate_floor 0.2 \(now fixed at 0.1\)"):
         from_record(old | {"gate_floor": 0.2})

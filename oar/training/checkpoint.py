@@ -3,8 +3,8 @@
 A checkpoint is `output_dir/checkpoint-<step>/` holding accelerate's state (model, optimizer, RNG,
 registered objects) and `trainer_state.json` (the step it resumes at). It is written to
 `checkpoint-<step>.tmp/` and renamed only once every process has finished writing, so a directory
-named `checkpoint-<step>` is always complete (its files are fsynced first, so also after a power
-loss); a run killed mid-save leaves a `.tmp` that the next save removes. The newest `keep`
+named `checkpoint-<step>` is always complete (its files and folders are fsynced first, so also after a
+power loss); a run killed mid-save leaves a `.tmp` that the next save removes. The newest `keep`
 checkpoints are kept; an older one is renamed to `.old` before it is deleted, so a kill during the
 deletion never leaves a half-deleted folder under a checkpoint's name. A folder counts as a
 checkpoint only when it holds trainer_state.json (written last).
@@ -83,9 +83,9 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict,
     if accelerator.is_main_process:
         if final.exists():  # the same step saved before a crash: the new one replaces it
             shutil.rmtree(final)
-        for written in tmp.rglob("*"):  # on disk before the name says complete, even if the machine dies
-            if written.is_file():
-                _fsync(written)
+        written = sorted(tmp.rglob("*"), key=lambda x: len(x.parts), reverse=True)  # deepest first: files, then their folders
+        for path in [*written, tmp]:  # on disk before the name says complete, even if the machine dies
+            _fsync(path)
         os.replace(tmp, final)
         _fsync(root)
         for old in checkpoints(root)[:-keep]:

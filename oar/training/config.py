@@ -295,12 +295,16 @@ def refixed(saved: dict) -> str:
                      if k not in RESUMABLE and k in saved and saved[k] != v)
 
 
+# Flags removed without a fixed value because they never changed an update: the vLLM engine's own sizes (f6e6ae1)
+RETIRED = {"vllm_kv_cache_gib", "vllm_max_model_length", "vllm_enforce_eager"}
+
+
 def from_record(saved: dict, **changes) -> Config:
     """The Config a run's config.json records, written by this version or an earlier one, with
     `changes` applied: a setting it lacks takes today's default, a setting that is no longer a flag
     (REMOVED) is dropped if it ran at the value this version fixes (or changes no update) and refused
-    otherwise."""
+    otherwise; a RETIRED one is dropped."""
     fixed = refixed(saved)
     if fixed:
         raise ValueError(f"the recorded run ran with {fixed}: this version cannot rerun it.")
-    return Config(**{k: v for k, v in {**saved, **changes}.items() if k not in REMOVED})
+    return Config(**{k: v for k, v in {**saved, **changes}.items() if k not in REMOVED and k not in RETIRED})
