@@ -83,7 +83,7 @@ from oar.training.checks import check_config, check_launch
 from oar.training.config import Config, check_resume, micro_batch, parse_args
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
-from oar.training.data import DataError, problems_digest, run_problems, step_prompts
+from oar.training.data import DataError, problems_digest, run_problems, seen_in_training, step_prompts
 from oar.training.evaluation import evaluate
 from oar.training.launch import (Stopped, end, exit_at_once, gather_ragged, lost_process, make_accelerator,
                                  release, stop_on_sigterm)
@@ -168,6 +168,11 @@ def main(cfg: Config) -> dict:
         for key in ("eval_before", "eval_before_pass"):
             history.pop(key, None)
         log.say("the held-out set is not the one measured before training: no accuracy before it is reported")
+    seen = seen_in_training(train_set, eval_set)
+    if seen:  # allowed (a smoke test may hold out what it trains on), never silent
+        log.say(f"{seen} of the {len(eval_set)} held-out problems are also training problems: their accuracy "
+                f"is not held out (a .jsonl file has no splits; pass a folder with train.jsonl and "
+                f"test.jsonl, or two files)")
     if eval_set and start_step == 0:  # "before training" exists only before the first step
         before = held_out()[1]
         history |= {"eval_before": before["accuracy"], "eval_before_pass": pass_at(before),
@@ -248,7 +253,8 @@ def main(cfg: Config) -> dict:
                "skipped_steps": history["bad_steps"]}
     if eval_set:
         records, final = held_out()
-        summary |= {"eval_problems": len(eval_set), "accuracy_before": history.get("eval_before"),
+        summary |= {"eval_problems": len(eval_set), "eval_problems_seen_in_training": seen,
+                    "accuracy_before": history.get("eval_before"),
                     "accuracy_after": final["accuracy"], "pass_before": history.get("eval_before_pass"),
                     "pass_after": pass_at(final)}
         log.records("eval_final.jsonl", records)

@@ -231,3 +231,17 @@ def test_arith_config_and_exhausted_space_errors():
     with pytest.raises(ValueError, match="ask for fewer or widen"):
         arith_problems(100, config=ArithConfig(min_ops=1, max_ops=1, start_digits=1,
                                                 digits=1, ops=("+",)))
+
+
+def test_seen_in_training_counts_held_out_problems_that_are_training_problems(tmp_path):
+    """One file for both sets holds out the training problems themselves (a .jsonl file has no splits):
+    train.py says how many and records it; arith's splits and a folder's two files count none."""
+    from oar.training.data import run_problems, seen_in_training
+
+    rows = [{"problem": f"Compute {i} + 1.", "answer": str(i + 1)} for i in range(6)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[3:]))  # row 3 in both
+    one = str(tmp_path / "train.jsonl")
+    assert seen_in_training(*run_problems(one, one, train_size=0, eval_size=0, seed=0)) == 4
+    assert seen_in_training(*run_problems(str(tmp_path), str(tmp_path), train_size=0, eval_size=0, seed=0)) == 1
+    assert seen_in_training(*run_problems("arith", "", train_size=200, eval_size=50, seed=0)) == 0

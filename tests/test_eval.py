@@ -87,6 +87,7 @@ def test_train_py_sampled_held_out_accuracy_is_eval_py_avg_at_k(tiny_model, tmp_
                              str(tiny_model / "data.jsonl"), "--eval_size", "8", "--eval_samples", "4", "--eval_temperature", "0.7",
                              "--seed", "3", "--steps", "2", "--save_every", "0", "--output_dir", str(run), *TINY, "--eval_every", "1"])
     assert summary["accuracy_before"] == pytest.approx(want["accuracy"])
+    assert summary["eval_problems_seen_in_training"] == 8  # one file for both: said, and recorded
     assert summary["pass_before"] == pytest.approx({k: v for k, v in want.items() if k.startswith("pass@")})  # pass@1, 2, 4 too
     assert set(summary["pass_after"]) == {"pass@1", "pass@2", "pass@4"}
     mid = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])  # the evaluation at step 1 logs pass@j beside avg@k

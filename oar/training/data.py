@@ -176,6 +176,14 @@ def run_problems(dataset: str, eval_dataset: str, *, train_size: int, eval_size:
     return train, load_problems(eval_name, split="test", limit=eval_size or None) if eval_name else []
 
 
+def seen_in_training(train: list[Problem], held_out: list[Problem]) -> int:
+    """How many held-out problems are also training problems (the same statement): a .jsonl file has no
+    splits, so `--dataset f --eval_dataset f` holds out the training problems themselves, and a held-out
+    accuracy on them measures memory, not generalisation. train.py says the count and records it."""
+    seen = {p.problem.strip() for p in train}
+    return sum(p.problem.strip() in seen for p in held_out)
+
+
 def step_prompts(step: int, rank: int, local: int, n_problems: int, prompts_per_step: int, group_size: int,
                  seed: int) -> tuple[list[int], list[int]]:
     """This process's `local` prompts at `step` (indices into the problems, `prompt_order`) and one seed
