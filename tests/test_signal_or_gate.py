@@ -147,6 +147,23 @@ def test_study_runs_other_arms_only_when_the_band_is_met(tmp_path, monkeypatch):
     assert study.main(argv) == 0 and ran == ["grpo", "oar-g-q25", "grpo", "oar-g-q25"]  # seed by seed
 
 
+def test_study_goes_past_a_busy_run_and_keeps_it_out_of_the_ledger(tmp_path, monkeypatch):
+    """A run another study process holds ('busy') is passed over, not recorded in the ledger (it has not
+    finished), and does not stop the study."""
+    study = _study()
+    recorded = []
+    monkeypatch.setattr(study, "run_one", lambda args, r: "busy" if r["method"] == "oar-g-q25" else "ok")
+    monkeypatch.setattr(study, "write_data", lambda: None)
+    monkeypatch.setattr(study, "check_model", lambda ledger, model: "matches")
+    monkeypatch.setattr(study, "gguf_token_counter", lambda model: lambda t: len(t.split()))
+    monkeypatch.setattr(study.study_ledger, "restore", lambda *a: 0)
+    monkeypatch.setattr(study.study_ledger, "record_run", lambda ledger, root, task, name: recorded.append(name))
+    _finished_run(tmp_path / "root" / study.TASK / "grpo-s0", 0.10, 0.50, [0.9, 0.9, 0.4, 0.5], ["x " * 30 + "\\boxed{3}"])
+    argv = ["--root", str(tmp_path / "root"), "--ledger", str(tmp_path / "ledger"), "--model", str(tmp_path / "m.gguf"),
+            "--seeds", "0", "--arms", "grpo", "oar-g-q25", "random-gate-q25"]
+    assert study.main(argv) == 0 and recorded == ["grpo-s0", "random-gate-q25-s0"]
+
+
 def test_train_py_runs_the_inverted_arm(tiny_model, tmp_path):
     """The arm as the study runs it: train.py --credit_module research/signal-or-gate/inverted.py --method
     oar-g-inverted at the authors' gate; its reasoning tokens are reshaped (weights other than 1)."""

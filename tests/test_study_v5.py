@@ -196,6 +196,36 @@ def test_a_run_finished_before_a_setting_existed_is_still_finished(tmp_path):
         run_one(SimpleNamespace(root=tmp_path), run)
 
 
+def test_a_run_held_by_another_study_process_is_busy_and_free_when_its_holder_dies(tmp_path):
+    """Two study processes over one --root run different runs: a run another process holds is 'busy'
+    (its folder untouched), and free again once that process ends, even by a kill."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from research.common.study_run import claimed, run_one
+
+    run = {"name": "grpo", "seed": 0, "settings": {"model": "some/model", "method": "grpo"}}
+    out = tmp_path / "grpo-s0"
+    out.mkdir()
+    (out / "partial").write_text("a checkpoint-less folder run_one would delete")
+    with claimed(out) as mine:
+        assert mine and run_one(SimpleNamespace(root=tmp_path), run) == "busy"
+    assert (out / "partial").exists()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path / ".grpo-s0.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with claimed(out) as mine:
+            assert not mine
+    finally:
+        holder.kill()
+        holder.wait()
+    with claimed(out) as mine:
+        assert mine
+
+
 def test_a_runs_code_version_covers_its_credit_module_file():
     """An arm that trains through a --credit_module file (the signal-or-gate study's inverted control) is
     versioned with that file: an edit to it between seeds shows in the report; a dotted module name adds nothing."""

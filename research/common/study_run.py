@@ -4,11 +4,13 @@
 settings and starting model asked for), one with a checkpoint resumes with --resume, one with neither
 starts again. Each invocation adds its wall-clock and CPU seconds, the starting model and the code's
 hash to the folder's study_time.json (one killed before it could adds to its count of unmeasured
-invocations). Used by research/testbeds_v5/study_v5.py (issue 14) and research/real_smollm2/study_real.py (issue 21); the issue-6 study's script is retired (its results: research/arith_v4/).
+invocations). A run is held by one study process at a time (`claimed`), so a second process over the
+same --root takes the next free run instead. Used by research/signal-or-gate/study.py (issue 30), research/testbeds_v5/study_v5.py (issue 14) and research/real_smollm2/study_real.py (issue 21); the issue-6 study's script is retired (its results: research/arith_v4/).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -17,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -44,8 +47,33 @@ def command(settings: dict, out: Path, seed: int, resume: bool) -> list[str]:
 
 
 def run_one(args, run) -> str:
-    """Bring one run to completion: 'done' (skipped), 'ok' or 'failed'."""
+    """Bring one run to completion: 'done' (skipped), 'ok', 'failed', or 'busy' (another study process over
+    the same --root holds it: `claimed`)."""
     out = run_dir(args, run)
+    with claimed(out) as mine:
+        if not mine:
+            print(f"[study] busy   {out.name}: another study process is running it; the next run", flush=True)
+            return "busy"
+        return _run_claimed(args, run, out)
+
+
+@contextmanager
+def claimed(out: Path):
+    """Yields whether this process holds run folder `out`: an exclusive advisory lock on a file beside it,
+    which the system releases when the holder ends, however it ends (a kill, a lost machine). So two
+    study processes over one --root (one per free core) run different runs side by side, never one twice,
+    and a run whose holder died is free at once."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def _run_claimed(args, run, out: Path) -> str:
     if (out / "summary.json").exists():
         saved = json.loads((out / "config.json").read_text())
         ignore = (RESUMABLE - {"steps"}) | {"resume"}  # settings that do not change what is trained

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     for r in runs:
         status = run_one(SimpleNamespace(root=args.root, threads=args.threads), r)
         ok &= status != "failed"
-        if args.ledger is not None and status != "failed":
+        if args.ledger is not None and status not in ("failed", "busy"):
             study_ledger.record_run(args.ledger, args.root, TASK, run_dir(args, r).name)
     return 0 if ok else 1
 

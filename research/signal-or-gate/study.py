@@ -19,7 +19,9 @@ goes on to the other arms only when its own logs meet the pre-registered band (`
 stops with the failed criteria otherwise (exit 2): the task is then to be made harder or easier,
 and the page amended, before any comparison is run.
 
-Resumable (research/common/study_run.py: a finished run is skipped, one with a checkpoint resumes)
+Resumable (research/common/study_run.py: a finished run is skipped, one with a checkpoint resumes; one
+that another study process over the same --root is running is passed over, so a second process started
+beside the first, on a free core with ~8 GB free, runs the next run of the plan)
 and kept across machines in --ledger (research/signal-or-gate/ledger, committed;
 research/common/study_ledger.py): a new machine restores the finished runs from it.
 """
@@ -227,7 +229,7 @@ def main(argv=None) -> int:
         status = run_one(SimpleNamespace(root=args.root, threads=args.threads), r)
         if status == "failed":
             return 1
-        if args.ledger is not None:
+        if args.ledger is not None and status != "busy":
             study_ledger.record_run(args.ledger, args.root, TASK, run_dir(args, r).name)
     return 0
 

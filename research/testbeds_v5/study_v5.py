@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         attribution(SimpleNamespace(**vars(args) | {"testbeds": [tb]}))
         status = run_one(SimpleNamespace(root=args.root, threads=args.threads), r)
         ok &= status != "failed"
-        if args.ledger is not None and status != "failed":
+        if args.ledger is not None and status not in ("failed", "busy"):
             study_ledger.record_attribution(args.ledger, args.root, tb)
             study_ledger.record_run(args.ledger, args.root, tb, run_dir(args, r).name)
         if status != "done":
