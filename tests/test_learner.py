@@ -26,11 +26,14 @@ def _learner(tiny_model, tmp_path, **settings):
     return build_learner(cfg, make_accelerator(), model, n_micro=1), tokenizer
 
 
-@pytest.mark.parametrize("lora_r", [0, 4])
-def test_the_reference_stays_the_initial_model_when_the_policy_moves(tiny_model, tmp_path, lora_r):
+@pytest.mark.parametrize("lora_r, precision", [(0, "no"), (4, "no"), (0, "bf16"), (4, "bf16")])
+def test_the_reference_stays_the_initial_model_when_the_policy_moves(tiny_model, tmp_path, monkeypatch, lora_r, precision):
+    """Under --mixed_precision bf16 too: the reference computes in the policy's precision, so at the start
+    it is the policy to the bit (the frozen copy in float32 beside an autocast policy was not)."""
     from oar.grpo import token_logprobs
     from oar.lm import forward_logits
 
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
     learner, tok = _learner(tiny_model, tmp_path, lora_r=lora_r, lora_alpha=8.0)
     assert (learner.reference is None) == bool(lora_r) and (learner.peft is not None) == bool(lora_r)
     if learner.reference is not None:

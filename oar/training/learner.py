@@ -40,6 +40,7 @@ class Learner:
     reference: Any = None  # the KL reference's frozen copy (kl_beta > 0 without LoRA), else None
     own_fsdp: bool = False  # sharded by train.py --fsdp (CPU processes), not by accelerate's plugin
     adapters_only: bool = False  # checkpoints leave out the frozen base (LoRA, not sharded)
+    autocast: Any = nullcontext  # the run's mixed precision (accelerator.autocast), which the policy's forward runs in
 
     def gathered(self, when: bool = True):
         """Whole parameters inside the block when the model is sharded (collective: every process
@@ -48,9 +49,11 @@ class Learner:
 
     def reference_logprobs(self, input_ids, attention_mask, labels, temperature: float) -> torch.Tensor:
         """log pi_ref of `labels` (b, T), the completion of (b, L) inputs: the frozen copy, or with LoRA
-        the policy with its adapters off (gathered when sharded: peft's switch reaches into submodules)."""
+        the policy with its adapters off (gathered when sharded: peft's switch reaches into submodules), in
+        the policy's precision: under bf16 the frozen copy would otherwise compute in float32 while the
+        policy autocasts, and pi_ref != pi_theta at step 0."""
         with torch.no_grad(), lora.adapters_off(self.policy) if self.peft is not None else nullcontext(), \
-                self.gathered(self.peft is not None):
+                self.gathered(self.peft is not None), self.autocast():
             model = self.reference if self.reference is not None else self.policy
             logits = forward_logits(model, input_ids, attention_mask, logits_to_keep=labels.shape[1] + 1)
             return token_logprobs(logits[:, :-1], labels, temperature=temperature)
@@ -103,4 +106,4 @@ def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
     if reference is not None:
         reference = reference.to(accelerator.device)
     policy = accelerator.unwrap_model(model)
-    return Learner(model, optimizer, schedule, policy, peft, reference, own_fsdp, adapters_only)
+    return Learner(model, optimizer, schedule, policy, peft, reference, own_fsdp, adapters_only, accelerator.autocast)
