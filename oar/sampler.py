@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from oar.eager_decode import decode_eager
+from oar.lm import eval_mode
 from oar.rollout import Rollout, build_rollout, concat_rollouts
 from oar.static_decode import decode_static
 
@@ -137,13 +138,16 @@ def decode(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p
     same steps in fixed shapes, "static" or "compiled" (oar/static_decode.py). `skip_draws`: per row, how
     many draws of its seed's stream to pass over first (`eager_decode.draw_uniforms`), so that continuations
     of a rollout's prefixes of different lengths share their random numbers position by position
-    (scripts/analysis/delta_v.py); None: none."""
+    (scripts/analysis/delta_v.py); None: none. Runs with every module in eval mode (each gets its own mode
+    back after): a model the update left in training mode would sample with dropout, and its
+    checkpointed layers drop the KV cache (transformers < 5.24), so each token would see itself alone."""
     assert loop in DECODE_LOOPS, loop
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_ids=eos_token_ids,
                   pad_token_id=pad_token_id, seeds=seeds, group_size=group_size, skip_draws=skip_draws, on_token=on_token)
-    if loop == "eager":
-        return decode_eager(model, prompt_ids, prompt_mask, **kwargs)
-    return decode_static(model, prompt_ids, prompt_mask, compiled=loop == "compiled", **kwargs)
+    with eval_mode(model):
+        if loop == "eager":
+            return decode_eager(model, prompt_ids, prompt_mask, **kwargs)
+        return decode_static(model, prompt_ids, prompt_mask, compiled=loop == "compiled", **kwargs)
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:

@@ -87,6 +87,28 @@ def test_greedy_sampling_matches_hf_generate(tok):
         assert got == want[: len(got)]
 
 
+@pytest.mark.parametrize("loop", ["eager", "static"])
+def test_a_model_left_in_training_mode_samples_in_eval_mode_and_gets_its_mode_back(tok, loop):
+    """The update leaves the policy in training mode; the next step's rollouts must not see it: every
+    forward of the sampler runs in eval mode (checkpointed layers would drop the KV cache, transformers
+    < 5.24, and dropout would noise the tokens), and the model is in training mode again afterwards."""
+    model = tiny_llama(vocab_size=len(tok), seed=3)
+    prompts, seeds = ["Q: Compute 12 + 7.\nA:\n", "Q: 3\nA:\n"], [5, 6]
+    want = sample(model.eval(), tok, prompts, group_size=1, seeds=seeds, max_new_tokens=8, loop=loop).texts
+    from oar.training.models import enable_checkpointing
+
+    enable_checkpointing(model)
+    model.train()
+    modes = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: modes.append(mod.training)) for m in model.modules()]
+    got = sample(model, tok, prompts, group_size=1, seeds=seeds, max_new_tokens=8, loop=loop).texts
+    for h in hooks:
+        h.remove()
+    assert modes and not any(modes)
+    assert all(m.training for m in model.modules())
+    assert got == want
+
+
 def test_a_rollout_does_not_depend_on_its_batch(tok):
     model = tiny_llama(vocab_size=len(tok), seed=2)
     a, b = "Q: Compute 1 + 2 + 3.\nA:\n", "Q: 9\nA:\n"
