@@ -87,3 +87,18 @@ def test_gpu_config_is_fsdp2_per_decoder_layer_in_bf16(monkeypatch):
     assert isinstance(plugin.auto_wrap_policy, functools.partial)
     assert {c.__name__ for c in plugin.auto_wrap_policy.keywords["transformer_layer_cls"]} == set(model._no_split_modules)
     assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_the_kl_reference_under_fsdp_in_bf16_is_the_policy_at_the_start(tiny_model, tmp_path):
+    """--fsdp --mixed_precision bf16 --kl_beta: the reference computes as the sharded policy does (bf16
+    parameters, FSDP2's policy), so before any update pi_ref = pi_theta and step 1's k3 is exactly 0; a
+    float32 reference (or one under autocast) beside the bf16 shards made it non-zero."""
+    from tinyrun import finish, launch_command, spawn
+
+    out = tmp_path / "run"
+    cmd = launch_command(_args(tiny_model, out, "grpo", "--fsdp", "--steps", "1", "--kl_beta", "0.1"))
+    cmd[cmd.index("--mixed_precision") + 1] = "bf16"
+    check_ok(finish(*spawn(cmd), timeout=180))
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["loss/kl_ref"] == 0.0

@@ -40,7 +40,8 @@ class Learner:
     reference: Any = None  # the KL reference's frozen copy (kl_beta > 0 without LoRA), else None
     own_fsdp: bool = False  # sharded by train.py --fsdp (CPU processes), not by accelerate's plugin
     adapters_only: bool = False  # checkpoints leave out the frozen base (LoRA, not sharded)
-    autocast: Any = nullcontext  # the run's mixed precision (accelerator.autocast), which the policy's forward runs in
+    autocast: Any = nullcontext  # the context the policy's forward computes in: accelerate's autocast, or
+    # none under --fsdp (FSDP2's MixedPrecisionPolicy casts the shards; the reference is sharded the same way)
 
     def gathered(self, when: bool = True):
         """Whole parameters inside the block when the model is sharded (collective: every process
@@ -86,10 +87,13 @@ def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
     reference = None
     if cfg.kl_beta > 0 and not cfg.lora_r:
         reference = load_model(model_source(cfg.model), dtype=cfg.dtype)[0].eval().requires_grad_(False)
+        reference = reference.to(accelerator.device)
     # On CPU processes accelerate's FSDP plugin falls back to DDP: --fsdp shards the model here
     own_fsdp = cfg.fsdp and not sharding.accelerate_shards(accelerator)
     if own_fsdp:  # before the optimizer: it must hold the sharded parameters
         sharding.shard(model, sharding.mixed_precision(accelerator))
+        if reference is not None:  # computes as the policy does (bf16 shards), and holds a shard too
+            sharding.shard(reference, sharding.mixed_precision(accelerator))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))  # noqa: E731
@@ -103,7 +107,6 @@ def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
     adapters_only = peft is not None and not own_fsdp and not sharding.accelerate_shards(accelerator)
     if adapters_only:
         ckpt.skip_frozen(accelerator)
-    if reference is not None:
-        reference = reference.to(accelerator.device)
     policy = accelerator.unwrap_model(model)
-    return Learner(model, optimizer, schedule, policy, peft, reference, own_fsdp, adapters_only, accelerator.autocast)
+    autocast = nullcontext if own_fsdp else accelerator.autocast
+    return Learner(model, optimizer, schedule, policy, peft, reference, own_fsdp, adapters_only, autocast)
