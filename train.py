@@ -235,8 +235,8 @@ def main(cfg: Config) -> dict:
         timings = {"time/step_s": history["step_seconds"][-1], "time/step_cpu_s": step_cpu,
                    "time/rollout_s": t_rollout, "oar/seconds_per_rollout": done.credit_seconds / len(ro)}
         metrics = as_logged(metrics | mean_over_processes(timings, accelerator))
-        if done.nonfinite:
-            log.say(f"warning: step {step + 1}: {done.nonfinite} rollouts had non-finite OAR scores; "
+        if nonfinite := round(metrics["oar/frac_nonfinite_scores"] * len(ro) * n_proc):  # every process's
+            log.say(f"warning: step {step + 1}: {nonfinite} rollouts had non-finite OAR scores; "
                     f"they got plain GRPO weights")
         if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             mid = held_out()[1]
