@@ -2,8 +2,9 @@ r"""Whether an extracted answer is right, and the outcome reward r_i (the answer
 
 `answers_match(pred, gold)` stops at the first verdict of:
 1. numbers: if both sides are plain numbers (`1,000`, `0.5`, `\frac{1}{2}`, `-3./2`, `4.5e33`,
-   `4.5\times10^{33}`) once `$`, `\%`, `^\circ`, `\text{}` units and spaces are dropped, they are
-   compared as exact rationals, and that is final (`10\%` matches `10`, not `0.1`);
+   `4.5\times10^{33}`, `\frac43`) once `$`, `\%`, `^\circ`, `\text{}` units and spaces are dropped,
+   they are compared as exact rationals, and that is final (`10\%` matches `10`, not `0.1`); numbers
+   that a space keeps apart (`1, 500`, `5 \text{ or } 6`) are no one number;
 2. strings: equal after a light normalisation (no spaces or `\left`, `\dfrac` -> `\frac`,
    `\text{x}` -> `x`, ...), so identical answers always match, whatever sympy makes of them;
 3. math-verify: equivalence through sympy (`\frac{\sqrt3}{2}`, `2π` for `2\pi`, intervals, tuples,
@@ -54,6 +55,8 @@ _SCIENTIFIC = re.compile(rf"(?P<m>{_NUM})(?:(?:[eE]|\\times10\^|\\cdot10\^)\{{?(
 _FRACTION = re.compile(
     rf"(?P<sign>[-+]?)\\frac\{{(?P<n>{_NUM})\}}\{{(?P<d>{_NUM})\}}|(?P<n2>{_NUM})/(?P<d2>{_NUM})"
 )
+_BARE_FRACTION = re.compile(r"\\frac(?:(?P<n>\d)|\{(?P<n1>[^{}]*)\})(?:(?P<d>\d)|\{(?P<d1>[^{}]*)\})")  # one digit may go unbraced
+_APART = re.compile(r"[\d.],?\s+[-+]?[\d.]")  # digits, then spaces (after a comma or not), then digits
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
 _UNITS = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf)\{([^{}]*)\}")
@@ -65,13 +68,22 @@ _NOISE = re.compile(  # dropped from both sides: spacing, sizing, currency, perc
 def _canonical(answer: str) -> str:
     """A light string normalisation: answers with equal canonical forms are equal."""
     answer = answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
+    answer = _BARE_FRACTION.sub(_braced_fraction, answer)  # `\frac43` is `\frac{4}{3}` (MATH golds write both)
     answer = _NOISE.sub("", _TEXT_WRAPPER.sub(r"\1", answer)).replace("\u2212", "-")  # U+2212 minus
     return answer.rstrip(".")
 
 
+def _braced_fraction(m: re.Match) -> str:
+    return f"\\frac{{{m['n'] or m['n1']}}}{{{m['d'] or m['d1']}}}"
+
+
 def _as_number(answer: str) -> Fraction | None:
-    r"""The exact value of a plain number, `\text{}` units dropped; None if it is not one."""
-    answer = _canonical(_UNITS.sub("", answer))
+    r"""The exact value of a plain number, `\text{}` units dropped; None if it is not one (two numbers
+    apart, `1, 500` or `5 \text{ or } 6`, are a list, not 1500 or 56)."""
+    answer = _UNITS.sub(" ", answer)
+    if _APART.search(answer):
+        return None
+    answer = _canonical(answer)
     if len(answer) > MAX_NUMBER_CHARS:  # Fraction("7" * 10**5) is slow, and past 4,300 digits raises
         return None
     if _THOUSANDS.fullmatch(answer):

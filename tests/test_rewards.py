@@ -28,6 +28,14 @@ MATCH_CASES = [
     ("17", "18", False),
     ("1,2", "12", False),  # a comma that is not a thousands separator keeps its meaning
     ("12", "1,2", False),
+    ("1, 500", "1500", False),  # nor does a comma and a space: a list, not 1500
+    ("1500", "1, 500", False),
+    (r"5 \text{ or } 6", "56", False),  # a dropped unit does not join the numbers either side
+    (r"5 \text{cm}", "5", True),
+    (r"1.3333333", r"\frac43", False),  # `\frac43` is `\frac{4}{3}`, compared exactly as that is
+    (r"\frac43", r"\frac{4}{3}", True),
+    (r"\frac9{19}", "9/19", True),
+    (r"\frac{270}7", "270/7", True),
     (r"10\%", "10", True),
     ("10%", r"10\%", True),
     ("0.1", r"10\%", False),  # `%` is dropped like a unit, not read as /100
@@ -109,11 +117,17 @@ FIND_CASES = [
     ("The answer is 3.5.", "3.5", 0),
     ("So the final answer is: **42**. Done", "42", 3),
     (r"THE ANSWER IS \(\frac{1}{2}\).", r"\frac{1}{2}", 0),
-    # several markers: the one that starts last wins
+    # several markers: the last box; without one, the later of `####` and the phrase
     (r"\boxed{1} and \boxed{2}", "2", 14),
-    (r"\boxed{5}. Checking again, the answer is 7.", "7", 27),
+    (r"\boxed{5}. Checking again, the answer is 7.", "5", 0),
+    ("So \\boxed{5}.\n\nI hope the answer is correct.", "5", 3),  # words after the box are not an answer
+    ("\\boxed{5}\n\n#### Verification\nChecks out.", "5", 0),  # nor is a markdown heading
     ("The answer is 7.\n#### 8", "8", 17),
     ("#### 8\nthen \\boxed{9}", "9", 12),
+    # a phrase's answer ends where a clause begins; a list stays whole
+    ("The answer is 5, because 2 + 3 = 5.", "5", 0),
+    ("The final answer is 12, which is even.", "12", 0),
+    ("The answer is 3, 4, and 5.", "3, 4, and 5", 0),
     # a box inside a phrase: the box's content, the phrase's start
     (r"The answer is $\boxed{5}$.", "5", 0),
     (r"#### \boxed{6}", "6", 0),
