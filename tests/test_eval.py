@@ -41,6 +41,7 @@ def test_greedy_records_are_in_order_and_the_summary_follows_from_them(tiny_mode
     assert 0 < correct < len(records)  # the model is partly right: the checks above compare something
     assert summary["problems"] == len(problems) and summary["accuracy"] == pytest.approx(correct / len(problems))
     assert summary["pass@1"] == pytest.approx(summary["accuracy"])
+    assert summary["instruction"] == ""  # what the prompts asked for is recorded ('auto' on tiny-arith: nothing)
     assert f"{summary['accuracy']:.3f}" in proc.stdout  # the one-line summary
 
 
@@ -95,3 +96,17 @@ def test_train_py_sampled_held_out_accuracy_is_eval_py_avg_at_k(tiny_model, tmp_
     assert 0 < want["accuracy"] < 1  # sampled, partly right: the equality compares something
     final = [json.loads(line) for line in (run / "eval_final.jsonl").read_text().splitlines()]
     assert all(len(r["correct"]) == 4 for r in final)
+
+
+def test_pass_at_k_is_reported_at_k_itself_as_well_as_at_powers_of_two():
+    """--eval_samples 6 gives pass@1, 2, 4 and pass@6 (any of the six right), unbiased each."""
+    from math import comb
+
+    from oar.training.evaluation import summarize
+
+    correct = [[True] + [False] * 5, [False] * 6, [True, True, False, True, False, False]]
+    records = [{"correct": c, "extracted": ["1"] * 6, "truncated": [False] * 6} for c in correct]
+    summary = summarize(records, 6)
+    assert [k for k in summary if k.startswith("pass@")] == ["pass@1", "pass@2", "pass@4", "pass@6"]
+    assert summary["pass@6"] == pytest.approx(2 / 3)
+    assert summary["pass@4"] == pytest.approx(((1 - comb(5, 4) / comb(6, 4)) + 0 + (1 - comb(3, 4) / comb(6, 4))) / 3)

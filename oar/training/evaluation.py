@@ -63,7 +63,7 @@ def evaluate(model, tokenizer, problems, *, accelerator=None, instruction: str =
 
 
 def summarize(records: list[dict], num_samples: int) -> dict:
-    """avg@k, unbiased pass@j for j = 1, 2, 4, ... <= k, and the no-answer and truncation rates."""
+    """avg@k, unbiased pass@j for j = 1, 2, 4, ... <= k and for j = k, and the no-answer and truncation rates."""
     as_list = lambda v: v if isinstance(v, list) else [v]
     correct = torch.tensor([sum(as_list(r["correct"])) for r in records], dtype=torch.float64)
     n = num_samples
@@ -71,10 +71,8 @@ def summarize(records: list[dict], num_samples: int) -> dict:
                "accuracy": float(correct.mean() / n) if records else 0.0,
                "frac_no_answer": _mean([e is None for r in records for e in as_list(r["extracted"])]),
                "frac_truncated": _mean([t for r in records for t in as_list(r["truncated"])])}
-    j = 1
-    while j <= n:
+    for j in sorted({2 ** i for i in range(n.bit_length())} | {n}):
         summary[f"pass@{j}"] = _mean([1.0 - comb(n - int(c), j) / comb(n, j) for c in correct.tolist()])
-        j *= 2
     return summary
 
 
