@@ -106,7 +106,7 @@ def main(cfg: EvalConfig) -> dict:
                                 batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens, num_samples=cfg.eval_samples,
                                 temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, seed=cfg.seed, loop=cfg.decode_loop,
                                 progress=bars_wanted(accelerator.is_main_process), sampler=sampler)
-    summary = {"model": cfg.model, "dataset": cfg.dataset, **summary}
+    summary = {"model": cfg.model, "dataset": cfg.dataset, "instruction": instruction, **summary}
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,9 @@ class ModelSettings:
     """Weights dtype when loading (mixed precision comes from the accelerate config)."""
     instruction: str = "auto"
     """Appended to each problem; 'auto': the one a trained model's folder records (train.py's final/), else
-    none for arith or tiny-arith, a \\boxed{} request otherwise."""
+    none for arith or tiny-arith, a \\boxed{} request otherwise. To compare a base model with a trained
+    one in eval.py, give both the instruction the run used (its final/oar_instruction.json): 'auto' picks
+    the base model's from the evaluation data, not from what the run trained on."""
     max_new_tokens: int = 64
     """Completion budget of every sample, rollouts and evaluation; longer completions are truncated."""
     decode_loop: str = "eager"
