@@ -11,6 +11,7 @@ EOS that ends it (EOS is inside `completion_mask`: stopping earns credit); a rol
 answer's characters) and mapped back to tokens:
   reasoning_mask  tokens that end before the marker starts
   answer_mask     tokens that overlap the answer's character span
+(a byte-level token that holds only the first bytes of a character counts as holding that character).
 Both are empty for a rollout with no final answer (it gets plain GRPO weights).
 Sampling itself is oar/sampler.py.
 """
@@ -66,6 +67,7 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids,
     reasoning = torch.zeros_like(gen_mask)
     answer = torch.zeros_like(gen_mask)
     texts = []
+    special = set(getattr(tokenizer, "all_special_ids", []))
     for i in range(b):
         content = completion[i, : int(first_eos[i])].tolist()  # tokens before EOS
         text, offsets = char_offsets(tokenizer, content)
@@ -74,6 +76,8 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids,
         if span is None:
             continue
         for t, (start, end) in enumerate(offsets):
+            if start == end and content[t] not in special:  # the first bytes of a character a later token completes
+                end = start + 1  # belong to that character: "√3" starts at its first byte token, not its second
             reasoning[i, t] = end <= span.marker_start and end > start
             answer[i, t] = start < span.end and end > span.start
 

@@ -56,12 +56,31 @@ def test_build_rollout_on_broken_utf8_finds_the_answer():
     lp = ro.prompt_width
     answer_ids = ro.input_ids[0][ro.answer_mask[0]].tolist()
     assert tok.decode(answer_ids).strip() == "7" and ro.texts[0].endswith("#### 7")
-    # Reasoning is the junk before the marker; a byte token that only starts a character spans no
-    # character of the text (its successor completes it) and is left out of the span: weight 1.
+    # Reasoning is the junk before the marker, every token of it: a byte token that only starts a
+    # character spans no character of the text (its successor completes it) and counts as holding it.
     _, offsets = char_offsets(tok, junk + answer)
-    spans = torch.tensor([e > s for s, e in offsets[:len(junk)]])
-    assert torch.equal(ro.reasoning_mask[0, lp:lp + len(junk)], spans) and spans.sum() >= len(junk) - 2
+    assert any(e == s for s, e in offsets[:len(junk)])  # the case under test
+    assert ro.reasoning_mask[0, lp:lp + len(junk)].all()
     assert not ro.reasoning_mask[0, lp + len(junk):].any() and not ro.truncated.any()
+
+
+def test_an_answer_that_starts_inside_a_split_character_starts_at_its_first_byte_token():
+    """"#### √3" with √'s three bytes in three tokens: the answer's first token is the first of them, so
+    the `last` probe reads the logits that choose it, not the ones that finish a character."""
+    from oar.rollout import build_rollout, char_offsets
+
+    tok = _byte_level_tokenizer()
+    ids = tok("2 + 2 = 4 #### √3", add_special_tokens=False)["input_ids"]
+    text, offsets = char_offsets(tok, ids)
+    root = text.index("√")
+    first = next(t for t, (s, e) in enumerate(offsets) if s <= root < max(e, s + 1))
+    assert offsets[first][0] == offsets[first][1]  # √ is split: its first token alone decodes to nothing
+    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
+    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
+    lp = ro.prompt_width
+    answer = ro.answer_mask[0, lp:].nonzero().flatten().tolist()
+    assert answer[0] == first and tok.decode([ids[t] for t in answer]) == "√3"
+    assert ro.reasoning_mask[0, lp:lp + first - 2].all() and not ro.reasoning_mask[0, lp + first:].any()
 
 
 def test_build_rollout_on_a_huge_completion_is_fast():
