@@ -1,13 +1,19 @@
 """The vLLM backend's rollout speed beside the own sampler's eager loop and transformers' `generate`
 (issue 31), on the same prompts:
 
-    python scripts/bench/bench.py --rollouts --vllm --vllm_repeats 3 --json docs/bench/rollouts-vllm-cpu.json
+    OMP_NUM_THREADS=1 python scripts/bench/bench.py --rollouts --vllm --threads 1 \\
+        --json docs/bench/rollouts-vllm-cpu.json
+    OMP_NUM_THREADS=1 python scripts/bench/bench.py --rollouts --vllm --vllm_prompts 8 --vllm_repeats 3 \\
+        --threads 1 --json docs/bench/rollouts-vllm-cpu-64.json
 
-In a Python with vLLM (requirements-vllm.txt): oar/vllm_rollouts.py's engine, eager, one seeded request
-per rollout with its sampled log-probs, as train.py asks it, on SmolLM2-135M at 64 prompts x 8 rollouts x
-128 new tokens; every row runs exactly that many tokens (no EOS), temperature 1. Each backend is timed
-`repeats` times in alternating order (own, generate, vLLM; then reversed; ...) after a one-prompt
-warm-up, and reported by its median; the engine's start is reported apart (docs/vllm.md).
+(the commands that made the two committed files: the first times each backend once, at 64 prompts; the
+second three times, at 8 prompts.) In a Python with vLLM (requirements-vllm.txt): oar/vllm_rollouts.py's
+engine, eager, one seeded request per rollout with its sampled log-probs, as train.py asks it, on
+SmolLM2-135M at --vllm_prompts prompts (64 by default) x 8 rollouts x 128 new tokens; every row runs
+exactly that many tokens (no EOS), temperature 1. Each backend is timed `repeats` times in alternating
+order (own, generate, vLLM; then reversed; ...) after a one-prompt warm-up, and reported by its median;
+the engine's start is reported apart (docs/vllm.md). The engine here gets a 2 GiB KV cache
+(`kv_cache_gib`); train.py's engine on a CPU gets 1 GiB (oar/vllm_rollouts.py).
 """
 from __future__ import annotations
 
