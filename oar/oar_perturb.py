@@ -120,20 +120,26 @@ def perturbation_scores_naive(
     pad_token_id: int,
     chunk_size: int = 16,
 ) -> torch.Tensor:
-    """The definition, for tests and benchmarks: a full-length forward (all L x V logits) per
-    masked copy, `chunk_size` copies per batch. Same shapes and result as `perturbation_scores`."""
+    """The definition, for tests and benchmarks: a full-length forward per masked copy, `chunk_size`
+    copies per batch, with the vocabulary's logits only where the probe reads them (from the position
+    before the first answer token: a benchmark's naive side does no work the definition does not need).
+    Same shapes and result as `perturbation_scores`."""
     check_probe(probe)
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     for b in range(input_ids.shape[0]):
         if not answer_mask[b].any():
             continue
         row = slice(b, b + 1)
-        clean = outcome_from_logits(forward_logits(model, input_ids[row], attention_mask[row]), input_ids[row], answer_mask[row], probe)
+        keep = input_ids.shape[1] - int(answer_mask[b].nonzero().min()) + 1  # positions first answer - 1 .. L - 1
+
+        def outcome_of(ids, n):  # the probe of n copies of row b whose ids are `ids`
+            logits = forward_logits(model, ids, attention_mask[row].expand(n, -1), logits_to_keep=keep)
+            return outcome_from_logits(logits, ids[:, -keep:], answer_mask[row, -keep:].expand(n, -1), probe)
+
+        clean = outcome_of(input_ids[row], 1)
         for js in reasoning_mask[b].nonzero().flatten().split(chunk_size):
             n = len(js)
             ids = input_ids[row].repeat(n, 1)
             ids[torch.arange(n), js] = pad_token_id
-            logits = forward_logits(model, ids, attention_mask[row].expand(n, -1))
-            masked = outcome_from_logits(logits, ids, answer_mask[row].expand(n, -1), probe)
-            scores[b, js] = divergence(clean, masked, probe).float()
+            scores[b, js] = divergence(clean, outcome_of(ids, n), probe).float()
     return scores

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive  # noqa: E402
@@ -116,8 +117,9 @@ def every_kth(reas: torch.Tensor, k: int) -> torch.Tensor:
 # ------------------------------------------------------------------ 1. OAR-P
 def oar_p_headline(model, pad: int, *, batch, prompt, reasoning, answer, k, repeats, span=4) -> dict:
     """Fast exact OAR-P on every reasoning position vs the naive definition timed on k evenly spaced
-    positions per row and scaled by n_R / k (every naive copy is one full-length forward, whatever j),
-    plus the approximate span mode. Error: max |fast - naive| over the naive's positions / max |naive|."""
+    positions per row, its masked copies scaled by n_R / k (every copy is one full-length forward,
+    whatever j) and its clean forwards (one per row, timed alone: `naive_clean`) counted once, plus
+    the approximate span mode. Error: max |fast - naive| over the naive's positions / max |naive|."""
     ids, attn, reas, ans = synthetic(batch, prompt, reasoning, answer)
     sub = every_kth(reas, k)
     kw = dict(probe="answer_mean", pad_token_id=pad)
@@ -125,14 +127,16 @@ def oar_p_headline(model, pad: int, *, batch, prompt, reasoning, answer, k, repe
     small = synthetic(1, 8, 4, 2)
     fns = {"fast": lambda: out.__setitem__("fast", perturbation_scores(model, ids, attn, reas, ans, **kw)),
            "naive_sample": lambda: out.__setitem__("naive", perturbation_scores_naive(model, ids, attn, sub, ans, **kw)),
+           "naive_clean": lambda: perturbation_scores_naive(model, ids, attn, torch.zeros_like(reas), ans, **kw),
            f"span{span}": lambda: out.__setitem__("span", perturbation_scores(model, ids, attn, reas, ans, span=span, **kw))}
     warm = {"fast": lambda: perturbation_scores(model, *small, **kw), "naive": lambda: perturbation_scores_naive(model, *small, **kw)}
     t = interleaved(fns, repeats, warm)
     scale = reas.sum().item() / sub.sum().item()
-    fast, naive = med(t["fast"]), med(t["naive_sample"]) * scale
+    clean = med(t["naive_clean"])
+    fast, naive = med(t["fast"]), clean + (med(t["naive_sample"]) - clean) * scale
     top = out["naive"][sub].abs().max().item()
     return {"batch": batch, "prompt": prompt, "reasoning": reasoning, "answer": answer, "naive_positions_timed_per_row": k,
-            "repeats": repeats, "fast_s": fast, "naive_s_scaled": naive, "naive_sample_s": med(t["naive_sample"]),
+            "repeats": repeats, "fast_s": fast, "naive_s_scaled": naive, "naive_sample_s": med(t["naive_sample"]), "naive_clean_s": clean,
             "speedup": naive / fast, "max_err_rel": (out["fast"] - out["naive"])[sub].abs().max().item() / top,
             f"span{span}_s": med(t[f"span{span}"]), f"span{span}_speedup_vs_naive": naive / med(t[f"span{span}"]),
             f"span{span}_max_err_rel": (out["span"] - out["fast"])[reas].abs().max().item() / out["fast"].abs().max().item(),
@@ -141,7 +145,7 @@ def oar_p_headline(model, pad: int, *, batch, prompt, reasoning, answer, k, repe
 
 def oar_p_sweep(model, pad: int, *, prompt, lengths, answer, k, fast_all_up_to) -> list[dict]:
     """Cost growth with the reasoning length, one rollout each, timed once (fast, naive interleaved).
-    Naive: k evenly spaced masked positions, x n_R / k (exact: every copy is one full forward).
+    Naive: k evenly spaced masked positions, x n_R / k, plus its clean forward once (every copy is one full forward).
     Fast: every position up to `fast_all_up_to`; beyond, the clean pass once plus the copies of k
     positions in blocks of 4 consecutive ones spread evenly, x n_R / k (a copy costs its recomputed
     length, so evenly spread blocks average it; blocks keep the chunks as full as in a real run)."""
@@ -170,11 +174,14 @@ def oar_p_sweep(model, pad: int, *, prompt, lengths, answer, k, fast_all_up_to) 
             times["clean"] = time.perf_counter() - t0
             perturbation_scores(model, ids, attn, blocks, ans, clean=clean, clean_kv=kv, **kw)
 
-        t = interleaved({"fast": fast, "naive": lambda: perturbation_scores_naive(model, ids, attn, sub, ans, **kw)}, 1, warmup={})
+        t = interleaved({"fast": fast, "naive": lambda: perturbation_scores_naive(model, ids, attn, sub, ans, **kw),
+                         "naive_clean": lambda: perturbation_scores_naive(model, ids, attn, torch.zeros_like(reas), ans, **kw)},
+                        1, warmup={})
         fast_s = t["fast"][0]
         if sampled:
             fast_s = times["clean"] + (fast_s - times["clean"]) * n_r / int(blocks.sum())
-        naive_s = t["naive"][0] * n_r / int(sub.sum())
+        clean = t["naive_clean"][0]  # the one clean forward, counted once, as on the fast side
+        naive_s = clean + (t["naive"][0] - clean) * n_r / int(sub.sum())
         rows.append({"reasoning": n_r, "fast_positions_timed": int(blocks.sum()) if sampled else n_r,
                      "naive_positions_timed": int(sub.sum()), "fast_s": fast_s, "naive_s": naive_s, "speedup": naive_s / fast_s})
     return rows
@@ -263,7 +270,7 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
                 out = Path(tmp) / f"{m}-{r}"
                 if m == "trl":
                     same = [f"--{k}={getattr(Config(**settings), k)}" for k in ("prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size")]
-                    cmd = [trl_python, str(ROOT / "scripts" / "bench_trl.py"), "--model", trl_model, "--steps", str(steps), *same,
+                    cmd = [trl_python, str(HERE / "bench_trl.py"), "--model", trl_model, "--steps", str(steps), *same,
                            "--json", str(out) + ".json"]
                     subprocess.run(cmd, check=True, capture_output=True, text=True)
                     got = json.loads(Path(str(out) + ".json").read_text())
