@@ -23,7 +23,7 @@ import torch
 
 from oar.lm import forward_logits
 from oar.oar_perturb_exact import exact_perturbation_scores
-from oar.oar_perturb_window import window_perturbation_scores, window_supported
+from oar.oar_perturb_window import row_extents, window_perturbation_scores, window_supported
 from oar.probes import check_probe, divergence, outcome_from_logits
 
 
@@ -76,13 +76,19 @@ def perturbation_scores(
                                                         clean=clean, clean_kv=clean_kv)
     if mode == "exact":
         return exact(reasoning_mask)
-    reason = window_supported(model.config, input_ids.shape[1])
-    if reason is not None:
-        _say_once(f"OAR-P window mode unavailable ({reason}): exact OAR-P scores every rollout instead")
-        return exact(reasoning_mask)
     first = torch.where(reasoning_mask.any(1), reasoning_mask.float().argmax(1), input_ids.shape[1])  # (B,)
     last = torch.where(answer_mask.any(1), input_ids.shape[1] - 1 - answer_mask.flip(1).float().argmax(1), -1)  # (B,)
     long = (last - first >= auto_length) if mode == "auto" else torch.ones_like(first, dtype=torch.bool)  # (B,)
+    # Whether the window mode computes what it claims for each row, by the row's own extent (a sliding
+    # window can cover one row and not a longer batch-mate: a row's mode must not depend on its batch)
+    reasons = [window_supported(model.config, int(e)) for e in row_extents(attention_mask, answer_mask).tolist()]
+    unfit = torch.tensor([r is not None for r in reasons], device=input_ids.device)
+    if (long & unfit & reasoning_mask.any(1)).any():
+        reason = next(r for r, u, g in zip(reasons, unfit.tolist(), long.tolist()) if u and g)
+        _say_once(f"OAR-P window mode unavailable ({reason}): exact OAR-P scores such rollouts instead")
+    long = long & ~unfit
+    if not (reasoning_mask & long[:, None]).any():
+        return exact(reasoning_mask)
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     for use_window, rows in ((True, long), (False, ~long)):
         if not (reasoning_mask & rows[:, None]).any():

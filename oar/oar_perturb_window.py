@@ -55,6 +55,15 @@ def window_supported(config, length: int) -> str | None:
     return None
 
 
+def row_extents(attention_mask: torch.Tensor, answer_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) each row's own length for `window_supported`: its first attended column through its last
+    answer token (left padding, and whatever follows the answer, are not part of what it computes)."""
+    width = attention_mask.shape[1]
+    start = attention_mask.bool().float().argmax(1)
+    last = torch.where(answer_mask.any(1), width - 1 - answer_mask.flip(1).float().argmax(1), start)
+    return last - start + 1
+
+
 @torch.no_grad()
 def window_perturbation_scores(
     model,
@@ -81,9 +90,11 @@ def window_perturbation_scores(
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
     assert window >= 0 and max_chunk_tokens >= 1, (window, max_chunk_tokens)
     assert clean_kv is None or clean is not None, "clean_kv needs the clean outcome too"
-    reason = window_supported(model.config, input_ids.shape[1])
-    if reason is not None:
-        raise ValueError(f"window OAR-P cannot run on this model: {reason}. Use perturb_mode exact (or auto, which falls back).")
+    extents = row_extents(attention_mask, answer_mask)
+    for b in reasoning_mask.any(1).nonzero().flatten().tolist():
+        if (reason := window_supported(model.config, int(extents[b]))) is not None:
+            raise ValueError(f"window OAR-P cannot run on this model: {reason}. Use perturb_mode exact "
+                             f"(or auto, which falls back).")
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     pos_all = position_ids(attention_mask)
     with eval_mode(model):

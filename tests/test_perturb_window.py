@@ -160,3 +160,38 @@ def test_copies_whose_window_reaches_the_answer_are_exact(pad, reasoning, answer
     covered = reas & (torch.arange(n)[None] + window >= a0 - 2)
     torch.testing.assert_close(win[covered], naive[covered], rtol=0, atol=1e-4 * naive.abs().max().item() + 2e-6)  # + float32 cancellation in a KL near 0
     assert torch.isfinite(win).all() and (win >= -1e-6).all()
+
+
+def test_a_rows_mode_on_a_sliding_window_model_does_not_depend_on_its_batch_mates(capsys):
+    """Mistral-style sliding window (40): a row of 26 positions fits it and takes the window mode alone
+    or beside a row of 56 positions, which does not fit and is scored exactly. The mode used to be
+    decided by the batch's width, so the long batch-mate sent the short row to exact."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=128, sliding_window=40, pad_token_id=0,
+                        attn_implementation="eager")
+    model = MistralForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(1)
+
+    def row(n_reas, width):  # 3 prompt tokens, the reasoning, 2 answer tokens, EOS, right padding
+        ids = torch.randint(3, 40, (width,), generator=g)
+        n = 3 + n_reas + 2
+        att = (torch.arange(width) <= n).long()
+        ids[n], ids[n + 1:] = 2, 0
+        reas, ans = torch.zeros(width, dtype=torch.bool), torch.zeros(width, dtype=torch.bool)
+        reas[3:3 + n_reas], ans[3 + n_reas:n] = True, True
+        return ids, att, reas, ans
+
+    short, long = row(20, 27), row(50, 60)
+    kw = dict(probe="answer_mean", pad_token_id=0, mode="auto", window=2, auto_length=5)
+    alone = perturbation_scores(model, *[x[None] for x in short], **kw)[0]
+    widen = lambda x: torch.cat([x, torch.zeros(60 - x.shape[0], dtype=x.dtype)])
+    both = perturbation_scores(model, *[torch.stack([widen(a), b]) for a, b in zip(short, long)], **kw)
+    window_only = window_perturbation_scores(model, *[x[None] for x in short], window=2, pad_token_id=0)[0]
+    torch.testing.assert_close(alone, window_only)  # the short row takes the window mode ...
+    torch.testing.assert_close(both[0, :27], alone, rtol=1e-5, atol=1e-9)  # ... beside the long one too
+    exact_long = perturbation_scores(model, *[x[None] for x in long], mode="exact", pad_token_id=0)[0]
+    torch.testing.assert_close(both[1], exact_long, rtol=1e-5, atol=1e-9)  # the long row falls back to exact
+    assert "window mode unavailable" in capsys.readouterr().out
