@@ -144,7 +144,8 @@ def perturbation_scores_naive(
 
         clean = outcome_of(input_ids[row], 1)
         for js in reasoning_mask[b].nonzero().flatten().split(chunk_size):
-            n = len(js)
+            if not (n := len(js)):  # a row without reasoning tokens: its clean forward only
+                continue
             ids = input_ids[row].repeat(n, 1)
             ids[torch.arange(n), js] = pad_token_id
             scores[b, js] = divergence(clean, outcome_of(ids, n), probe).float()

@@ -54,6 +54,18 @@ def test_rows_without_answer_score_zero(model, batch):
         assert (scores[1] == 0).all() and scores[0].abs().sum() > 0
 
 
+def test_rows_without_reasoning_tokens_score_zero(model, batch):
+    """A row with an answer and no reasoning token (the whole completion is the answer) scores 0 in every
+    scorer; the naive definition ran a forward of zero copies on it and raised."""
+    ids, attn, reas, ans = batch
+    reas = reas.clone()
+    reas[1] = False
+    for scores in (perturbation_scores(model, ids, attn, reas, ans, pad_token_id=0),
+                   perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0),
+                   gradient_scores(model, ids, attn, reas, ans)):
+        assert (scores[1] == 0).all() and scores[0].abs().sum() > 0
+
+
 def _autograd_reference_joint(model, ids, attn, reas, ans):
     """OAR-G with noise 0 and answer_joint, the plain way: J = phi_0 - phi(e), backward() into a
     leaf embedding tensor on a copy of the model, s = |<dJ/de, e>|."""
