@@ -6,11 +6,11 @@ R_i of maths §0 is `text[:marker_start]`. Markers: the last `\boxed{..}` / `\fb
 the text after the last "the (final) answer is" (any case) to the end of its sentence or line.
 For the last two, wrapping `$`, `\(..\)`, `**`, a leading `:` and a trailing `.` are trimmed.
 Which wins: only the last occurrence of each marker counts (an earlier box is a result the model
-went on to revise); a box with an answer in it wins over the other two, and without one, the later
-of those two. A box is what the model was asked to write, and the words after it are often not an
-answer: "\boxed{5}. I hope the answer is correct.", or a markdown heading "#### Check" (the
-maths graders of Qwen2.5-Math and math-verify rank the box first too). A phrase's answer ends at
-a comma that opens a clause ("The answer is 5, because ..." gives 5). A marker that gives no answer (`\boxed{}`, an unclosed `\boxed{12`, a bare `####`) is ignored, and
+went on to revise), and of those the marker that starts LAST wins: the final answer comes last
+("\boxed{74} + 4 = 88. The answer is 88." gives 88). But after a box, a phrase or `####` whose
+answer holds no digit and no LaTeX command is words, not an answer, and the box stands: "\boxed{5}.
+I hope the answer is correct.", a markdown heading "#### Verification". A phrase's answer ends at a
+comma that opens a clause ("The answer is 5, because ..." gives 5). A marker that gives no answer (`\boxed{}`, an unclosed `\boxed{12`, a bare `####`) is ignored, and
 there is no "last number" fallback: no marker, no answer. When the winner sits inside an earlier
 marker's answer ("The answer is $\boxed{5}$"), the answer is the inner `5` but `marker_start` is
 where the OUTER marker starts: "The answer is $" is marker, not reasoning. Scanning is linear.
@@ -35,6 +35,7 @@ _BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.DOTALL)
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
 _CLAUSE = re.compile(r",\s+(?:because|since|as|which|so|given|where|when|while|therefore|thus|hence|that)\b",
                      re.IGNORECASE)
+_ANSWER_LIKE = re.compile(r"[\d\\]")  # a digit or a LaTeX command: what a maths answer after a box holds
 _SPACES = re.compile(r"\s*")
 _BARE_TOKEN = re.compile(r"[^\s${}]+")
 _DEPTH_STEP = {"{": 1, "}": -1}
@@ -108,13 +109,15 @@ def find_answer(text: str) -> AnswerSpan | None:
         region = _to_line_end(text, phrase.start(), phrase.end(), sentence=True)
         clause = _CLAUSE.search(text, region[1], region[2])  # "5, because ..." -> "5"
         candidates.append((region[:2] + (clause.start(), region[3]) if clause else region, True))
-    best, rank = None, None  # rank: (a box, where the marker starts); the highest wins
+    best = None
     for (marker, start, end, _), is_line in candidates:
         start, end = _trim(text, start, end, wrappers=is_line)
         if is_line and _BOX.search(text, start, end):
             continue  # "The answer is $\boxed{}$": the box speaks for the phrase, even when empty
-        if start < end and (best is None or (not is_line, marker) > rank):
-            best, rank = AnswerSpan(text[start:end], start, end, marker), (not is_line, marker)
+        if is_line and box is not None and marker > box[0] and not _ANSWER_LIKE.search(text, start, end):
+            continue  # words after a box ("I hope the answer is correct"): the box stands
+        if start < end and (best is None or marker > best.marker_start):
+            best = AnswerSpan(text[start:end], start, end, marker)
     if best is None:
         return None
     # The winner inside an earlier marker's answer region belongs to that marker: start there.

@@ -117,11 +117,13 @@ FIND_CASES = [
     ("The answer is 3.5.", "3.5", 0),
     ("So the final answer is: **42**. Done", "42", 3),
     (r"THE ANSWER IS \(\frac{1}{2}\).", r"\frac{1}{2}", 0),
-    # several markers: the last box; without one, the later of `####` and the phrase
+    # several markers: the one that starts last wins ...
     (r"\boxed{1} and \boxed{2}", "2", 14),
-    (r"\boxed{5}. Checking again, the answer is 7.", "5", 0),
-    ("So \\boxed{5}.\n\nI hope the answer is correct.", "5", 3),  # words after the box are not an answer
-    ("\\boxed{5}\n\n#### Verification\nChecks out.", "5", 0),  # nor is a markdown heading
+    (r"\boxed{5}. Checking again, the answer is 7.", "7", 27),
+    ("\\boxed{74} + 4 = 88\nThe answer is 88", "88", 20),  # SmolLM2 boxes an operand, then answers
+    # ... but words after a box are not an answer: no digit, no LaTeX command
+    ("So \\boxed{5}.\n\nI hope the answer is correct.", "5", 3),
+    ("\\boxed{5}\n\n#### Verification\nChecks out.", "5", 0),  # a markdown heading
     ("The answer is 7.\n#### 8", "8", 17),
     ("#### 8\nthen \\boxed{9}", "9", 12),
     # a phrase's answer ends where a clause begins; a list stays whole
