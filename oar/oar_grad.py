@@ -70,6 +70,10 @@ def gradient_scores(
     """
     check_probe(probe)
     assert noise_std >= 0.0, f"noise_std must be >= 0, got {noise_std}"
+    if noise_std == 0.0 and probe != "answer_joint":  # maths §4, "why the noise"
+        warnings.warn(f"OAR-G with probe {probe!r} and noise_std 0: at the clean point the KL is at its minimum, so its "
+                      f"gradient is 0 and the scores are float rounding. Use noise_std > 0 or probe 'answer_joint'.",
+                      stacklevel=2)
     low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(input_ids.device.type)
     if low and probe != "answer_joint" and noise_std < 0.1:
         # Measured on SmolLM2-135M (docs/model-families.md): at noise 1e-3 the KL moves less than

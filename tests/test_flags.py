@@ -151,6 +151,7 @@ BAD = [  # argv -> what the one line must name (as the user typed it); refused w
     (["--loss_type", "bnpo"], "--loss_type"),
     (["--per_device_train_batch_size", "4"], "--per_device_train_batch_size"),
     (["--gradient_accumulation_steps", "4"], "--gradient_accumulation_steps"),
+    (["--use_vllm"], "--rollout_backend vllm"),  # TRL's switch: the error names ours
     (["--no_such_flag", "1"], "--no_such_flag"),
     (["--gate_floor", "0.2"], "--gate_floor"),  # a constant now: refused, not ignored
     # refused by check_config, after the accelerator starts, before anything loads
@@ -166,7 +167,30 @@ CHECKED = [  # the same through check_config in this process (a child each costs
     (["--max_completion_length", "0"], "--max_completion_length 0"),
     (["--eval_size", "-1"], "--eval_size -1"),
     (["--eval_steps", "-1"], "--eval_steps -1"),
+    (["--noise_std", "0"], "--noise_std 0"),  # OAR-G's default probe would score float rounding
+    (["--noise_std", "0", "--probe", "answer_joint", "--probe_warmup", "2"], "--noise_std 0 with --probe last"),
+    (["--temperature", "inf"], "--temperature inf"),
+    (["--learning_rate", "inf"], "--learning_rate inf"),
+    (["--eval_temperature", "inf", "--eval_samples", "2"], "--eval_temperature inf"),
 ]
+
+
+def test_noise_std_0_is_taken_where_nothing_needs_the_noise():
+    from oar.training.checks import check_config
+
+    for argv in (["--noise_std", "0", "--probe", "answer_joint"], ["--noise_std", "0", "--method", "oar-p"]):
+        check_config(parse_args(argv), num_processes=1)
+
+
+@pytest.mark.parametrize("argv", [["--num_generations", "4", "--group_size", "8"], ["--epsilon", "0.2", "--clip_low", "0.3"],
+                                  ["--beta", "0.04", "--kl_beta", "0"], ["--loss_type", "dapo", "--aggregation", "token_mean"]],
+                         ids=" ".join)
+def test_a_setting_under_two_of_its_names_is_refused(argv, capsys):
+    """TRL's name and ours for one setting: which was meant is a guess (`--epsilon 0.2 --clip_low 0.3` made
+    both bounds 0.3, `--num_generations 4 --group_size 8` took 8), so neither is taken."""
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "give one of them" in capsys.readouterr().err
 
 
 def _one_line(proc, script, named):

@@ -8,6 +8,7 @@ module imports no torch at import time: a bad flag answers before torch loads.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from oar.training.config import BackendSettings, Config, EvalSettings, ModelSettings, ProcessSettings, micro_batch
@@ -47,6 +48,7 @@ def check_eval_settings(cfg: EvalSettings) -> list[str]:
     need(cfg.eval_samples >= 1 and cfg.eval_temperature >= 0 and (cfg.eval_samples == 1 or cfg.eval_temperature > 0),
          f"--eval_samples {cfg.eval_samples} / --eval_temperature {cfg.eval_temperature}: k >= 1, temperature >= 0, "
          f"and k > 1 needs --eval_temperature > 0 (greedy samples are all the same).")
+    need(math.isfinite(cfg.eval_temperature), f"--eval_temperature {cfg.eval_temperature}: must be a finite number.")
     return problems
 
 
@@ -111,6 +113,13 @@ def check_config(cfg: Config, num_processes: int, launch: list[str] = ()) -> Non
     need(0.0 < cfg.gate_quantile < 1.0, f"--gate_quantile {cfg.gate_quantile}: must lie strictly between 0 and 1.")
     need(cfg.gate_boost >= 0, f"--gate_boost {cfg.gate_boost}: must be >= 0.")
     need(cfg.noise_std >= 0, f"--noise_std {cfg.noise_std}: must be >= 0.")
+    need(cfg.noise_std != 0 or cfg.method != "oar-g" or (cfg.probe == "answer_joint" and cfg.probe_warmup == 0),
+         f"--noise_std 0 with --probe {'last (--probe_warmup)' if cfg.probe_warmup else cfg.probe}: OAR-G's distribution probes "
+         f"need the noise (at the clean point the KL's gradient is 0 and the scores would be float rounding); "
+         f"use --noise_std > 0, or --probe answer_joint without --probe_warmup.")
+    for name in ("temperature", "learning_rate", "noise_std", "gate_boost", "kl_beta", "clip_low", "clip_high", "max_grad_norm",
+                 "weight_decay"):
+        need(math.isfinite(getattr(cfg, name)), f"--{name} {getattr(cfg, name)}: must be a finite number.")
     need(cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts need sampling (> 0).")
     need(0 < cfg.top_p <= 1, f"--top_p {cfg.top_p}: must lie in (0, 1].")
     need(not (cfg.fsdp and cfg.decode_loop == "compiled"), "--decode_loop compiled with --fsdp: the gathered parameters move "
