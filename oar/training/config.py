@@ -241,6 +241,7 @@ UNMAPPED = {
     "top_entropy_quantile": "the forking-tokens mask is a credit method here: --method entropy-mask (rho 0.2)",
     "use_peft": "--lora_r > 0 trains LoRA adapters",
     "bf16": "mixed precision comes from the accelerate config (accelerate launch --mixed_precision bf16)",
+    "use_vllm": "--rollout_backend vllm samples with a vLLM engine in each process (docs/vllm.md)",
 }
 
 DESCRIPTION = ("Train a policy with GRPO, OAR-G, OAR-P or another token-credit method (arXiv 2601.07408).\n"

@@ -146,6 +146,10 @@ class FlagParser:
     def parse(self, argv: list[str]):
         """A `cls` from `argv`; on a bad flag or value: one line on stderr and exit status 2."""
         args = vars(self.parser.parse_args(argv))
+        for name in self.fields:  # one setting under two of its names: which one was meant is a guess, so neither
+            used = [s for s in self.spellings(name) if any(tok == s or tok.startswith(f"{s}=") for tok in argv)]
+            if len(used) > 1:
+                self.parser.error(f"argument {used[1]}: sets what {used[0]} sets; give one of them")
         given = {k: v for k, v in args.items() if v is not None and not k.startswith("alias:")}
         for key, value in args.items():
             if not key.startswith("alias:") or value is None:
