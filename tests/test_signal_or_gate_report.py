@@ -1,0 +1,174 @@
+"""The signal-or-gate study's report (research/signal-or-gate/report.py): the pre-registered metrics, the
+paired tests and the decision rule, on synthetic ledgers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _study():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("signal_or_gate_study", ROOT / "research" / "signal-or-gate" / "study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _report():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("signal_or_gate_report", ROOT / "research" / "signal-or-gate" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_t_test_by_hand():
+    """Student's t tail against closed forms: df 1 is Cauchy, P(T > 1) = 1/4; df 2 has P(T > t) =
+    (1 - t / sqrt(t^2 + 2)) / 2. Paired differences 1, 2, 3: mean 2, s.e. 1/sqrt(3), t = 2 sqrt(3),
+    two-sided p = 1 - 2 sqrt(3) / sqrt(14) = 0.0742; and the pre-registered critical value 2.776 at df 4 gives p = 0.05."""
+    report = _report()
+    assert report.t_sf(1.0, 1) == pytest.approx(0.25, abs=1e-9)
+    assert report.t_sf(0.0, 3) == pytest.approx(0.5)
+    t = 2 * math.sqrt(3)
+    assert report.t_sf(t, 2) == pytest.approx((1 - t / math.sqrt(t * t + 2)) / 2, rel=1e-9)
+    got = report.paired([1.0, 2.0, 3.0])
+    assert got["mean"] == 2.0 and got["se"] == pytest.approx(1 / math.sqrt(3)) and got["p"] == pytest.approx(1 - t / math.sqrt(14), rel=1e-9)
+    assert 2 * report.t_sf(2.776, 4) == pytest.approx(0.05, abs=2e-4)
+
+
+def _synthetic_ledger(root: Path, base: dict, wobble: dict = {}, seeds=range(3), heldout: dict = {}, config: dict = {}) -> Path:
+    """A ledger of finished 4-step runs: arm a's seed s has training reward base[a] + wobble[a][s] at every step,
+    held-out avg@2 heldout.get(a, reward) at the end; config.json as study.py would write it (plus `config`)."""
+    import json
+
+    from research.common.study_run import effective
+
+    arms = _study().ARMS
+    for arm, r in base.items():
+        for seed in seeds:
+            d = root / "runs" / "arith-mix" / f"{arm}-s{seed}"
+            d.mkdir(parents=True)
+            reward = r + wobble.get(arm, [0] * 5)[seed]
+            end = heldout.get(arm, reward)
+            (d / "summary.json").write_text(json.dumps({"steps": 4, "accuracy_before": 0.08, "accuracy_after": end,
+                                                        "pass_before": {"pass@2": 0.1}, "pass_after": {"pass@2": end + 0.1}}))
+            rows = [{"step": s, "reward/mean": reward, "policy/entropy": 1.0} for s in range(1, 5)]
+            rows[1] |= {"eval/accuracy": reward / 2, "eval/pass@2": reward}
+            (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+            (d / "study_time.json").write_text(json.dumps({"cpu_seconds": 600.0, "code": ["abc" if seed else "def"]}))
+            settings = effective({"steps": 4, "seed": seed, "output_dir": str(d), **arms[arm]}) | config.get(f"{arm}-s{seed}", {})
+            (d / "config.json").write_text(json.dumps(settings))
+    return root
+
+
+def test_report_applies_the_decision_rule(tmp_path):
+    """A synthetic ledger of three seeds: OAR-G at q = 0.25 ahead of random-gate by 11-13 points of training
+    reward on every seed (significant), inverted behind it; OAR-G q = 0.25 vs q = 0.4 within noise."""
+    report = _report()
+    base = {"grpo": 0.30, "oar-g-q25": 0.40, "random-gate-q25": 0.29, "oar-g-q40": 0.40, "inverted-q25": 0.25}
+    ledger = _synthetic_ledger(tmp_path / "ledger", base, {"oar-g-q25": [0.0, 0.02, 0.01], "oar-g-q40": [0.02, -0.01, 0.0]})
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "README.md").write_text(f"x\n{report.BEGIN}\nold\n{report.END}\ny\n")
+    summary = report.write(ledger, tmp_path / "out", "arith-mix")
+    signal = summary["comparisons"]["oar-g-q25 - random-gate-q25"]["mean_reward"]
+    assert signal["n"] == 3 and signal["mean"] == pytest.approx(12.0) and signal["p"] < 0.05
+    assert summary["decision"] == {"scores_carry_information": "positive", "change_default_gate_to_q25_b1": False,
+                                   "inverted_at_or_below_random": {"mean_training_reward": True, "heldout_last_step": True}}
+    assert summary["runs"]["grpo"]["0"]["heldout"] == {"0": {"avg": 0.08, "pass@2": 0.1}, "2": {"avg": 0.15, "pass@2": 0.3},
+                                                        "4": {"avg": 0.3, "pass@2": pytest.approx(0.4)}}
+    # the secondary paired differences, at every evaluated step: avg@2 and pass@2 (points)
+    held = summary["comparisons"]["oar-g-q25 - random-gate-q25"]["heldout"]
+    assert set(held) == {"0", "2", "4"} and held["0"]["avg"]["mean"] == 0.0 and held["4"]["pass@2"]["mean"] == pytest.approx(12.0)
+    page = (tmp_path / "out" / "README.md").read_text()
+    assert "old" not in page and "| oar-g-q25 - random-gate-q25 | 3 | +12.0" in page and (tmp_path / "out" / "curves.png").is_file()
+    assert "2 versions of train.py and oar/" in page and "def: grpo-s0, " in page  # seed 0's runs made by other code
+
+
+def test_report_gate_rule_reads_the_held_out_direction_and_needs_three_balanced_seeds(tmp_path):
+    """q = 0.25 significantly ahead of q = 0.4 in training reward changes the default only if it is not behind at
+    the end held out (q25 - q40 >= 0); an arm with two seeds is compared on its two only, and not tested."""
+    report = _report()
+    base = {"oar-g-q25": 0.45, "random-gate-q25": 0.29, "oar-g-q40": 0.40}
+    wobble = {"oar-g-q25": [0.0, 0.02, 0.01]}
+    behind = report.write(_synthetic_ledger(tmp_path / "a", base, wobble, heldout={"oar-g-q25": 0.30, "oar-g-q40": 0.35}),
+                          tmp_path / "oa", "arith-mix")
+    assert behind["comparisons"]["oar-g-q25 - oar-g-q40"]["heldout_last"]["mean"] == pytest.approx(-5.0)
+    assert behind["decision"]["change_default_gate_to_q25_b1"] is False
+    ahead = report.write(_synthetic_ledger(tmp_path / "b", base, wobble, heldout={"oar-g-q25": 0.35, "oar-g-q40": 0.35}),
+                         tmp_path / "ob", "arith-mix")
+    assert ahead["decision"]["change_default_gate_to_q25_b1"] is True
+    ledger = _synthetic_ledger(tmp_path / "c", base, wobble)
+    import shutil
+
+    shutil.rmtree(ledger / "runs" / "arith-mix" / "random-gate-q25-s2")
+    few = report.write(ledger, tmp_path / "oc", "arith-mix")
+    assert few["comparisons"]["oar-g-q25 - random-gate-q25"]["seeds"] == [0, 1]
+    assert few["decision"]["scores_carry_information"] is None
+
+
+def test_report_refuses_runs_that_are_not_one_study(tmp_path):
+    """A run with another learning rate, or one whose log lacks a step, stops the report with its name."""
+    report = _report()
+    base = {"oar-g-q25": 0.40, "random-gate-q25": 0.29}
+    ledger = _synthetic_ledger(tmp_path / "a", base, config={"random-gate-q25-s1": {"learning_rate": 1e-4}})
+    with pytest.raises(SystemExit, match="random-gate-q25-s1: settings differ .*learning_rate"):
+        report.write(ledger, tmp_path / "oa", "arith-mix")
+    ledger = _synthetic_ledger(tmp_path / "b", base)
+    metrics = ledger / "runs" / "arith-mix" / "oar-g-q25-s2" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[1:]))
+    with pytest.raises(SystemExit, match="oar-g-q25-s2: metrics.jsonl has steps"):
+        report.write(ledger, tmp_path / "ob", "arith-mix")
+
+
+def test_report_steps_to_half_need_a_full_window(tmp_path):
+    """Steps to 50%: the first step whose mean with the two before reaches 0.5, so step 3 at the earliest: a
+    lucky step 1 (0.9, then 0.1, 0.2, 0.6: means 0.4 at step 3, 0.3 at step 4) is not 'reached'; 4 steps run -> 5."""
+    import json
+
+    report = _report()
+    ledger = _synthetic_ledger(tmp_path / "l", {"grpo": 0.3})
+    metrics = ledger / "runs" / "arith-mix" / "grpo-s0" / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    for row, r in zip(rows, [0.9, 0.1, 0.2, 0.6]):
+        row["reward/mean"] = r
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    assert report.run_metrics(metrics.parent)["steps_to_50"] == 5
+    assert report.paired([2.0, 2.0, 2.0])["zero_spread"]
+
+
+def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_and_shows_the_gates_shape(tmp_path):
+    """Two seeds give a difference and its s.e. but no t or p, on the page or in summary.json; a run whose gate is
+    not its arm's (a folder named oar-g-q25 that ran q = 0.4), or whose config.json lacks a setting the others
+    changed from its default, stops the report; the gate's diagnostics are averaged per arm."""
+    import json
+
+    report = _report()
+    base = {"oar-g-q25": 0.40, "random-gate-q25": 0.29}
+    ledger = _synthetic_ledger(tmp_path / "a", base, {"oar-g-q25": [0.0, 0.02]}, seeds=range(2))
+    for arm, ess in (("oar-g-q25", 0.8), ("random-gate-q25", 0.6)):
+        for seed in range(2):
+            metrics = ledger / "runs" / "arith-mix" / f"{arm}-s{seed}" / "metrics.jsonl"
+            rows = [json.loads(x) | {"oar/ess_ratio": ess + 0.1 * seed} for x in metrics.read_text().splitlines()]
+            metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "README.md").write_text(f"{report.BEGIN}\n{report.END}\n")
+    two = report.write(ledger, tmp_path / "out", "arith-mix")["comparisons"]["oar-g-q25 - random-gate-q25"]["mean_reward"]
+    assert two["n"] == 2 and two["se"] == pytest.approx(1.0) and two["t"] is None and two["p"] is None
+    page = (tmp_path / "out" / "README.md").read_text()
+    assert "| oar-g-q25 - random-gate-q25 | 2 | +12.0 ± 1.0 |" in page and "t = " not in page
+    assert "| oar-g-q25 | 0.850 |" in page and "| random-gate-q25 | 0.650 |" in page  # ESS, mean over seeds and steps
+    wrong = _synthetic_ledger(tmp_path / "b", base, config={"oar-g-q25-s1": {"gate_quantile": 0.4, "gate_boost": 2.0}})
+    with pytest.raises(SystemExit, match="oar-g-q25-s1: not the arm's settings.*gate_quantile"):
+        report.write(wrong, tmp_path / "ob", "arith-mix")
+    lacking = _synthetic_ledger(tmp_path / "c", base, config={f"{a}-s{s}": {"top_p": 0.9} for a in base for s in (0, 1)})
+    config = lacking / "runs" / "arith-mix" / "random-gate-q25-s2" / "config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "top_p"}))  # ran at the default 1.0
+    with pytest.raises(SystemExit, match="settings differ .*top_p"):
+        report.write(lacking, tmp_path / "oc", "arith-mix")
