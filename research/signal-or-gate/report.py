@@ -215,9 +215,12 @@ def table(runs: dict, comparisons: dict) -> str:
         steps = sorted({s for r in by_seed.values() for s in r["heldout"]}, key=int)
         held = " / ".join(f"{100 * mean([r['heldout'][s]['avg'] for r in by_seed.values() if s in r['heldout']]):.1f}%" for s in steps)
         cpu = [r["cpu_seconds"] for r in by_seed.values() if r["cpu_seconds"]]
+        timed = f"{sum(cpu) / len(cpu) / 60:.0f} ({len(cpu)} run{'s' * (len(cpu) != 1)})" if cpu else "not measured"
+        if 0 < len(cpu) < len(by_seed) or not cpu:
+            timed += f"; {len(by_seed) - len(cpu)} run{'s' * (len(by_seed) - len(cpu) != 1)} killed mid-way, time lost"
         lines.append(f"| {arm} | {len(by_seed)} ({', '.join(map(str, sorted(by_seed)))}) | {100 * mean([r['mean_reward'] for r in by_seed.values()]):.1f}% | "
                      f"{held} | {mean([r['steps_to_50'] for r in by_seed.values()]):.1f} | {mean([r['final_entropy'] for r in by_seed.values()]):.3f} | "
-                     f"{mean(cpu) / 60 if cpu else math.nan:.0f} ({len(cpu)} run{'s' * (len(cpu) != 1)}) |")
+                     f"{timed} |")
     lines += ["", "Each row is its arm's mean over its own seeds (listed); the paired differences below compare the seeds both arms "
               "finished. The gate's shape, means over steps (reported, not decided on):", "",
               "| arm | " + " | ".join(SHAPE.values()) + " |", "| --- |" + " --- |" * len(SHAPE)]
