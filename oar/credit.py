@@ -67,7 +67,7 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
                 scored: torch.Tensor, seeds: list[int], golds: list[str], probe: str, *,
                 gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
     """Credit for one step: runs the method's prepare and returns `weigh(rows, mb, logits, clean=None,
-    clean_kv=None) -> (weights (b, L), seconds, non-finite rows)` for the micro-batch `mb = ro.select(rows)`,
+    clean_kv=None) -> (weights (b, L), 0 outside the completion; seconds; non-finite rows)` for the micro-batch `mb = ro.select(rows)`,
     whose `logits` (b, T + 1, V) are the update forward's from column Lp - 1 (as train.py keeps them).
     Seconds: the micro-batch's weigh plus its rollouts' share of prepare.
 
@@ -96,6 +96,7 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
         if not torch.isfinite(weights).all():
             raise CreditError(f"credit method {method.name!r}: weigh returned non-finite weights for rows {rows}; give a "
                               f"rollout whose scores are not finite weights 1 and count it (the (w, n) return).")
+        weights = weights * mb.completion_mask  # maths §5.6: the completion keeps its weights, padding (and the prompt) gets 0
         return weights, time.perf_counter() - start + per_rollout * len(mb), int(nonfinite)
     return weigh
 

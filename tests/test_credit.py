@@ -172,25 +172,27 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
         torch.testing.assert_close(got[1], got[8], atol=1e-3, rtol=1e-3)
         assert got[8].shape == ro.input_ids.shape
     grpo = step_credit(CreditSettings(method="grpo"), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
-    assert grpo(slice(0, 8), ro, logits)[0].eq(1).all()
+    completion = ro.completion_mask.float()  # maths §5.6: weights are 0 outside the completion (padding, the prompt)
+    assert torch.equal(grpo(slice(0, 8), ro, logits)[0], completion)
     ent = step_credit(CreditSettings(method="entropy", group_size=4), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
     full = torch.zeros(ro.input_ids.shape)
     full[:, lp:] = token_entropy(logits[:, :-1])
-    torch.testing.assert_close(ent(slice(0, 8), ro, logits)[0], bilevel_weights(full, ro.reasoning_mask & scored[:, None]))
+    torch.testing.assert_close(ent(slice(0, 8), ro, logits)[0], bilevel_weights(full, ro.reasoning_mask & scored[:, None]) * completion)
     assert rewards.min() < rewards.max()  # the groups had something to credit
     # oar-g+tempo (beyond the paper) is OAR-G's weights plus TEMPO's TD share on the branch tokens
     both = {m: step_credit(CreditSettings(method=m, group_size=4), model, tok, ro, rewards, adv, scored, list(range(8)), golds,
                            "answer_mean")(slice(0, 8), ro, logits)[0] for m in ("oar-g", "tempo", "oar-g+tempo")}
-    torch.testing.assert_close(both["oar-g+tempo"], both["oar-g"] + both["tempo"] - 1)
+    torch.testing.assert_close(both["oar-g+tempo"], (both["oar-g"] + both["tempo"] - 1) * completion)
     assert (both["tempo"] != 1).any()  # some token branched
     # random-gate (a control) is the gate of uniform scores drawn from each rollout's own seed
     seeds = [11, 12, 13, 14, 15, 16, 17, 18]
     rand = step_credit(CreditSettings(method="random-gate", group_size=4), model, tok, ro, rewards, adv, scored, seeds, golds,
                        "answer_mean")(slice(0, 8), ro, logits)[0]
     uniform = torch.stack([torch.rand(ro.input_ids.shape[1], generator=torch.Generator().manual_seed(s + 104_729)) for s in seeds])
-    torch.testing.assert_close(rand, bilevel_weights(uniform, ro.reasoning_mask & scored[:, None]))
-    moved = (rand != 1).any(1)
-    assert moved.any() and not (rand[~(ro.reasoning_mask & scored[:, None])] != 1).any()  # only scored reasoning tokens move
+    torch.testing.assert_close(rand, bilevel_weights(uniform, ro.reasoning_mask & scored[:, None]) * completion)
+    moved = (rand != completion).any(1)
+    assert moved.any() and torch.equal(rand[~(ro.reasoning_mask & scored[:, None])], completion[~(ro.reasoning_mask & scored[:, None])])
+    # only scored reasoning tokens move
     # ... and they are the same draws when a wider prompt sits on another process, which widens this
     # process's layout only on the one-process run: 3 more padding columns here, the gather says why there
     pad = lambda x: torch.cat([torch.zeros(len(ro), 3, dtype=x.dtype), x], dim=1)  # noqa: E731

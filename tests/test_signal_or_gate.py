@@ -68,7 +68,8 @@ def test_inverted_is_oar_g_turned_over(tiny_model):
     settings = CreditSettings(method="oar-g-inverted", credit_module=MODULE, group_size=4, gate_quantile=q, gate_boost=beta)
     step = Step(settings, model, tok, ro, rewards, adv, scored, seeds, golds, "answer_mean", lambda x: x)
     plain, _ = inverted.weigh(step, None, MicroBatch(slice(0, 8), ro, logits), inverted=False)
-    torch.testing.assert_close(plain, oar_g)  # the scores are OAR-G's own
+    completion = ro.completion_mask.float()  # step_credit's weights are 0 outside the completion (maths §5.6)
+    torch.testing.assert_close(plain * completion, oar_g)  # the scores are OAR-G's own
 
     reasoning = ro.reasoning_mask & scored[:, None]
     scores, _ = inverted.oar_g_scores(step, MicroBatch(slice(0, 8), ro, logits))
@@ -77,14 +78,14 @@ def test_inverted_is_oar_g_turned_over(tiny_model):
     hi = u.masked_fill(~reasoning, -math.inf).amax(1, keepdim=True)
     n = ((u - lo) / (hi - lo)).where(reasoning, 0.0)
     gate_of_flipped = bilevel_weights(torch.expm1(1 - n).where(reasoning, 0.0).float(), reasoning, quantile=q, boost=beta)
-    torch.testing.assert_close(inv, gate_of_flipped, atol=1e-5, rtol=1e-5)  # the gate normalises log(1 + s) = 1 - n to 1 - n
+    torch.testing.assert_close(inv, gate_of_flipped * completion, atol=1e-5, rtol=1e-5)  # the gate normalises log(1 + s) = 1 - n to 1 - n
     rows = [i for i in range(8) if reasoning[i].sum() >= 3]
     assert rows, "no scored rollout with 3 reasoning tokens: the check below would not run"
     for i in rows:
         top, low = scores[i].masked_fill(~reasoning[i], -1).argmax(), scores[i].masked_fill(~reasoning[i], math.inf).argmin()
         assert oar_g[i, top] > oar_g[i, low] and inv[i, top] < inv[i, low]  # the order is turned over
         torch.testing.assert_close(inv[i][reasoning[i]].sum(), reasoning[i].sum().float())  # mass preserved
-    assert torch.equal(inv[~reasoning], torch.ones_like(inv[~reasoning]))
+    assert torch.equal(inv[~reasoning], completion[~reasoning])
 
 
 def _study():
