@@ -96,7 +96,7 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
         if not torch.isfinite(weights).all():
             raise CreditError(f"credit method {method.name!r}: weigh returned non-finite weights for rows {rows}; give a "
                               f"rollout whose scores are not finite weights 1 and count it (the (w, n) return).")
-        weights = weights * mb.completion_mask  # maths §5.6: the completion keeps its weights, padding (and the prompt) gets 0
+        weights = weights * mb.completion_mask  # maths §5: the completion keeps its weights, padding (and the prompt) gets 0
         return weights, time.perf_counter() - start + per_rollout * len(mb), int(nonfinite)
     return weigh
 

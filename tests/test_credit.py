@@ -172,7 +172,7 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
         torch.testing.assert_close(got[1], got[8], atol=1e-3, rtol=1e-3)
         assert got[8].shape == ro.input_ids.shape
     grpo = step_credit(CreditSettings(method="grpo"), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
-    completion = ro.completion_mask.float()  # maths §5.6: weights are 0 outside the completion (padding, the prompt)
+    completion = ro.completion_mask.float()  # maths §5: weights are 0 outside the completion (padding, the prompt)
     assert torch.equal(grpo(slice(0, 8), ro, logits)[0], completion)
     ent = step_credit(CreditSettings(method="entropy", group_size=4), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
     full = torch.zeros(ro.input_ids.shape)

@@ -68,7 +68,7 @@ def test_inverted_is_oar_g_turned_over(tiny_model):
     settings = CreditSettings(method="oar-g-inverted", credit_module=MODULE, group_size=4, gate_quantile=q, gate_boost=beta)
     step = Step(settings, model, tok, ro, rewards, adv, scored, seeds, golds, "answer_mean", lambda x: x)
     plain, _ = inverted.weigh(step, None, MicroBatch(slice(0, 8), ro, logits), inverted=False)
-    completion = ro.completion_mask.float()  # step_credit's weights are 0 outside the completion (maths §5.6)
+    completion = ro.completion_mask.float()  # step_credit's weights are 0 outside the completion (maths §5)
     torch.testing.assert_close(plain * completion, oar_g)  # the scores are OAR-G's own
 
     reasoning = ro.reasoning_mask & scored[:, None]
