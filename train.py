@@ -67,6 +67,7 @@ if __name__ == "__main__":  # --help and a bad flag answer here, before torch an
 
 import json
 import time
+from pathlib import Path
 from dataclasses import asdict
 
 import numpy as np
@@ -142,12 +143,14 @@ def main(cfg: Config) -> dict:
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps,
                  start_step=start_step, progress=cfg.progress)
-    code = ckpt.code_version()  # of train.py and oar/, recorded in every checkpoint
+    # of train.py, oar/ and the run's --credit_module / --reward_module files, recorded in every checkpoint
+    plugins = tuple(Path(m).resolve() for m in (cfg.credit_module, cfg.reward_module) if m.endswith(".py"))
+    code = ckpt.code_version(plugins)
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
         if state.get("code", code) != code:  # allowed (a fix may be why it resumes), but said: two versions
-            log.say(f"the checkpoint was written by other code (train.py and oar/ {state['code']}, now "
-                    f"{code}): the steps after it run this version")
+            log.say(f"the checkpoint was written by other code (train.py, oar/ and the modules "
+                    f"{state['code']}, now {code}): the steps after it run this version")
     # The sampler: oar.sampler.sample, or a vLLM engine in this process that follows the policy (docs/vllm.md)
     sampler = rollout_backend.make(cfg.rollout_backend, model_source(cfg.model), accelerator=accelerator,
                                    folder=cfg.output_dir, **rollout_backend.engine_settings(cfg))

@@ -199,7 +199,7 @@ def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_tru
     state.write_text(json.dumps(json.loads(state.read_text()) | {"code": "0123456789"}))
     capsys.readouterr()
     assert run_inprocess(args + ["--steps", "3", "--resume"])["accuracy_before"] == first["accuracy_before"]
-    assert "written by other code (train.py and oar/ 0123456789" in capsys.readouterr().out
+    assert "written by other code (train.py, oar/ and the modules 0123456789" in capsys.readouterr().out
     other = run_inprocess(args + ["--steps", "4", "--resume", "--eval_size", "5"])
     assert other["accuracy_before"] is None and other["pass_before"] is None and other["eval_problems"] == 5
     assert json.loads((out / "final" / TRAINED_INSTRUCTION).read_text()) == {"instruction": ""}
@@ -208,3 +208,22 @@ def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_tru
     data.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same problems, in another order
     with pytest.raises(SystemExit, match="other problems than --dataset"):
         run_inprocess(args + ["--steps", "5", "--resume"])
+
+
+def test_a_resume_whose_credit_module_file_changed_says_so(tiny_model, tmp_path, capsys):
+    """The code version a checkpoint records covers the run's --credit_module file: edited (or another
+    file under the same relative name) between the two halves, the resume says that two versions ran."""
+    import shutil
+
+    module = tmp_path / "mine.py"
+    shutil.copy(Path(__file__).parent / "credit_plugin.py", module)
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--credit_module", str(module),
+            "--method", "equal-mass", "--output_dir", str(out), "--save_every", "1", *TINY]
+    run_inprocess(args + ["--steps", "1"])
+    capsys.readouterr()
+    run_inprocess(args + ["--steps", "2", "--resume"])
+    assert "written by other code" not in capsys.readouterr().out  # the same file: one version
+    module.write_text(module.read_text() + "\n# edited between the two halves of the run\n")
+    run_inprocess(args + ["--steps", "3", "--resume"])
+    assert "written by other code" in capsys.readouterr().out
