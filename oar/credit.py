@@ -97,6 +97,9 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
             raise CreditError(f"credit method {method.name!r}: weigh returned non-finite weights for rows {rows}; give a "
                               f"rollout whose scores are not finite weights 1 and count it (the (w, n) return).")
         weights = weights * mb.completion_mask  # maths §5: the completion keeps its weights, padding (and the prompt) gets 0
+        if not method.scores and not torch.equal(weights, mb.completion_mask.to(weights.dtype)):
+            raise CreditError(f"credit method {method.name!r}: scores=False promises weights 1 (nothing is scored, gathered "
+                              f"or logged for it), but weigh returned others; declare scores=True.")
         return weights, time.perf_counter() - start + per_rollout * len(mb), int(nonfinite)
     return weigh
 

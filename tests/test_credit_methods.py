@@ -115,7 +115,7 @@ def test_a_module_that_cannot_serve_stops_the_run_before_the_model_loads(tiny_mo
 
 def test_a_method_breaking_the_protocol_at_run_time_is_named(tiny_model, tmp_path):
     """What the loss relies on is checked for every method, each micro-batch: float weights of the
-    micro-batch's shape, finite."""
+    micro-batch's shape, finite, and 1 for a method that declares it scores nothing."""
     from oar.credit import CreditError, CreditSettings, step_credit
     from oar.training.models import load_model
     from oar.sampler import format_prompt, sample
@@ -123,12 +123,14 @@ def test_a_method_breaking_the_protocol_at_run_time_is_named(tiny_model, tmp_pat
     module = tmp_path / "bad_weights.py"
     module.write_text("import torch\nfrom oar.credit import CreditMethod\nCREDIT_METHODS = [\n"
                       "    CreditMethod('short', lambda step, state, micro: torch.ones(len(micro.rollouts), 3)),\n"
-                      "    CreditMethod('nan', lambda step, state, micro: torch.full(micro.rollouts.input_ids.shape, float('nan'))),\n]\n")
+                      "    CreditMethod('nan', lambda step, state, micro: torch.full(micro.rollouts.input_ids.shape, float('nan'))),\n"
+                      "    CreditMethod('half', lambda step, state, micro: torch.full(micro.rollouts.input_ids.shape, 0.5), scores=False),\n]\n")
     model, tok = load_model(str(tiny_model))
     ro = sample(model, tok, [format_prompt(tok, "Compute 3 + 4.")], group_size=2, seeds=[0, 1], max_new_tokens=5)
     zeros = torch.zeros(2)
     for name, needle in (("short", "weigh returned torch.float32 of shape (2, 3); it must return float weights of the micro-batch's shape"),
-                         ("nan", "weigh returned non-finite weights for rows slice(0, 2, None)")):
+                         ("nan", "weigh returned non-finite weights for rows slice(0, 2, None)"),
+                         ("half", "scores=False promises weights 1")):  # it would train with 0.5 and log GRPO's 1
         weigh = step_credit(CreditSettings(method=name, credit_module=str(module), group_size=2), model, tok, ro, zeros, zeros,
                             zeros.bool(), [0, 1], ["7", "7"], "last")
         with pytest.raises(CreditError) as err:
