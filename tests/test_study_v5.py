@@ -209,21 +209,62 @@ def test_a_run_held_by_another_study_process_is_busy_and_free_when_its_holder_di
     out = tmp_path / "grpo-s0"
     out.mkdir()
     (out / "partial").write_text("a checkpoint-less folder run_one would delete")
-    with claimed(out) as mine:
-        assert mine and run_one(SimpleNamespace(root=tmp_path), run) == "busy"
+    with claimed(out) as lock:
+        assert lock is not None and run_one(SimpleNamespace(root=tmp_path), run) == "busy"
     assert (out / "partial").exists()
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
                                "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
                                str(tmp_path / ".grpo-s0.lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with claimed(out) as mine:
-            assert not mine
+        with claimed(out) as lock:
+            assert lock is None
     finally:
         holder.kill()
         holder.wait()
-    with claimed(out) as mine:
-        assert mine
+    with claimed(out) as lock:
+        assert lock is not None
+
+
+def test_a_study_killed_outright_leaves_its_run_held_until_its_train_py_ends(tmp_path):
+    """The study hands its lock to the train.py it starts: killed by SIGKILL (its handler cannot stop the
+    child), it leaves the run held while that train.py still trains, so a second study does not resume
+    or delete the folder under it; once the child ends too, the run is free."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from research.common.study_run import ROOT, claimed
+
+    out, marker = tmp_path / "grpo-s0", tmp_path / "child.pid"
+    study = subprocess.Popen([sys.executable, "-c", f"""
+import pathlib, sys, types
+sys.path.insert(0, {str(ROOT)!r})
+import research.common.study_run as sr
+sr.command = lambda *a: [sys.executable, "-c", "import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
+sr.run_one(types.SimpleNamespace(root=pathlib.Path(sys.argv[1]), threads=1), {{"name": "grpo", "seed": 0, "settings": {{"model": "m"}}}})
+""", str(tmp_path)])
+    try:
+        deadline = time.time() + 60
+        while not (marker.exists() and marker.read_text()) and time.time() < deadline:
+            time.sleep(0.1)
+        child = int(marker.read_text())
+        study.send_signal(signal.SIGKILL)
+        study.wait()
+        with claimed(out) as lock:
+            assert lock is None  # the study is gone, its train.py is not: the run is still held
+    finally:
+        if marker.exists() and marker.read_text():
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        with claimed(out) as lock:
+            if lock is not None:
+                break
+        time.sleep(0.1)
+    assert lock is not None, f"the run stayed held after its train.py ({child}) ended"
 
 
 def test_a_runs_code_version_covers_its_credit_module_file():

@@ -50,30 +50,32 @@ def run_one(args, run) -> str:
     """Bring one run to completion: 'done' (skipped), 'ok', 'failed', or 'busy' (another study process over
     the same --root holds it: `claimed`)."""
     out = run_dir(args, run)
-    with claimed(out) as mine:
-        if not mine:
+    with claimed(out) as lock:
+        if lock is None:
             print(f"[study] busy   {out.name}: another study process is running it; the next run", flush=True)
             return "busy"
-        return _run_claimed(args, run, out)
+        return _run_claimed(args, run, out, lock)
 
 
 @contextmanager
 def claimed(out: Path):
-    """Yields whether this process holds run folder `out`: an exclusive advisory lock on a file beside it,
-    which the system releases when the holder ends, however it ends (a kill, a lost machine). So two
-    study processes over one --root (one per free core) run different runs side by side, never one twice,
-    and a run whose holder died is free at once."""
+    """Yields the lock's file descriptor when this process holds run folder `out`, else None: an
+    exclusive advisory lock on a file beside it, which the system releases when every process holding it
+    has ended, however it ended (a kill, a lost machine). The study passes it to its train.py, so a study
+    killed outright (SIGKILL) leaves the run held until that train.py ends too. So two study processes
+    over one --root (one per free core) run different runs side by side, never one twice, and a run
+    whose holders died is free at once."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            yield False
+            yield None
             return
-        yield True
+        yield handle.fileno()
 
 
-def _run_claimed(args, run, out: Path) -> str:
+def _run_claimed(args, run, out: Path, lock: int) -> str:
     if (out / "summary.json").exists():
         saved = json.loads((out / "config.json").read_text())
         ignore = (RESUMABLE - {"steps"}) | {"resume"}  # settings that do not change what is trained
@@ -100,15 +102,16 @@ def _run_claimed(args, run, out: Path) -> str:
     before = json.loads((out / "study_time.json").read_text()) if (out / "study_time.json").exists() else {}
     unmeasured = before.get("unmeasured", 0) + int(bool(before.get("open")))
     write_json_atomic(out / "study_time.json", before | {"open": True, "unmeasured": unmeasured})
+    version = code_version(run["settings"].get("credit_module", ""))  # what train.py will run: taken before it starts
     start, cpu = time.time(), _child_cpu()
     try:
-        with open(out / "train.log", "a") as log:
-            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        with open(out / "train.log", "a") as log:  # the child holds the run's lock too (`claimed`)
+            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock,)).returncode
     finally:  # also when the study is stopped: a resumed run's time adds up over its invocations
         write_json_atomic(out / "study_time.json", {
             "seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
             "invocations": before.get("invocations", 0) + 1, "unmeasured": unmeasured, "model": model_ident(run["settings"]["model"]),
-            "code": sorted(set(before.get("code", [])) | {code_version(run["settings"].get("credit_module", ""))})})
+            "code": sorted(set(before.get("code", [])) | {version})})
     if code != 0:
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail), flush=True)
