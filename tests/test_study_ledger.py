@@ -51,7 +51,12 @@ def test_a_run_recorded_on_one_machine_is_restored_on_another_with_its_paths(tmp
     assert study_ledger.restore_model(ledger, "slip", model_b) and not study_ledger.restore_model(ledger, "slip", model_b)
     assert study_ledger.weights_sha256(model_b) == study_ledger.weights_sha256(model_a)
     assert study_ledger.check_build(ledger, "slip", model_b) == "matches"
-    (b / "slip" / "grpo-s0").mkdir(parents=True)  # an unfinished attempt: replaced by the finished one
+    (b / "slip" / "grpo-s0").mkdir(parents=True)  # an unfinished attempt: replaced by the finished one ...
+    from research.common.study_run import claimed
+
+    with claimed(b / "slip" / "grpo-s0") as lock:  # ... but not while another study process is running it
+        assert lock is not None and study_ledger.restore(ledger, b, "slip", model_b) == 0
+        assert not (b / "slip" / "grpo-s0" / "config.json").exists()
     assert study_ledger.restore(ledger, b, "slip", model_b) == 1
     run = b / "slip" / "grpo-s0"
     config = json.loads((run / "config.json").read_text())
@@ -59,7 +64,8 @@ def test_a_run_recorded_on_one_machine_is_restored_on_another_with_its_paths(tmp
     assert json.loads((run / "study_time.json").read_text())["model"] == str(model_b)
     assert sorted(p.name for p in run.iterdir()) == sorted(study_ledger.RUN_FILES)
     assert study_ledger.restore(ledger, b, "slip", model_b) == 0  # already there
-    assert not list(b.glob("slip/.*")) and not list(ledger.glob("runs/slip/.*"))  # no temporary folder left
+    left = [p for p in b.glob("slip/.*") if not p.name.endswith(".lock")]  # the runs' lock files stay (empty, reused)
+    assert not left and not list(ledger.glob("runs/slip/.*"))  # no temporary folder left
 
 
 def test_a_rebuild_with_other_weights_stops_the_study(tmp_path):

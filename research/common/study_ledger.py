@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 
 from oar.tasks.tiny_arith_cache import weights_sha256  # noqa: F401 - the hash of a build, used by the studies
+from research.common.study_run import claimed
 
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "study_time.json")
 
@@ -85,10 +86,14 @@ def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
         if missing or json.loads((kept / "ledger.json").read_text())["weights_sha256"] != weights:
             raise SystemExit(f"study: error: {kept} is {'incomplete (no ' + ', '.join(missing) + ')' if missing else 'from other weights than the build'}; "
                              f"delete it and the run is made again.")
-        with _staged(out) as tmp:  # replaces an unfinished attempt here: the ledger holds the finished one
-            shutil.copytree(kept, tmp, ignore=shutil.ignore_patterns(".*"))  # not a write cut short
-            (tmp / "ledger.json").unlink()
-            _repoint(tmp, out, model_dir)
+        with claimed(out) as lock:
+            if lock is None:  # another study process (or its train.py) is running it here: not replaced under it
+                print(f"[study] {out.name} is running in another study process: not restored from the ledger", flush=True)
+                continue
+            with _staged(out) as tmp:  # replaces an unfinished attempt here: the ledger holds the finished one
+                shutil.copytree(kept, tmp, ignore=shutil.ignore_patterns(".*"))  # not a write cut short
+                (tmp / "ledger.json").unlink()
+                _repoint(tmp, out, model_dir)
         restored += 1
     return restored
 
