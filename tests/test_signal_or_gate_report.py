@@ -157,8 +157,9 @@ def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_an
             metrics = ledger / "runs" / "arith-mix" / f"{arm}-s{seed}" / "metrics.jsonl"
             rows = [json.loads(x) | {"oar/ess_ratio": ess + 0.1 * seed} for x in metrics.read_text().splitlines()]
             metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
-    killed = ledger / "runs" / "arith-mix" / "random-gate-q25-s1" / "study_time.json"  # an invocation killed outright
-    killed.write_text(json.dumps(json.loads(killed.read_text()) | {"unmeasured": 1}))
+    for arm, lost in (("random-gate-q25", {"unmeasured": 1}), ("oar-g-q25", {"open": True})):  # killed outright; still open
+        killed = ledger / "runs" / "arith-mix" / f"{arm}-s1" / "study_time.json"
+        killed.write_text(json.dumps(json.loads(killed.read_text()) | lost))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "README.md").write_text(f"{report.BEGIN}\n{report.END}\n")
     two = report.write(ledger, tmp_path / "out", "arith-mix")["comparisons"]["oar-g-q25 - random-gate-q25"]["mean_reward"]
@@ -166,7 +167,7 @@ def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_an
     page = (tmp_path / "out" / "README.md").read_text()
     assert "| oar-g-q25 - random-gate-q25 | 2 | +12.0 ± 1.0 |" in page and "t = " not in page
     assert "| oar-g-q25 | 0.850 |" in page and "| random-gate-q25 | 0.650 |" in page  # ESS, mean over seeds and steps
-    assert "| 10 (2 runs) |" in page and "| 10 (1 run); 1 run killed mid-way, time lost |" in page  # CPU minutes
+    assert page.count("| 10 (1 run); 1 run killed mid-way, time lost |") == 2  # CPU minutes of fully timed runs only
     wrong = _synthetic_ledger(tmp_path / "b", base, config={"oar-g-q25-s1": {"gate_quantile": 0.4, "gate_boost": 2.0}})
     with pytest.raises(SystemExit, match="oar-g-q25-s1: not the arm's settings.*gate_quantile"):
         report.write(wrong, tmp_path / "ob", "arith-mix")

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from dataclasses import asdict  # noqa: E402
 
 from oar.training.config import RESUMABLE, Config  # noqa: E402
+from research.common.runs import fully_timed  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -119,7 +120,7 @@ def run_metrics(path: Path) -> dict | None:
     build = json.loads((path / "ledger.json").read_text()).get("weights_sha256") if (path / "ledger.json").is_file() else None
     return {"mean_reward": sum(reward) / len(reward), "reward": reward, "steps_to_50": reached, "final_entropy": rows[-1]["policy/entropy"],
             "heldout": {str(s): {"avg": a, "pass@2": p} for s, (a, p) in sorted(held.items())},
-            "cpu_seconds": timing.get("cpu_seconds") if not timing.get("unmeasured") else None,
+            "cpu_seconds": timing.get("cpu_seconds") if fully_timed(timing, config or {}) else None,
             "steps": summary["steps"], "steps_logged": [r["step"] for r in rows], "config": config, "build": build,
             "code": timing.get("code", []),
             "shape": {k: sum(r[k] for r in rows if k in r) / n for k in SHAPE if (n := sum(k in r for r in rows))}}
