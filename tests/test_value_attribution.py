@@ -157,6 +157,7 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
               "--max_new_tokens", "20", "--temperature", "1.0", "--values", str(tmp_path / "values.json")]
     first = va.main(common + ["--method", "random-gate", "--out", str(tmp_path / "a.json")])
     assert first["rollouts"] == 4 and first["scored_rollouts"] >= 1 and first["values_cpu_s"] > 0
+    assert first["values_code"] == [dvm.values_code()]  # the version of the answer rule and the sampler that made them
     assert set(first["records"][0]["methods"]) == {*va.CONTROLS, "random-gate"}
     assert "| random-gate |" in first["table"]
     second = va.main(common + ["--method", "grpo", "entropy"])  # the credit method `entropy` beside the entropy control
@@ -173,19 +174,24 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     # `portable` recorded it)
     whole = json.loads((tmp_path / "values.json").read_text())
     elsewhere = whole["settings"] | {"model": "/another/machine/" + tiny_model.name}
-    (tmp_path / "values.json").write_text(json.dumps(whole | {"values": whole["values"][:1], "settings": elsewhere}))
+    (tmp_path / "values.json").write_text(json.dumps(whole | {"values": whole["values"][:1], "settings": elsewhere,
+                                                                "code": ["0123456789"]}))  # ... and by other code
     capsys.readouterr()
     va.main(common + ["--method", "grpo"])
     said = capsys.readouterr().out
     assert "reused" in said and "rollout 1/4" not in said and "rollout 2/4" in said, said
+    assert "made by other code too (0123456789" in said  # two versions made these values: said, and kept
     again = json.loads((tmp_path / "values.json").read_text())
+    assert again["code"] == sorted(["0123456789", dvm.values_code()])
     strip = lambda vs: [{k: v for k, v in r.items() if k != "cpu_s"} for r in vs]
     assert strip(again["values"]) == strip(whole["values"])
     # --cached_only: the table of the rollouts that have values so far, and no new values
-    (tmp_path / "values.json").write_text(json.dumps(whole | {"values": whole["values"][:2]}))
+    (tmp_path / "values.json").write_text(json.dumps({k: v for k, v in whole.items() if k != "code"} | {"values": whole["values"][:2]}))
     capsys.readouterr()
     interim = va.main(common + ["--method", "grpo", "--cached_only"])
-    assert "rollout 3/4" not in capsys.readouterr().out and (interim["rollouts"], interim["rollouts_with_values"]) == (4, 2)
+    said = capsys.readouterr().out
+    assert "rollout 3/4" not in said and (interim["rollouts"], interim["rollouts_with_values"]) == (4, 2)
+    assert "code of no recorded version" in said and interim["values_code"] is None  # a file from before versions
     assert [r["rollout"] for r in interim["records"]] == [r["rollout"] for r in first["records"] if r["rollout"] < 2]
     for a, b in zip(interim["records"], first["records"]):  # only the first group is scored: the same numbers for it
         assert a["methods"]["control: surprisal"] == b["methods"]["control: surprisal"]

@@ -28,6 +28,7 @@ in a JSON file with the settings and the rollouts they belong to (`portable`, `r
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from pathlib import Path
@@ -179,6 +180,21 @@ def portable(settings: dict) -> dict:
     run's is `final`): `same_rollouts` checks the rollouts themselves."""
     model = settings["model"]
     return settings | {"model": smollm2_gguf().name if model == SMOLLM2 else Path(model).name}
+
+
+VALUE_CODE = ("oar/answers.py", "oar/rewards.py", "oar/rollout.py", "oar/sampler.py", "oar/eager_decode.py", "oar/inverse_cdf.py",
+              "oar/lm.py", "scripts/analysis/delta_v.py")  # what decides a value: the continuations and their rewards
+
+
+def values_code() -> str:
+    """A hash of VALUE_CODE's files: a values file records every version that added to it, so values made
+    by two versions of the answer rule or the sampler say so (value_attribution.py warns on resume)."""
+    from oar.training.checkpoint import ROOT
+
+    digest = hashlib.sha1()
+    for name in VALUE_CODE:
+        digest.update(name.encode() + (ROOT / name).read_bytes())
+    return digest.hexdigest()[:10]
 
 
 LOGPROB_TOLERANCE = 1e-2  # another machine's float rounding moves a log-prob by ~1e-5 (docs/vllm.md); another model's, by far more

@@ -62,7 +62,9 @@ Benjamini-Hochberg at q = 0.1 over all of them. The expensive part (the values) 
 (JSON, written after every rollout, with the rollouts' texts, token ids, log-probs and gold answers) and
 reused when the settings (VALUES_FORMAT among them) and the rollouts match (`same_rollouts`; a file of
 others is refused, not overwritten): a stopped run resumes at its next rollout, and scoring another method
-costs only its weights.
+costs only its weights. The file also keeps every version of the code that made its values
+(`delta_v.values_code`: the answer rule, the rewards and the sampler), and a resume by another version
+says so: values made by two versions are reported as such (`values_code` in the output).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ from oar.sampler import (
 from oar.training.checkpoint import write_json_atomic
 from oar.training.data import load_problems
 from oar.training.models import load_model
-from scripts.analysis.delta_v import VALUES_FORMAT, portable, rollout_record, rollout_values, same_rollouts
+from scripts.analysis.delta_v import VALUE_CODE, VALUES_FORMAT, portable, rollout_record, rollout_values, same_rollouts, values_code
 from scripts.analysis.value_metrics import (ALPHA, FDR, benjamini_hochberg, clustered_mean_se, metrics, null_flag_chance,  # noqa: F401
                                             significance, table, top_membership)
 
@@ -191,6 +193,12 @@ def main(argv=None) -> dict:
         raise SystemExit(f"value_attribution.py: error: {args.values} holds the values of other settings or other rollouts "
                          f"(another model?); give another --values file, or delete it to start again.")
     done = cached["values"] if cached is not None else []
+    # every version of the code that made values in the file; a file from before versions were kept records none
+    code = sorted(set((cached or {}).get("code", [])) | {values_code()}) if cached is None or "code" in cached else None
+    if done and (code is None or len(code) > 1):
+        print(f"[values] warning: {args.values}'s values were made by "
+              f"{'code of no recorded version' if code is None else 'other code too (' + ', '.join(code) + ')'}: "
+              f"the answer rule or the sampler may differ between its rollouts ({', '.join(VALUE_CODE)})", flush=True)
     if args.values is not None:
         args.values.parent.mkdir(parents=True, exist_ok=True)
     if done:
@@ -199,7 +207,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"value_attribution.py: error: --cached_only: {args.values} holds no values yet")
     values = done if args.cached_only else rollout_values(model, tok, ro, golds, seeds, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             batch=args.batch, done=done, save=None if args.values is None else
-                            lambda vs: write_json_atomic(args.values, {"settings": key, **record, "values": vs}))
+                            lambda vs: write_json_atomic(args.values, {"settings": key, **({"code": code} if code else {}), **record,
+                                                                       "values": vs}))
     total = len(ro)
     if len(values) < total:  # --cached_only before the values are complete: only the groups that have values are scored
         keep = math.ceil(len(values) / G) * G
@@ -228,7 +237,7 @@ def main(argv=None) -> dict:
               "rollouts_with_any_nonzero_difference": len(moving),
               "mc_se_mean_where_nonzero": float(np.mean([x for v in moving for x in v["se"]])) if moving else math.nan,
               "significance": sig,
-              "values_cpu_s": sum(v["cpu_s"] for v in values), "table": table(records, names), "records": records}
+              "values_cpu_s": sum(v["cpu_s"] for v in values), "values_code": code, "table": table(records, names), "records": records}
     print(f"{len(records)} rollouts with reasoning tokens of the {len(values)} with values ({result['correct']} correct), of {total}; "
           f"{result['reasoning_tokens']} reasoning tokens; values {result['values_cpu_s']:.0f} CPU s. K = {args.k}: "
           f"{len(moving)} rollouts where some continuation ended otherwise (mean Monte-Carlo s.e. of ΔV there "
