@@ -144,7 +144,9 @@ def _build_weights(ledger: Path, testbed: str) -> str:
 def _copy_if_absent(src: Path, dst: Path) -> None:
     if src.exists() and not dst.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst)
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        shutil.copy2(src, tmp)
+        tmp.replace(dst)  # a copy cut short is never taken for the file (it is not repaired once there)
 
 
 def _repoint(run: Path, final: Path, model_dir: Path) -> None:
@@ -179,4 +181,6 @@ def _copy_folder(src: Path, dst: Path) -> None:
 
 def _write(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
