@@ -95,13 +95,13 @@ def main(cfg: EvalConfig) -> dict:
         resolve_model(cfg.model)
         problems = load_problems(cfg.dataset, split=cfg.split, limit=cfg.eval_size or None)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
-        rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.eval_top_p)  # vllm: installed, and can serve it
+        rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.eval_top_p, training=False)  # vllm: can serve it
         model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"eval.py: error: {err}") from None
     model = model.to(accelerator.device).eval()
     sampler = rollout_backend.make(cfg.rollout_backend, model_source(cfg.model), accelerator=accelerator, folder=cfg.output_dir,
-                                   **rollout_backend.engine_settings(cfg))
+                                   training=False, **rollout_backend.engine_settings(cfg))
     records, summary = evaluate(model, tokenizer, problems, accelerator=accelerator, instruction=instruction,
                                 batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens, num_samples=cfg.eval_samples,
                                 temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, seed=cfg.seed, loop=cfg.decode_loop,

@@ -15,7 +15,8 @@ texts and the sampled log-probs, so rewards, OAR and the loss do not know which 
   * Log-probs: vLLM's `processed_logprobs`, log_softmax(logits / temperature) of the sampled token,
     the trainer's `token_logprobs(..., temperature)` definition (vLLM's default is before the
     temperature). Under top-p they would be renormalised over the nucleus, which the trainer does
-    not score: top_p < 1 is refused rather than logged as a gap that is not one.
+    not score: top_p < 1 is refused for training rather than logged as a gap that is not one (eval.py,
+    which reads no log-probs, takes it).
   * Chunked prefill is off: vLLM 0.32's CPU build crashes a seeded request whose prefill is split
     across scheduler steps ("CPU Generator does not use offset").
   * Weights follow the policy through `load_weights` (vLLM's in-place `reload_weights`), then the
@@ -65,11 +66,12 @@ def _environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def check(source: str, *, top_p: float, gguf_file: str | None = None) -> None:
-    """Refuse, before any weight loads, what this backend cannot do: vLLM missing, top-p < 1, a model
-    family vLLM does not implement, or (on the CPU) an attention head size its kernels lack.
-    `source`: a folder or hub id (a .gguf's folder with `gguf_file`), as resolve_model returns it."""
-    if top_p < 1.0:
+def check(source: str, *, top_p: float, gguf_file: str | None = None, training: bool = True) -> None:
+    """Refuse, before any weight loads, what this backend cannot do: vLLM missing, top-p < 1 for training
+    (evaluation reads no log-probs), a model family vLLM does not implement, or (on the CPU) an attention
+    head size its kernels lack. `source`: a folder or hub id (a .gguf's folder with `gguf_file`), as
+    resolve_model returns it."""
+    if top_p < 1.0 and training:
         raise BackendError(f"--top_p {top_p} with --rollout_backend vllm: vLLM's log-probs under top-p are renormalised over the "
                            f"nucleus, which the trainer does not score; use --top_p 1 or --rollout_backend own.")
     if not installed():
@@ -144,11 +146,13 @@ class VLLMRollouts:
     says), `gpu_memory_utilization` the share of GPU memory vLLM may take (the trainer holds the rest),
     `enforce_eager` no compilation (None: eager on a CPU, where compiling takes minutes and was not
     measured; CUDA graphs on a GPU). train.py sets the dtype and the GPU share; the rest keep these
-    defaults there."""
+    defaults there. `training` False (eval.py): rollouts carry no log-probs, so top-p < 1 is taken."""
 
     def __init__(self, source: str, *, dtype: str = "float32", max_model_length: int = 0, kv_cache_gib: float = 0.0,
-                 gpu_memory_utilization: float = 0.3, enforce_eager: bool | None = None, distributed: bool = False):
+                 gpu_memory_utilization: float = 0.3, enforce_eager: bool | None = None, distributed: bool = False,
+                 training: bool = True):
         _environment()
+        self.training = training
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -178,8 +182,8 @@ class VLLMRollouts:
         from vllm.inputs import TokensPrompt
 
         assert len(seeds) == len(prompts) * group_size, (len(seeds), len(prompts), group_size)
-        if top_p < 1.0:
-            raise BackendError(f"top_p {top_p}: the vLLM backend samples with top_p 1 only (oar/vllm_rollouts.py check).")
+        if top_p < 1.0 and self.training:
+            raise BackendError(f"top_p {top_p}: the vLLM backend trains with top_p 1 only (oar/vllm_rollouts.py check).")
         prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, "cpu")  # (P, Lp), the own sampler's tokens
         ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
         longest = max(len(x) for x in ids) + max_new_tokens
@@ -187,23 +191,24 @@ class VLLMRollouts:
             raise BackendError(f"a prompt of {longest - max_new_tokens} tokens + --max_new_tokens {max_new_tokens} exceeds the engine's "
                                f"{self.max_model_length} tokens (the model's own limit); lower --max_new_tokens or shorten the prompts.")
         stop = stop_token_ids(model, tokenizer)
-        params = [SamplingParams(n=1, seed=int(s), temperature=temperature, top_p=1.0, max_tokens=max_new_tokens, logprobs=0,
-                                 stop_token_ids=sorted(stop), detokenize=False) for s in seeds]
+        params = [SamplingParams(n=1, seed=int(s), temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                                 logprobs=0 if self.training else None, stop_token_ids=sorted(stop), detokenize=False) for s in seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i // group_size]) for i in range(len(seeds))], params, use_tqdm=False)
         width = max(len(o.outputs[0].token_ids) for o in outs)
         completion = torch.full((len(outs), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, T)
         logprobs = torch.zeros((len(outs), width), dtype=torch.float32)  # (B, T)
         for i, o in enumerate(outs):
             tokens, entries = list(o.outputs[0].token_ids), o.outputs[0].logprobs
-            # a missing log-prob would leave a 0 that the importance weight reads as the engine's certainty
-            assert entries is not None and len(entries) == len(tokens), (len(tokens), entries and len(entries))
             completion[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            logprobs[i, : len(tokens)] = torch.tensor([entry[t].logprob for t, entry in zip(tokens, entries)])
+            if self.training:  # a missing log-prob would leave a 0 that the importance weight reads as the engine's certainty
+                assert entries is not None and len(entries) == len(tokens), (len(tokens), entries and len(entries))
+                logprobs[i, : len(tokens)] = torch.tensor([entry[t].logprob for t, entry in zip(tokens, entries)])
         for _ in range(max_new_tokens if on_token is not None else 0):
             on_token()
         device = next(model.parameters()).device
         rep = lambda x: x.repeat_interleave(group_size, dim=0).to(device)  # (B, Lp), a prompt's rollouts contiguous
-        return build_rollout(tokenizer, rep(prompt_ids), rep(prompt_mask), completion.to(device), stop, logprobs.to(device))
+        return build_rollout(tokenizer, rep(prompt_ids), rep(prompt_mask), completion.to(device), stop,
+                             logprobs.to(device) if self.training else None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights by `weights` ((name, tensor) pairs under the checkpoint's names,

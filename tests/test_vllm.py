@@ -188,6 +188,9 @@ def test_refuses_what_it_cannot_serve(tiny, tmp_path):
     with pytest.raises(BackendError, match="vLLM has no implementation of NoSuchForCausalLM"):
         vllm_rollouts.check(str(alien), top_p=1.0)
     vllm_rollouts.check(str(tiny), top_p=1.0)  # the test model itself passes
+    with pytest.raises(BackendError, match="--top_p 0.9 with --rollout_backend vllm"):  # training scores its log-probs ...
+        vllm_rollouts.check(str(tiny), top_p=0.9)
+    vllm_rollouts.check(str(tiny), top_p=0.9, training=False)  # ... evaluation reads none
 
 
 def _args(tiny, out, *extra):
@@ -258,7 +261,7 @@ def test_every_credit_method_trains_with_lora_and_fsdp_variants(tiny, tmp_path):
     _assert_same(fsdp, tmp_path / "grpo", keys=ANY_SPLIT)
     check_ok(run_script(EVAL, ["--model", str(tmp_path / "grpo" / "final"), "--dataset", str(tiny / "data.jsonl"), "--limit", "4",
                                "--num_samples", "2", "--temperature", "1.0", "--max_new_tokens", "20", "--output_dir", str(tmp_path / "eval"),
-                               "--rollout_backend", "vllm"], timeout=600))
+                               "--rollout_backend", "vllm", "--top_p", "0.9"], timeout=600))  # top-p: evaluation only
     assert json.loads((tmp_path / "eval" / "eval_summary.json").read_text())["problems"] == 4
 
 

@@ -27,13 +27,14 @@ from oar.training.models import load_model, resolve_model
 BACKENDS = ("own", "vllm")
 
 
-def check(backend: str, model: str, *, top_p: float) -> None:
-    """Before anything loads: the backend exists and (vllm) can serve `model` with these settings."""
+def check(backend: str, model: str, *, top_p: float, training: bool = True) -> None:
+    """Before anything loads: the backend exists and (vllm) can serve `model` with these settings, for
+    training or (`training` False, eval.py) for evaluation alone."""
     if backend not in BACKENDS:
         raise ValueError(f"--rollout_backend {backend}: one of {', '.join(BACKENDS)}.")
     if backend == "vllm":
         source, kwargs = resolve_model(model)
-        vllm_rollouts.check(source, top_p=top_p, gguf_file=kwargs.get("gguf_file"))
+        vllm_rollouts.check(source, top_p=top_p, gguf_file=kwargs.get("gguf_file"), training=training)
 
 
 def engine_settings(cfg) -> dict:
