@@ -1,7 +1,8 @@
 """Where the built-in policy tiny-arith comes from: the weights shipped in `oar/tasks/tiny-arith/`, or a build.
 
 The repository ships one build (SHIPPED: 3.2 MB of safetensors, made by scripts/build_tiny_arith.py
-at seed 0 with the default recipe, its weights' hash in build_info.json), so `--model tiny-arith`
+at seed 0 with the default recipe but one torch thread, `num_threads` 1 where the default is 2, as its
+build_info.json records with its weights' hash), so `--model tiny-arith`
 starts from the same weights and held-out accuracy on every machine: a build depends on the CPU
 (float rounding over 1,300 steps; docs/default-run.md). A build from scratch goes into a cache folder,
 once: a lock so that concurrent processes (e.g. `accelerate launch`) build it once, and an atomic
