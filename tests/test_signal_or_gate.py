@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from oar.grpo import group_advantages
@@ -178,3 +179,19 @@ def test_train_py_runs_the_inverted_arm(tiny_model, tmp_path):
                    "--output_dir", str(run), *TINY])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and any(r["oar/frac_scored"] > 0 and r["oar/weight_max"] > 1 for r in rows)
+
+
+def test_the_committed_splits_are_the_tasks_and_are_never_rewritten(tmp_path):
+    """write_data: the committed splits are what oar/tasks/arith.py makes (else the study stops), a start
+    leaves them untouched (another study process's train.py may be reading them), and a fresh repository
+    gets them whole."""
+    study = _study()
+    committed = [ROOT / study.DATA / f"{split}.jsonl" for split in study.SPLITS]
+    stamps = [p.stat().st_mtime_ns for p in committed]
+    study.write_data(ROOT)
+    assert [p.stat().st_mtime_ns for p in committed] == stamps
+    study.write_data(tmp_path)
+    assert [(tmp_path / study.DATA / p.name).read_text() for p in committed] == [p.read_text() for p in committed]
+    (tmp_path / study.DATA / "test.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match="not the task's test split"):
+        study.write_data(tmp_path)

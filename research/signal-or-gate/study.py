@@ -33,6 +33,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import os
 import signal
 import statistics
 import sys
@@ -98,10 +99,14 @@ def write_data(repo: Path = ROOT) -> None:
         text = "".join(json.dumps({"problem": p.problem, "answer": p.answer}) + "\n"
                        for row in zip(*parts) for p in row)  # interleaved: the first 2m problems are m of each kind
         path = repo / DATA / f"{split}.jsonl"
-        if path.exists() and path.read_text() != text:
-            raise SystemExit(f"study.py: error: {path} is not the task's {split} split; restore it from git.")
+        if path.exists():
+            if path.read_text() != text:
+                raise SystemExit(f"study.py: error: {path} is not the task's {split} split; restore it from git.")
+            continue  # never rewritten: another study process's train.py may be reading it
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
 
 
 def check_model(ledger: Path, model: Path) -> str:
@@ -112,7 +117,9 @@ def check_model(ledger: Path, model: Path) -> str:
         if any((Path(ledger) / "runs" / TASK).glob("*")):
             raise SystemExit(f"study.py: error: {path} is missing but the ledger holds runs; restore it from git.")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(here, indent=2) + "\n")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(here, indent=2) + "\n")
+        tmp.replace(path)
         return "recorded"
     if json.loads(path.read_text())["weights_sha256"] != here["weights_sha256"]:
         raise SystemExit(f"study.py: error: {model} is not the GGUF the ledger's runs started from ({path}); "
@@ -171,7 +178,9 @@ def check_acceptance(root: Path, ledger: Path | None, model: Path, count_tokens=
     result = acceptance(run, count_tokens or gguf_token_counter(model)) | {"run": f"{TASK}/grpo-s0"}
     if ledger is not None:
         Path(ledger).mkdir(parents=True, exist_ok=True)
-        (Path(ledger) / "acceptance.json").write_text(json.dumps(result, indent=2) + "\n")
+        tmp = Path(ledger) / f".acceptance.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(Path(ledger) / "acceptance.json")
     return result
 
 
