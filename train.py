@@ -67,7 +67,6 @@ if __name__ == "__main__":  # --help and a bad flag answer here, before torch an
 
 import json
 import time
-from pathlib import Path
 from dataclasses import asdict
 
 import numpy as np
@@ -143,9 +142,7 @@ def main(cfg: Config) -> dict:
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps,
                  start_step=start_step, progress=cfg.progress)
-    # of train.py, oar/ and the run's --credit_module / --reward_module files, recorded in every checkpoint
-    plugins = tuple(Path(m).resolve() for m in (cfg.credit_module, cfg.reward_module) if m.endswith(".py"))
-    code = ckpt.code_version(plugins)
+    code = ckpt.run_code_version(cfg.credit_module, cfg.reward_module)  # recorded in every checkpoint
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
         if state.get("code", code) != code:  # allowed (a fix may be why it resumes), but said: two versions

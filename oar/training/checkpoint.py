@@ -23,15 +23,27 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 ROOT = Path(__file__).resolve().parents[2]  # the repository: train.py and oar/
 
 
-def code_version(extra: tuple[Path, ...] = ()) -> str:
-    """A hash of the code a run executes (train.py, oar/**/*.py, then `extra` files), committed or not: a
-    checkpoint records it, so a resume by other code says so, and the studies' ledgers compare runs by it."""
+def files_version(paths) -> str:
+    """A hash of files' names (relative to the repository, else their own) and contents, in order; a
+    missing file adds nothing."""
     digest = hashlib.sha1()
-    for path in [ROOT / "train.py", *sorted((ROOT / "oar").rglob("*.py")), *extra]:
+    for path in map(Path, paths):
         if path.is_file():
             name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
             digest.update(name.encode() + path.read_bytes())
     return digest.hexdigest()[:10]
+
+
+def code_version(extra: tuple[Path, ...] = ()) -> str:
+    """A hash of the code a run executes (train.py, oar/**/*.py, then `extra` files), committed or not: a
+    checkpoint records it, so a resume by other code says so, and the studies' ledgers compare runs by it."""
+    return files_version([ROOT / "train.py", *sorted((ROOT / "oar").rglob("*.py")), *extra])
+
+
+def run_code_version(*modules: str, base: Path | None = None) -> str:
+    """`code_version` with a run's --credit_module / --reward_module files (those that name a .py file;
+    a relative path is taken from `base`, by default the working directory, as train.py loads them)."""
+    return code_version(tuple((Path(base or ".") / m).resolve() for m in modules if m.endswith(".py")))
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:

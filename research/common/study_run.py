@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from oar.training.checkpoint import code_version as ckpt_code_version  # noqa: E402
+from oar.training.checkpoint import run_code_version  # noqa: E402
 from oar.training.checkpoint import latest_checkpoint, write_json_atomic  # noqa: E402
 from oar.training.config import RESUMABLE, Config  # noqa: E402
 
@@ -124,8 +124,7 @@ def code_version(credit_module: str = "") -> str:
     """The code a run executes (oar.training.checkpoint.code_version: train.py, oar/**/*.py), with its
     --credit_module file if it names one: the report warns when the runs it compares were made by
     different code (the tree may change during a study)."""
-    module = (ROOT / credit_module,) if credit_module.endswith(".py") else ()  # a relative path is train.py's, from ROOT
-    return ckpt_code_version(module)
+    return run_code_version(credit_module, base=ROOT)  # a relative path is train.py's, which runs in ROOT
 
 
 def _child_cpu() -> float:

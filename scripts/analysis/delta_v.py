@@ -28,7 +28,6 @@ in a JSON file with the settings and the rollouts they belong to (`portable`, `r
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from pathlib import Path
@@ -189,12 +188,9 @@ VALUE_CODE = ("oar/answers.py", "oar/rewards.py", "oar/rollout.py", "oar/sampler
 def values_code() -> str:
     """A hash of VALUE_CODE's files: a values file records every version that added to it, so values made
     by two versions of the answer rule or the sampler say so (value_attribution.py warns on resume)."""
-    from oar.training.checkpoint import ROOT
+    from oar.training.checkpoint import ROOT, files_version
 
-    digest = hashlib.sha1()
-    for name in VALUE_CODE:
-        digest.update(name.encode() + (ROOT / name).read_bytes())
-    return digest.hexdigest()[:10]
+    return files_version(ROOT / name for name in VALUE_CODE)
 
 
 LOGPROB_TOLERANCE = 1e-2  # another machine's float rounding moves a log-prob by ~1e-5 (docs/vllm.md); another model's, by far more
