@@ -160,10 +160,16 @@ def write_json_atomic(path: str | Path, obj) -> None:
     _write_json(Path(path), obj)
 
 
-def _write_json(path: Path, obj) -> None:
+def _write_json(path: Path, obj) -> None:  # the checkpoint's writer (tests replace it to die mid-save)
+    write_text_atomic(path, json.dumps(obj, indent=2))
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` under a temporary name, fsync it, then rename: a reader never sees half a file."""
+    path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: two writers of one file never share it
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 
 from oar.tasks.tiny_arith_cache import weights_sha256  # noqa: F401 - the hash of a build, used by the studies
+from oar.training.checkpoint import write_text_atomic
 from research.common.study_run import claimed
 
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "study_time.json")
@@ -181,6 +182,4 @@ def _copy_folder(src: Path, dst: Path) -> None:
 
 def _write(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")

@@ -33,7 +33,6 @@ import gzip
 import hashlib
 import importlib.util
 import json
-import os
 import signal
 import statistics
 import sys
@@ -44,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from oar.answers import find_answer
+from oar.training.checkpoint import write_text_atomic
 from oar.tasks.arith import ArithConfig, arith_problems
 from research.common import study_ledger
 from research.common.study_run import run_dir, run_one
@@ -104,9 +104,7 @@ def write_data(repo: Path = ROOT) -> None:
                 raise SystemExit(f"study.py: error: {path} is not the task's {split} split; restore it from git.")
             continue  # never rewritten: another study process's train.py may be reading it
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_text_atomic(path, text)
 
 
 def check_model(ledger: Path, model: Path) -> str:
@@ -117,9 +115,7 @@ def check_model(ledger: Path, model: Path) -> str:
         if any((Path(ledger) / "runs" / TASK).glob("*")):
             raise SystemExit(f"study.py: error: {path} is missing but the ledger holds runs; restore it from git.")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(here, indent=2) + "\n")
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps(here, indent=2) + "\n")
         return "recorded"
     if json.loads(path.read_text())["weights_sha256"] != here["weights_sha256"]:
         raise SystemExit(f"study.py: error: {model} is not the GGUF the ledger's runs started from ({path}); "
@@ -178,9 +174,7 @@ def check_acceptance(root: Path, ledger: Path | None, model: Path, count_tokens=
     result = acceptance(run, count_tokens or gguf_token_counter(model)) | {"run": f"{TASK}/grpo-s0"}
     if ledger is not None:
         Path(ledger).mkdir(parents=True, exist_ok=True)
-        tmp = Path(ledger) / f".acceptance.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(Path(ledger) / "acceptance.json")
+        write_text_atomic(Path(ledger) / "acceptance.json", json.dumps(result, indent=2) + "\n")
     return result
 
 
