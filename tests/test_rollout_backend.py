@@ -137,3 +137,47 @@ def test_a_gguf_conversion_is_reused_only_for_the_same_file(tiny_model, tmp_path
     (folder / rollout_backend.SOURCE).unlink()  # a conversion made before the source was recorded
     rollout_backend.convert_gguf(str(a), folder)
     assert len(made) == 5 and not folder.with_name("vllm-model.tmp").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_engine_gets_the_weights_one_at_a_time(family, monkeypatch):
+    """policy_weights streams: drawing a tensor gathers only it (LoRA: only its layer's base and adapters),
+    so a sharded process never holds a second full copy beside its engine's; all drawn, they are the plain
+    model's weights, LoRA merged as final/ merges them (GPT-2's Conv1D transposed)."""
+    from conftest import tiny_llama
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from oar.training import lora, sharding
+    from oar.training.rollout_backend import policy_weights
+
+    torch.manual_seed(0)
+    make = (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                                                  bos_token_id=0, eos_token_id=1))) \
+        if family == "gpt2" else tiny_llama
+    targets = "c_attn,c_proj" if family == "gpt2" else "q_proj,v_proj,down_proj"
+    gathered = []
+    monkeypatch.setattr(sharding, "full_tensor", lambda t: gathered.append(t) or t)
+
+    plain = make()
+    stream = policy_weights(plain)
+    name, first = next(stream)
+    assert len(gathered) == 1 and first.data_ptr() == dict(plain.named_parameters())[name].data_ptr()  # no copy
+    assert [name, *(n for n, _ in stream)] == [n for n, _ in plain.named_parameters()]
+
+    peft = lora.add_adapters(make(), r=4, alpha=8.0, targets=targets)
+    with torch.no_grad():  # adapters that change something (B starts at 0)
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    model, gathered[:] = lora.inner(peft), []
+    stream, drawn, sources, names = policy_weights(model, peft), {}, 0, {n for n, _ in model.named_parameters()}
+    for name, tensor in stream:
+        drawn[name] = tensor
+        sources += 3 if name.replace(".weight", ".base_layer.weight") in names else 1  # a merged weight is W, A, B
+        assert len(gathered) - sources <= 4  # at most one layer ahead (base weight, bias, A, B), not the model
+    want, _ = lora.final_weights(peft, None)
+    assert set(want) - set(drawn) <= {"lm_head.weight"} and set(drawn) <= set(want)  # a tied head is the embedding's
+    assert len(gathered) == len(list(model.parameters()))
+    assert all(torch.equal(drawn[k], want[k]) for k in drawn)
+    base = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".base_layer.weight" in k}
+    assert base and all(not torch.equal(drawn[k], v) for k, v in base.items())  # merged, not the base weights

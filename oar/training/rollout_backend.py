@@ -6,15 +6,18 @@ follows the policy's weights.
 
 Both are called as `sample` is. `follow(sampler, policy, peft_model)` after every RL step sends the
 vLLM engine the policy's weights: every process gathers the full tensors of a model sharded by FSDP2
-(its own engine needs all of them), LoRA's adapters are merged into the base weights (the engine
-serves a plain model), and the engine resets its prefix cache. For the own sampler it does nothing.
+(its own engine needs all of them), one at a time as the engine loads them; LoRA's adapters are merged
+into the base weights (the engine serves a plain model), and the engine resets its prefix cache. For
+the own sampler it does nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -88,21 +91,34 @@ def gguf_identity(model_name: str) -> dict:
     return {"path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def policy_weights(policy, peft_model=None) -> dict[str, torch.Tensor]:
-    """The policy's weights under the plain model's names, full on every process (collective when
-    sharded): LoRA's merged (W + s B A), FSDP2's gathered. Detached; no copy where none is needed."""
-    state = {name: sharding.full_tensor(p.detach()) for name, p in policy.named_parameters()}
+def policy_weights(policy, peft_model=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the plain model's names, one tensor at a time (collective when sharded:
+    every process must draw them all, in order): FSDP2's gathered as they are drawn, so no process holds
+    the whole model twice (its engine keeps its own copy); LoRA's merged (W + s B A) one layer at a time.
+    Detached; no copy where none is needed."""
+    weights = ((name, sharding.full_tensor(p.detach())) for name, p in policy.named_parameters())
     if peft_model is None:
-        return state
+        yield from weights
+        return
     config = peft_model.peft_config[lora.ADAPTER]
-    return lora.merged_state_dict(state, config.lora_alpha / config.r, fan_in_fan_out=config.fan_in_fan_out)
+    scaling = config.lora_alpha / config.r
+    for _, layer in itertools.groupby(weights, key=lambda item: _adapted_layer(item[0])):  # a layer's are consecutive
+        yield from lora.merged_state_dict(dict(layer), scaling, fan_in_fan_out=config.fan_in_fan_out).items()
+
+
+def _adapted_layer(name: str) -> str:
+    """The layer a LoRA-wrapped parameter belongs to (its base weight and adapters share it); any other its own name."""
+    for part in (".base_layer.", ".lora_"):
+        if part in name:
+            return name.split(part)[0]
+    return name
 
 
 def follow(sampler, policy, peft_model=None) -> None:
     """The vLLM engine takes the policy's current weights (every process calls it); the own sampler
     reads the model itself, so nothing to do."""
     if isinstance(sampler, vllm_rollouts.VLLMRollouts):
-        sampler.load_weights(policy_weights(policy, peft_model).items())
+        sampler.load_weights(policy_weights(policy, peft_model))
 
 
 def close(sampler) -> None:
