@@ -99,7 +99,7 @@ def ensure_testbed(root: Path, name: str, scale: str, threads: int) -> Path:
         print(f"[study] built {name}: held-out accuracy {info['heldout_accuracy']:.1%}, {info['build_seconds']:.0f} s "
               f"({info['build_cpu_seconds']:.0f} s CPU)", flush=True)
     built = json.loads((out / "build_info.json").read_text())
-    same = lambda r: {k: v for k, v in r.items() if k != "num_threads"}  # noqa: E731 - threads do not change the weights
+    same = lambda r: {k: v for k, v in r.items() if k != "num_threads"}  # noqa: E731 - threads did not change the weights here
     if same(built["recipe"]) != same(json.loads(json.dumps(asdict(recipe)))):
         raise SystemExit(f"study_v5.py: error: {out} was built from another recipe than testbed {name}'s; "
                          f"delete the folder to rebuild it, or use another --root.")
