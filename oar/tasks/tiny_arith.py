@@ -101,7 +101,8 @@ class TinyArithRecipe:
     num_threads: int = 2
     """torch threads during the build; recorded and fixed because a kernel may split a reduction by thread
     and round otherwise (on the project's 2-core x86 machine 1 and 2 threads gave bitwise the same weights
-    over 40 steps of this recipe, checked in Nov. 2026; another CPU need not). Two: 1.65x faster per step than one on a quiet 2-core machine (busy cores wait on each other)."""
+    over 40 steps of this recipe, checked in Nov. 2026; another CPU need not). Two: 1.65x faster per step
+    than one on a quiet 2-core machine (busy cores wait on each other)."""
 
     def __post_init__(self):
         if not 0.0 <= self.slip_rate <= 1.0 or any(ch.isdigit() or ch in "#=\n" for ch in self.filler):
