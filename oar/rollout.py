@@ -11,7 +11,8 @@ EOS that ends it (EOS is inside `completion_mask`: stopping earns credit); a rol
 answer's characters) and mapped back to tokens:
   reasoning_mask  tokens that end before the marker starts
   answer_mask     tokens that overlap the answer's character span
-(a byte-level token that holds only the first bytes of a character counts as holding that character).
+(a byte-level token that holds only the first bytes of a character, perhaps after a space, counts as
+holding that character: `held_spans`).
 Both are empty for a rollout with no final answer (it gets plain GRPO weights).
 Sampling itself is oar/sampler.py.
 """
@@ -75,9 +76,7 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids,
         span = find_answer(text)
         if span is None:
             continue
-        for t, (start, end) in enumerate(offsets):
-            if start == end and content[t] not in special:  # the first bytes of a character a later token completes
-                end = start + 1  # belong to that character: "√3" starts at its first byte token, not its second
+        for t, (start, end) in enumerate(held_spans(offsets, [c in special for c in content])):
             reasoning[i, t] = end <= span.marker_start and end > start
             answer[i, t] = start < span.end and end > span.start
 
@@ -113,6 +112,21 @@ def char_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]
         ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
     starts = [0] + ends[:-1]
     return text, list(zip(starts, ends))
+
+
+def held_spans(offsets: list[tuple[int, int]], special: list[bool]) -> list[tuple[int, int]]:
+    """Each token's character span (`char_offsets`), with a token that decodes to nothing alone (the
+    first bytes of a character, perhaps after a space: "Ġæ" of " 日") given the span of the next token
+    that decodes to something, the piece that completes its character: "√3" and " 日本" start at their
+    first byte token. Special tokens keep their empty spans."""
+    out, following = list(offsets), None  # the span of the nearest later token with text
+    for t in range(len(out) - 1, -1, -1):
+        start, end = out[t]
+        if start < end:
+            following = out[t]
+        elif not special[t]:
+            out[t] = (start, following[1]) if following is not None else (start, start + 1)
+    return out
 
 
 def _streamed_pieces(tokenizer, ids: list[int]) -> list[str] | None:

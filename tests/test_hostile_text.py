@@ -83,6 +83,23 @@ def test_an_answer_that_starts_inside_a_split_character_starts_at_its_first_byte
     assert ro.reasoning_mask[0, lp:lp + first - 2].all() and not ro.reasoning_mask[0, lp + first:].any()
 
 
+def test_a_token_holding_a_space_and_the_first_bytes_of_the_answer_is_in_the_answer():
+    """"... the answer is 日本" where one token holds the space and 日's first two bytes ("ĠæĹ") and decodes to
+    nothing alone: it is the answer's first token (the choice of 日 is made there), as are the tokens after it
+    that complete the characters; no reasoning token ends inside the answer."""
+    from oar.rollout import build_rollout, char_offsets
+
+    tok = _byte_level_tokenizer()
+    ids = tok("3 + 4 = 7 so the answer is 日本", add_special_tokens=False)["input_ids"]
+    first = tok.convert_ids_to_tokens(ids).index("ĠæĹ")
+    assert char_offsets(tok, ids)[1][first][0] == char_offsets(tok, ids)[1][first][1]  # the case under test: empty alone
+    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
+    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
+    lp = ro.prompt_width
+    assert ro.answer_mask[0, lp:].nonzero().flatten().tolist() == list(range(first, len(ids)))
+    assert tok.decode(ids[first:]) == " 日本" and not ro.reasoning_mask[0, lp + first:].any()
+
+
 def test_build_rollout_on_a_huge_completion_is_fast():
     from oar.rollout import build_rollout
     from oar.tasks.tiny_arith import make_tokenizer
