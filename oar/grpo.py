@@ -63,7 +63,7 @@ def _chunks(shape: torch.Size, chunk_rows: int):
     rows and CHUNK_ELEMENTS values: the temporaries stay small whatever B, T and V are."""
     b, t, v = shape
     rows = max(1, min(chunk_rows, CHUNK_ELEMENTS // max(1, t * v)))
-    cols = t if rows > 1 else max(1, min(t, CHUNK_ELEMENTS // max(1, v)))
+    cols = max(1, t if rows > 1 else min(t, CHUNK_ELEMENTS // max(1, v)))  # >= 1: an empty T has no chunk
     for i in range(0, b, rows):
         for j in range(0, t, cols):
             yield slice(i, i + rows), slice(j, j + cols)
@@ -121,7 +121,7 @@ def token_entropy(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
     out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     for r, c in _chunks(logits.shape, chunk_rows):
         logp = torch.log_softmax(logits[r, c].float(), dim=-1)
-        out[r, c] = -(logp.exp() * logp).sum(-1)
+        out[r, c] = -(logp.exp() * logp.clamp(min=torch.finfo(torch.float32).min)).sum(-1)  # 0 log 0 = 0 (a -inf logit)
     return out
 
 

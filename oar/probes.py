@@ -29,13 +29,17 @@ def check_probe(probe: str) -> None:
 
 def answer_positions(answer_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of the logits that predict each answer token. answer_mask (B, L) bool ->
-    (positions (B, K) long, valid (B, K) bool), ascending, K = the longest answer (>= 1)."""
+    (positions (B, K) long, valid (B, K) bool), ascending, K = the longest answer (>= 1). A shorter
+    answer's padded slots repeat its last position, so the columns a row needs never depend on its
+    batch-mates (a head run from the earliest position reads no column left of any answer)."""
     mask = answer_mask.bool()
     k = max(int(mask.sum(dim=1).max()) if mask.numel() else 0, 1)
     # Stable sort puts each row's answer positions first, in order.
     order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :k]
     valid = mask.gather(1, order)
-    return (order - 1).clamp(min=0), valid
+    pos = (order - 1).clamp(min=0)
+    last = pos.gather(1, (valid.sum(dim=1, keepdim=True) - 1).clamp(min=0))  # (B, 1)
+    return torch.where(valid, pos, last), valid
 
 
 def outcome(answer_logits: torch.Tensor, answer_tokens: torch.Tensor, valid: torch.Tensor, probe: str) -> torch.Tensor:

@@ -190,3 +190,10 @@ def test_token_entropy_uniform_and_peaked():
     logits[0, 1, 3] = 100.0
     ent = token_entropy(logits)
     torch.testing.assert_close(ent, torch.tensor([[math.log(8), 0.0]]), atol=1e-5, rtol=0)
+    logits[0, 0, 4:] = -math.inf  # ruled-out tokens (0 log 0 = 0): uniform over the other 4
+    torch.testing.assert_close(token_entropy(logits), torch.tensor([[math.log(4), 0.0]]), atol=1e-5, rtol=0)
+
+
+def test_an_empty_completion_has_empty_logprobs_and_entropies():
+    assert token_logprobs(torch.zeros(3, 0, 5), torch.zeros(3, 0, dtype=torch.long)).shape == (3, 0)
+    assert token_entropy(torch.zeros(3, 0, 5)).shape == (3, 0)

@@ -9,7 +9,7 @@ import torch
 from oar.lm import forward_logits
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
-from oar.probes import PROBES, divergence, outcome_from_logits
+from oar.probes import PROBES, answer_positions, divergence, outcome_from_logits
 
 from conftest import tiny_llama
 
@@ -143,3 +143,13 @@ def test_oar_g_warns_where_half_precision_drowns_its_perturbation(model, batch):
         warnings.simplefilter("error", UserWarning)  # ours (transformers' FutureWarnings are pyproject.toml's)
         gradient_scores(half, ids, attn, reas, ans, probe="answer_joint", generator=torch.Generator().manual_seed(0))
         gradient_scores(model.float(), ids, attn, reas, ans, probe="answer_mean", generator=torch.Generator().manual_seed(0))
+
+
+def test_answer_positions_pad_a_short_answer_with_its_own_last_position():
+    """Padded slots repeat the row's last position (not column 0): OAR-G runs the output head from the
+    earliest position any row needs, so a short answer beside a long one must not widen it to the row start."""
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[0, 4:7], mask[1, 6] = True, True  # row 2: no answer
+    pos, valid = answer_positions(mask)
+    assert pos.tolist() == [[3, 4, 5], [5, 5, 5], [0, 0, 0]]
+    assert valid.tolist() == [[True] * 3, [True, False, False], [False] * 3]
