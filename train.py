@@ -111,9 +111,10 @@ def main(cfg: Config) -> dict:
         train_set, eval_set = run_problems(cfg.dataset, cfg.eval_dataset, train_size=cfg.train_size,
                                            eval_size=cfg.eval_size, seed=cfg.seed)
         resume_from = ckpt.resume_point(cfg.output_dir, cfg.resume)
-        train_data = problems_digest(train_set)
+        facts = {"train_data": problems_digest(train_set),  # a resume must find them as its checkpoint did
+                 "mixed_precision": str(accelerator.mixed_precision)}  # (in the history it records)
         if cfg.resume:
-            check_resume(cfg, ckpt.read_state(resume_from), resume_from, train_data)
+            check_resume(cfg, ckpt.read_state(resume_from), resume_from, facts)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
         if cfg.lora_r:  # on the model's skeleton (meta device): no weight is read yet
             lora.check_targets(model_source(cfg.model), cfg.lora_target_modules)
@@ -134,7 +135,7 @@ def main(cfg: Config) -> dict:
     except CreditError as err:
         raise SystemExit(f"train.py: error: {err}") from None
 
-    start_step, history = 0, {"step_seconds": [], "bad_steps": 0, "train_data": train_data}
+    start_step, history = 0, {"step_seconds": [], "bad_steps": 0, **facts}
     if cfg.resume:
         state = ckpt.load_checkpoint(accelerator, resume_from, sharded=learner.sharded,
                                      frozen_skipped=learner.adapters_only)
@@ -168,8 +169,7 @@ def main(cfg: Config) -> dict:
         for key in ("eval_before", "eval_before_pass"):
             history.pop(key, None)
         log.say("the held-out set is not the one measured before training: no accuracy before it is reported")
-    seen = seen_in_training(train_set, eval_set)
-    if seen:  # allowed (a smoke test may hold out what it trains on), never silent
+    if seen := seen_in_training(train_set, eval_set):  # allowed (a smoke test may), never silent
         log.say(f"{seen} of the {len(eval_set)} held-out problems are also training problems: their accuracy "
                 f"is not held out (a .jsonl file has no splits; pass a folder with train.jsonl and "
                 f"test.jsonl, or two files)")
@@ -179,6 +179,7 @@ def main(cfg: Config) -> dict:
                     "eval_before_set": held_out_set}
         log.say(f"held-out accuracy before training: {before['accuracy']:.3f} on {len(eval_set)} problems")
 
+    evaluated = (None,)  # (step, records, result) of the last held-out evaluation in the loop
     for step in range(start_step, cfg.steps):
         t0, cpu0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU (steadier)
         # 1. sample: this process's slice of the step's prompts, G rollouts each (a group on one process)
@@ -238,8 +239,9 @@ def main(cfg: Config) -> dict:
         if nonfinite := round(metrics["oar/frac_nonfinite_scores"] * len(ro) * n_proc):  # every process's
             log.say(f"warning: step {step + 1}: {nonfinite} rollouts had non-finite OAR scores; "
                     f"they got plain GRPO weights")
-        if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            mid = held_out()[1]
+        if eval_set and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps):
+            evaluated = (step + 1, *held_out())  # the last is the summary's: a longer resume keeps its line
+            mid = evaluated[2]
             metrics |= {"eval/accuracy": mid["accuracy"]} | {f"eval/{k}": v for k, v in pass_at(mid).items()}
         log.step(step + 1, metrics)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
@@ -252,7 +254,7 @@ def main(cfg: Config) -> dict:
                "seconds_per_step": float(np.median(seconds)) if seconds else None,
                "skipped_steps": history["bad_steps"]}
     if eval_set:
-        records, final = held_out()
+        records, final = evaluated[1:] if evaluated[0] == cfg.steps else held_out()  # else: no step was left
         summary |= {"eval_problems": len(eval_set), "eval_problems_seen_in_training": seen,
                     "accuracy_before": history.get("eval_before"),
                     "accuracy_after": final["accuracy"], "pass_before": history.get("eval_before_pass"),

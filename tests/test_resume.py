@@ -177,6 +177,23 @@ def test_metrics_of_a_resumed_run_start_at_its_checkpoint(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+def test_a_metrics_line_is_on_disk_before_the_steps_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint is fsynced and a resume keeps the lines up to it, so each line is fsynced when it is written:
+    after a power loss a kept checkpoint never stands beside a metrics.jsonl missing its steps."""
+    from oar.training import runlog
+
+    class Acc:
+        is_main_process, log_with = True, None
+
+    synced = []
+    monkeypatch.setattr(runlog.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    log = runlog.RunLog(Acc(), str(tmp_path), {}, resume=False, total_steps=1)
+    synced.clear()
+    log.step(1, {k: 0.0 for k in ("reward/mean", "completion/length", "policy/entropy", "loss/clip_frac",
+                                  "oar/ess_ratio", "optim/grad_norm", "time/step_s")})
+    assert synced == [str(tmp_path / "metrics.jsonl")]
+
+
 def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_true_before(tiny_model, tmp_path, capsys):
     """Against a 2-step run with a held-out set: --steps below the checkpoint's step and training data edited in
     place are refused (the data order is a permutation of the problems); a resume with another held-out set
@@ -210,6 +227,18 @@ def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_tru
         run_inprocess(args + ["--steps", "5", "--resume"])
 
 
+def test_a_resume_under_another_mixed_precision_is_refused(tiny_model, tmp_path, monkeypatch):
+    """accelerate's mixed precision is the launch's, not a flag: a checkpoint records it, and a resume launched
+    with another is refused before anything is written (its forwards would compute in another dtype)."""
+    out = tmp_path / "run"
+    run_inprocess(_args(tiny_model, out, "--steps", "1"))
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch --mixed_precision bf16` sets
+    with pytest.raises(SystemExit, match="ran under accelerate's mixed precision no, this launch's is bf16"):
+        run_inprocess(_args(tiny_model, out, "--steps", "2", "--resume"))
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
 def test_a_resume_whose_credit_module_file_changed_says_so(tiny_model, tmp_path, capsys):
     """The code version a checkpoint records covers the run's --credit_module file: edited (or another
     file under the same relative name) between the two halves, the resume says that two versions ran."""
@@ -227,3 +256,34 @@ def test_a_resume_whose_credit_module_file_changed_says_so(tiny_model, tmp_path,
     module.write_text(module.read_text() + "\n# edited between the two halves of the run\n")
     run_inprocess(args + ["--steps", "3", "--resume"])
     assert "written by other code" in capsys.readouterr().out
+
+
+def test_a_run_extended_by_a_resume_keeps_its_last_evaluation(tiny_model, tmp_path):
+    """The held-out evaluation at a run's last step is logged on that step's line before its checkpoint, so
+    a resume with a larger --steps keeps it (it was only in the summary the resume rewrites), and the run
+    then continues as one that evaluated there without stopping: the same lines, the same weights."""
+    straight, extended = tmp_path / "straight", tmp_path / "extended"
+    args = lambda out: [*_args(tiny_model, out, "--eval_dataset", str(tiny_model / "data.jsonl"), "--eval_size", "6"),  # noqa: E731
+                        "--eval_every", "1"]  # after TINY's 0: on every step
+    summary = run_inprocess(args(straight) + ["--steps", "2"])
+    run_inprocess(args(extended) + ["--steps", "1"])
+    first = metrics(extended)
+    assert [m["step"] for m in first] == [1] and "eval/accuracy" in first[0]
+    run_inprocess(args(extended) + ["--steps", "2", "--resume"])
+    _assert_same_metrics(metrics(extended), metrics(straight))
+    assert max_abs_diff(final_params(extended), final_params(straight)) <= 1e-6
+    assert summary["accuracy_after"] == pytest.approx(metrics(straight)[-1]["eval/accuracy"])  # the same evaluation
+
+
+def test_the_code_version_covers_a_module_named_by_import_path(tmp_path, monkeypatch):
+    """--credit_module mypkg.credit (a dotted name, not a .py path) is versioned by its own file: edited between
+    two halves of a run, the version changes; a name that cannot be found here adds nothing."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    module = tmp_path / "mypkg" / "credit.py"
+    module.write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = ckpt.run_code_version("mypkg.credit", "")
+    assert first != ckpt.code_version() and ckpt.run_code_version("no_such_module_here") == ckpt.code_version()
+    module.write_text("X = 2\n")
+    assert ckpt.run_code_version("mypkg.credit", "") != first

@@ -13,6 +13,7 @@ checkpoint only when it holds trainer_state.json (written last).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -41,9 +42,22 @@ def code_version(extra: tuple[Path, ...] = ()) -> str:
 
 
 def run_code_version(*modules: str, base: Path | None = None) -> str:
-    """`code_version` with a run's --credit_module / --reward_module files (those that name a .py file;
-    a relative path is taken from `base`, by default the working directory, as train.py loads them)."""
-    return code_version(tuple((Path(base or ".") / m).resolve() for m in modules if m.endswith(".py")))
+    """`code_version` with a run's --credit_module / --reward_module files: a .py path (a relative one
+    taken from `base`, by default the working directory, as train.py loads them) or an importable module's
+    own file. Not the files those import: a helper edited beside them goes unseen."""
+    return code_version(tuple(f for m in modules if m and (f := _module_file(m, Path(base or "."))) is not None))
+
+
+def _module_file(module: str, base: Path) -> Path | None:
+    """The file a --credit_module / --reward_module value names: its path, or a dotted module's source
+    file (None when it cannot be found here, or is not Python source)."""
+    if module.endswith(".py"):
+        return (base / module).resolve()
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and str(spec.origin).endswith(".py") else None
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:

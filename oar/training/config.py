@@ -109,7 +109,7 @@ class Config(ModelSettings, EvalSettings, BackendSettings, ProcessSettings, Cred
     eval_dataset: str = ""
     """Held-out problems; default: arith's test split for arith, none otherwise."""
     eval_every: int = 40
-    """Held-out evaluation every N steps (0: only before and after training)."""
+    """Held-out evaluation every N steps and at the last (0: only before and after training)."""
     reward: str = "correct"
     """The reward: comma-separated name[:weight] terms, summed, e.g. correct,format:0.1,length:-0.001;
     built-ins correct | format | length, or one of --reward_module's (docs/rewards.md)."""
@@ -266,19 +266,24 @@ def micro_batch(cfg: Config, num_processes: int) -> int:
     return max(1, min(cfg.micro_batch_size, cfg.prompts_per_step // num_processes * cfg.group_size))
 
 
-def check_resume(cfg: Config, state: dict, where, train_data: str | None = None) -> None:
+def check_resume(cfg: Config, state: dict, where, facts: dict | None = None) -> None:
     """A resume continues the checkpoint's run: every setting outside RESUMABLE must be the same. A
     setting the checkpoint lacks (written before the setting existed) ran at its default, e.g. lora_r 0;
     one it has that is no longer a flag (REMOVED) must have run at the value this version fixes. --steps
-    may not end before the checkpoint's step, and the training problems (`train_data`, data.problems_digest)
-    must be the checkpoint's: an edited file at the same path would reorder the data silently."""
+    may not end before the checkpoint's step, and the run's `facts` (recorded in its history) must be the
+    checkpoint's: the training problems ("train_data", data.problems_digest; an edited file at the same
+    path would reorder the data silently) and accelerate's "mixed_precision" (every forward's floats)."""
     if cfg.steps < state.get("step", 0):
         raise ValueError(f"--resume: {where} is at step {state['step']}, past --steps {cfg.steps}: pass --steps >= "
                          f"{state['step']} to continue it (its final model is already the later one).")
-    recorded = state.get("history", {}).get("train_data")
-    if None not in (recorded, train_data) and recorded != train_data:
+    recorded, facts = state.get("history", {}), facts or {}
+    if None not in (recorded.get("train_data"), facts.get("train_data")) and recorded["train_data"] != facts["train_data"]:
         raise ValueError(f"--resume: {where} trained on other problems than --dataset {cfg.dataset} now holds (an edited file, "
                          f"another hub revision): its data order would not continue. Restore the data, or start a new run.")
+    ran, now = recorded.get("mixed_precision"), facts.get("mixed_precision")
+    if None not in (ran, now) and ran != now:
+        raise ValueError(f"--resume: {where} ran under accelerate's mixed precision {ran}, this launch's is {now}: every "
+                         f"forward would compute otherwise. Launch with --mixed_precision {ran} to continue it.")
     saved = {**asdict(Config()), **state.get("config", {})}
     changed = [f"--{k} {v} (the checkpoint has {saved[k]})" for k, v in asdict(cfg).items()
                if k not in RESUMABLE and k in saved and saved[k] != v]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from oar.training import console
-from oar.training.checkpoint import write_json_atomic
+from oar.training.checkpoint import write_json_atomic, write_text_atomic
 from oar.gating import weight_stats
 
 
@@ -31,7 +31,7 @@ class RunLog:
         write_json_atomic(self.dir / "config.json", config)
         if resume and self.metrics_path.exists():  # drop lines logged after the checkpoint we resume from
             lines = [ln for ln in self.metrics_path.read_text().splitlines() if _step_of(ln) <= start_step]
-            _replace_text(self.metrics_path, "".join(ln + "\n" for ln in lines))  # a kill here loses nothing
+            write_text_atomic(self.metrics_path, "".join(ln + "\n" for ln in lines))  # a kill here loses nothing
         elif not resume:
             self.metrics_path.write_text("")
         if accelerator.log_with:
@@ -60,8 +60,10 @@ class RunLog:
             self.acc.log(metrics, step=step)
         if not self.main:
             return
-        with open(self.metrics_path, "a") as f:
+        with open(self.metrics_path, "a") as f:  # on disk before the step's checkpoint is (which a resume keeps)
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         line = (f"step {step:4d} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/length']:5.1f}"
                 f" | H {metrics['policy/entropy']:.2f} | clip {metrics['loss/clip_frac']:.3f}"
                 f" | ess {metrics['oar/ess_ratio']:.2f} | |g| {metrics['optim/grad_norm']:.2f} | {metrics['time/step_s']:.1f}s")
@@ -106,12 +108,6 @@ def _step_of(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return float("inf")
-
-
-def _replace_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, lr, accelerator, *, nonfinite: int = 0) -> dict:
