@@ -2,9 +2,9 @@ r"""Whether an extracted answer is right, and the outcome reward r_i (the answer
 
 `answers_match(pred, gold)` stops at the first verdict of:
 1. numbers: if both sides are plain numbers (`1,000`, `0.5`, `\frac{1}{2}`, `-3./2`, `4.5e33`,
-   `4.5\times10^{33}`, `\frac43`) once `$`, `\%`, `^\circ`, `\text{}` units and spaces are dropped,
-   they are compared as exact rationals, and that is final (`10\%` matches `10`, not `0.1`); numbers
-   that a space keeps apart (`1, 500`, `5 \text{ or } 6`) are no one number;
+   `4.5\times10^{33}`, `\frac43`) once `$`, `\%`, `^\circ`, units (`\text{cm}`, `18 eggs`) and
+   spaces are dropped, they are compared as exact rationals, and that is final (`10\%` matches `10`,
+   not `0.1`); numbers that a space keeps apart (`1, 500`, `5 \text{ or } 6`) are no one number;
 2. strings: equal after a light normalisation (no spaces or `\left`, `\dfrac` -> `\frac`,
    `\text{x}` -> `x`, ...), so identical answers always match, whatever sympy makes of them;
 3. math-verify: equivalence through sympy (`\frac{\sqrt3}{2}`, `2π` for `2\pi`, intervals, tuples,
@@ -59,6 +59,11 @@ _BARE_FRACTION = re.compile(r"\\frac(?:(?P<n>\d)|\{(?P<n1>[^{}]*)\})(?:(?P<d>\d)
 _APART = re.compile(r"[\d.],?\s+[-+]?[\d.]")  # digits, then spaces (after a comma or not), then digits
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
 _UNITS = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}")
+# Plain words after a number ("18 eggs", "$4 per hour"): a unit, dropped as a \text{} one is; not a word
+# that changes the value or joins another term ("18 thousand", "5 or more"), nor one letter (a variable)
+_SCALING = {"hundred", "thousand", "million", "billion", "trillion", "dozen", "score", "half", "halves", "third",
+            "thirds", "quarter", "quarters", "squared", "cubed", "times", "or", "and", "to", "plus", "minus", "over", "by"}
+_WORD_UNITS = re.compile(r"(?<=[\d.%$])(?:\s+[A-Za-z]{2,}\.?)+\s*$")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf)\{([^{}]*)\}")
 _NOISE = re.compile(  # dropped from both sides: spacing, sizing, currency, percent and degree signs
     r"\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\[!,;: ]|\s+|\\?\$|\\?%|\^\{?\\circ\}?|°|\\degree"
@@ -78,9 +83,13 @@ def _braced_fraction(m: re.Match) -> str:
 
 
 def _as_number(answer: str) -> Fraction | None:
-    r"""The exact value of a plain number, `\text{}` units dropped; None if it is not one (two numbers
-    apart, `1, 500` or `5 \text{ or } 6`, are a list, not 1500 or 56)."""
+    r"""The exact value of a plain number, `\text{}` and plain-word units dropped (`18 eggs`, not `18
+    thousand`); None if it is not one (two numbers apart, `1, 500` or `5 \text{ or } 6`, are a list,
+    not 1500 or 56)."""
     answer = _UNITS.sub(" ", answer)
+    words = _WORD_UNITS.search(answer) if len(answer) <= MAX_NUMBER_CHARS else None  # (linear only when short)
+    if words and not _SCALING & {w.rstrip(".").lower() for w in words[0].split()}:
+        answer = answer[: words.start()]
     if _APART.search(answer):
         return None
     answer = _canonical(answer)

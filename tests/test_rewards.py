@@ -44,6 +44,14 @@ MATCH_CASES = [
     ("90°", r"90^\circ", True),
     (r"5\text{ cm}", "5", True),
     (r"5 \mbox{ dollars}", "5", True),
+    ("18 eggs", "18", True),  # plain words after a number are a unit too (math-verify scored "18 dollars" 0, "18 apples" 1)
+    ("18 dollars", "18", True),
+    ("$4.50 per hour.", "4.5", True),
+    ("18 thousand", "18", False),  # a word that scales the number is not a unit
+    ("2 dozen", "24", False),  # nor read as its value
+    ("5 or more", "5", False),  # nor one that joins another term
+    ("3 i", "3", False),  # one letter is a variable, not a unit
+    ("18 eggs and 2 hens", "18", False),
     (r"32,\!348", r"\$32,\!348", True),
     ("1{,}000", "1000", True),
     ("3.5", "3.50", True),
