@@ -191,15 +191,27 @@ def _parse(answer: str) -> tuple:
 
 
 def _math_verify_equal(pred: str, gold: str) -> bool:
-    """math-verify's verdict within MV_SECONDS; False on a timeout, an error or a refused input."""
+    """math-verify's verdict within MV_SECONDS; False on a timeout, an error or a refused input. A
+    timeout is said (at the 1st, 10th, 100th, ... of the process): on a loaded machine a right answer
+    that needs sympy can run out of time, and its 0 would otherwise pass for a wrong answer."""
     if max(len(pred), len(gold)) > MV_MAX_CHARS or _may_explode(pred) or _may_explode(gold):
         return False
     math_verify = _math_verify()  # outside the deadline
     try:
         with _deadline(MV_SECONDS):  # verify of an empty parse is False
             return math_verify.verify(list(_parse(gold)), list(_parse(pred)), timeout_seconds=None)
-    except (Exception, _Timeout):  # a checker failure is a wrong answer, never a crashed run
+    except _Timeout:
+        _TIMEOUTS[0] += 1
+        if str(_TIMEOUTS[0]).strip("0") == "1":  # 1, 10, 100, ...
+            logging.getLogger(__name__).warning(
+                "math-verify ran past its %.0f s deadline %d time(s) in this process (last: %r against gold %r); "
+                "those answers scored 0, right or wrong", MV_SECONDS, _TIMEOUTS[0], pred[:80], gold[:80])
         return False
+    except Exception:  # a checker failure is a wrong answer, never a crashed run
+        return False
+
+
+_TIMEOUTS = [0]  # math-verify deadlines this process ran past
 
 
 def answers_match(pred: str | None, gold: str) -> bool:

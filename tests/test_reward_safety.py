@@ -162,3 +162,22 @@ print(r.answers_match('\\\\sqrt{50}', '5\\\\sqrt{2}'), entered)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["True", "[True]"], out.stdout + out.stderr[-2000:]
+
+
+def test_a_checker_timeout_is_said_not_only_scored_zero(monkeypatch, caplog):
+    """A pair that runs past math-verify's deadline scores 0, and the process says so (at the 1st, 10th,
+    100th, ...): on a loaded machine that 0 may be a right answer."""
+    from types import SimpleNamespace
+
+    import oar.rewards as r
+
+    slow = SimpleNamespace(verify=lambda *args, **kwargs: _spin(5.0) or True)  # a checker that would take 5 s
+    monkeypatch.setattr(r, "_math_verify", lambda: slow)
+    monkeypatch.setattr(r, "_parse", lambda answer: ())
+    monkeypatch.setattr(r, "MV_SECONDS", 0.01)
+    monkeypatch.setattr(r, "_TIMEOUTS", [0])
+    with caplog.at_level("WARNING", logger="oar.rewards"):
+        verdicts = [answers_match(r"\sqrt{50}", r"5\sqrt{2}") for _ in range(10)]
+    assert not any(verdicts) and r._TIMEOUTS == [10]
+    said = [rec.getMessage() for rec in caplog.records if "deadline" in rec.getMessage()]
+    assert len(said) == 2 and "1 time(s)" in said[0] and "10 time(s)" in said[1] and "\\\\sqrt{50}" in said[0]
