@@ -141,6 +141,13 @@ def test_report_steps_to_half_need_a_full_window(tmp_path):
     metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
     assert report.run_metrics(metrics.parent)["steps_to_50"] == 5
     assert report.paired([2.0, 2.0, 2.0])["zero_spread"]
+    # a mean of exactly 0.5 as logged (float32 k/48: 21, 23, 28 of 48 sum to 0.49999999) reaches it
+    import numpy as np
+
+    for row, k in zip(rows, [21, 23, 28, 10]):
+        row["reward/mean"] = float(np.float32(k / 48))
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    assert report.run_metrics(metrics.parent)["steps_to_50"] == 3
 
 
 def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_and_shows_the_gates_shape(tmp_path):

@@ -111,7 +111,8 @@ def run_metrics(path: Path) -> dict | None:
     rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     reward = [r["reward/mean"] for r in rows]
     # the first step whose mean with the two before it reaches 0.5: a full window of three steps, so step 3 at the earliest
-    reached = next((i + 1 for i in range(2, len(reward)) if sum(reward[i - 2: i + 1]) / 3 >= 0.5), summary["steps"] + 1)
+    # (less 1e-6: rewards are logged in float32, and a true mean of 0.5, e.g. 21, 23, 28 of 48, sums a hair below it)
+    reached = next((i + 1 for i in range(2, len(reward)) if sum(reward[i - 2: i + 1]) / 3 >= 0.5 - 1e-6), summary["steps"] + 1)
     held = {0: (summary["accuracy_before"], (summary.get("pass_before") or {}).get("pass@2"))}
     held |= {r["step"]: (r["eval/accuracy"], r.get("eval/pass@2")) for r in rows if "eval/accuracy" in r}
     held[summary["steps"]] = (summary["accuracy_after"], (summary.get("pass_after") or {}).get("pass@2"))
