@@ -96,7 +96,9 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
         if not torch.isfinite(weights).all():
             raise CreditError(f"credit method {method.name!r}: weigh returned non-finite weights for rows {rows}; give a "
                               f"rollout whose scores are not finite weights 1 and count it (the (w, n) return).")
-        weights = weights * mb.completion_mask  # maths §5: the completion keeps its weights, padding (and the prompt) gets 0
+        # maths §5: the completion keeps its weights, padding (and the prompt) gets 0; weights are constants of the
+        # loss (a method that read the model with a graph, e.g. a plugin without no_grad, must not add a gradient)
+        weights = weights.detach() * mb.completion_mask
         if not method.scores and not torch.equal(weights, mb.completion_mask.to(weights.dtype)):
             raise CreditError(f"credit method {method.name!r}: scores=False promises weights 1 (nothing is scored, gathered "
                               f"or logged for it), but weigh returned others; declare scores=True.")

@@ -146,8 +146,9 @@ def random_gate_prepare(step: Step) -> int:
 
 def random_gate(step: Step, width: int, micro: MicroBatch) -> torch.Tensor:
     """The gate of uniform scores (b, L): rollout i's are a stream from its own seed, read at each token's
-    column in the one-process layout (the widest prompt `width`, then the completion): the same draws
-    whatever the other prompts on this process, the micro-batching or the process count."""
+    column in the one-process layout (the step's widest prompt `width`, then the completion): the same draws
+    whatever the micro-batching or the process count. Not whatever the step's other prompts: a wider one
+    moves the columns, as it does in a one-process run."""
     mb, lp = micro.rollouts, step.rollouts.prompt_width
     T = mb.input_ids.shape[1] - lp
     full = torch.zeros(mb.input_ids.shape, device=mb.input_ids.device)

@@ -9,7 +9,8 @@ same token. TEMPO adds a temporal-difference term at branch tokens only:
 
   A_it = A_i + (V(s_t + y_it) - V(s_t)) / d         d: A_i's divisor, A_i = (r_i - r̄) / d
 
-so elsewhere A_it = A_i (GRPO). As a weight on A_i (the interface: A_it = A_i w_it), for r_i != r̄:
+so elsewhere A_it = A_i (GRPO). As a weight on A_i (the interface: A_it = A_i w_it), for r_i != r̄
+(beyond float32 rounding):
 
   w_it = 1 + (V(s_t + y_it) - V(s_t)) / (r_i - r̄)
 
@@ -59,6 +60,10 @@ def tempo_weights(completion_ids: torch.Tensor, completion_mask: torch.Tensor, r
     for g0 in range(0, len(ids), group_size):
         rows = range(g0, g0 + group_size)
         mean = sum(r[i] for i in rows) / group_size
+        # at the mean: within float32 rounding of it (rewards are float32: 0.4 and the mean of 0, 0.4, 1.4, ...
+        # differ by ~1e-8, where 1 / (r_i - mean) would make a weight of 5e7)
+        tol = 1e-6 * max(1.0, *(abs(r[i]) for i in rows))
+        at_mean = {i: abs(r[i] - mean) <= tol for i in rows}
         classes = [list(rows)]  # rollouts sharing the prefix so far; ended rollouts drop out
         for t in range(completion_ids.shape[1]):
             nxt = []
@@ -73,8 +78,8 @@ def tempo_weights(completion_ids: torch.Tensor, completion_mask: torch.Tensor, r
                     for child in children.values():
                         delta = sum(r[i] for i in child) / len(child) - v_node
                         for i in child:
-                            w[i][t] = 1.0 + delta / (r[i] - mean) if r[i] != mean else 1.0
-                            lost += r[i] == mean and delta != 0
+                            w[i][t] = 1.0 if at_mean[i] else 1.0 + delta / (r[i] - mean)
+                            lost += at_mean[i] and abs(delta) > tol
                 nxt += [c for c in children.values()]
             classes = nxt
             if not classes:

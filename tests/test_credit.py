@@ -69,6 +69,17 @@ def test_tempo_warns_when_a_rollout_at_its_group_mean_loses_a_td_term():
         tempo_weights(ids, mask, torch.tensor([0.0, 0.0, 1.0]), group_size=3)
 
 
+def test_tempo_reads_a_rollout_at_its_group_mean_through_float32_rounding():
+    """Rewards as train.py holds them, float32 (--reward correct,format:0.4): rollout 4's 0.4 is the mean of the
+    group only up to ~1e-8, where 1 / (r_i - mean) made weights of 5e7 (and A_i w_it the size of the group's
+    largest advantage). It is at the mean: weights 1, and the TD term it cannot carry is said."""
+    rewards = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.4, 0.4, 1.0, 1.4], dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3], [2, 2, 3], [3, 2, 3], [4, 2, 3], [5, 6, 3], [5, 7, 3], [5, 8, 3], [5, 9, 3]])
+    with pytest.warns(UserWarning, match="get no TD term"):
+        w = tempo_weights(ids, torch.ones(8, 3, dtype=torch.bool), rewards, group_size=8)
+    assert w[4].tolist() == [1.0, 1.0, 1.0] and float(w.abs().max()) < 10
+
+
 @st.composite
 def groups(draw):
     g, t, n_groups = draw(st.integers(2, 6)), draw(st.integers(1, 6)), draw(st.integers(1, 3))

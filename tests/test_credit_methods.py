@@ -138,6 +138,29 @@ def test_a_method_breaking_the_protocol_at_run_time_is_named(tiny_model, tmp_pat
         assert str(err.value).startswith(f"credit method '{name}': ") and needle in str(err.value), str(err.value)
 
 
+def test_weights_a_method_computed_with_a_graph_add_no_gradient(tiny_model, tmp_path):
+    """Weights are constants of the loss (maths §5): a plugin that reads the model without no_grad returns
+    weights with a graph, and the loss must not backpropagate through them (it doubled the gradient of a
+    w = 2 p(token) method)."""
+    from oar.credit import CreditSettings, step_credit
+    from oar.sampler import format_prompt, sample
+    from oar.training.models import load_model
+
+    module = tmp_path / "graph_weights.py"
+    module.write_text("import torch\nfrom oar.credit import CreditMethod\n"
+                      "def weigh(step, state, micro):\n"
+                      "    w = next(step.model.parameters()).sum() * 0 + 2.0  # a graph back to the model\n"
+                      "    return torch.ones(micro.rollouts.input_ids.shape) * w\n"
+                      "CREDIT_METHODS = [CreditMethod('graph', weigh)]\n")
+    model, tok = load_model(str(tiny_model))
+    ro = sample(model, tok, [format_prompt(tok, "Compute 3 + 4.")], group_size=2, seeds=[0, 1], max_new_tokens=5)
+    zeros = torch.zeros(2)
+    weigh = step_credit(CreditSettings(method="graph", credit_module=str(module), group_size=2), model, tok, ro, zeros,
+                        zeros, zeros.bool(), [0, 1], ["7", "7"], "last")
+    weights, _, _ = weigh(slice(0, 2), ro, None)
+    assert not weights.requires_grad and torch.equal(weights, 2.0 * ro.completion_mask)
+
+
 def test_a_method_name_the_table_lacks_is_named_with_the_choices():
     from oar.training.checks import check_config
     from oar.training.config import parse_args
