@@ -58,3 +58,22 @@ def test_the_reference_stays_the_initial_model_when_the_policy_moves(tiny_model,
     assert (moved - before).abs().max() > 1e-3  # the policy moved ...
     assert torch.equal(learner.reference_logprobs(ids, attn, labels, 1.0), before)  # ... its reference did not
     assert torch.equal(policy_logprobs(), moved)  # and LoRA's adapters are on again
+
+
+def test_under_accelerates_fsdp_plugin_the_reference_is_sharded_as_the_policy(tiny_model, tmp_path, monkeypatch):
+    """GPUs with configs/fsdp2.yaml (accelerate's plugin shards the policy in prepare, with no autocast around
+    its forward): the frozen reference is sharded with the same mixed precision and runs without autocast,
+    as under --fsdp (test_fsdp.py measures that path's k3 at exactly 0). Unsharded under autocast it differed
+    from the bf16 policy by 2e-3 in log-prob at step 0, and held a whole fp32 copy on every GPU. The plugin
+    cannot run on a CPU: the wiring is checked with the sharding recorded instead."""
+    from contextlib import nullcontext
+
+    from oar.training import sharding
+
+    sharded = []
+    monkeypatch.setattr(sharding, "accelerate_shards", lambda accelerator: True)
+    monkeypatch.setattr(sharding, "shard", lambda model, mixed_precision=None: sharded.append((model, mixed_precision)))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    learner, _ = _learner(tiny_model, tmp_path)
+    assert [(m is learner.reference, p) for m, p in sharded] == [(True, torch.bfloat16)]  # the policy: prepare's
+    assert learner.autocast is nullcontext and not learner.own_fsdp

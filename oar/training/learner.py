@@ -41,7 +41,8 @@ class Learner:
     own_fsdp: bool = False  # sharded by train.py --fsdp (CPU processes), not by accelerate's plugin
     adapters_only: bool = False  # checkpoints leave out the frozen base (LoRA, not sharded)
     autocast: Any = nullcontext  # the context the policy's forward computes in: accelerate's autocast, or
-    # none under --fsdp (FSDP2's MixedPrecisionPolicy casts the shards; the reference is sharded the same way)
+    # none when sharded, by --fsdp or accelerate's plugin (FSDP2's MixedPrecisionPolicy casts the shards, and
+    # accelerate wraps no autocast around an FSDP2 forward; the reference is sharded the same way)
 
     def gathered(self, when: bool = True):
         """Whole parameters inside the block when the model is sharded (collective: every process
@@ -89,11 +90,12 @@ def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
         reference = load_model(model_source(cfg.model), dtype=cfg.dtype)[0].eval().requires_grad_(False)
         reference = reference.to(accelerator.device)
     # On CPU processes accelerate's FSDP plugin falls back to DDP: --fsdp shards the model here
-    own_fsdp = cfg.fsdp and not sharding.accelerate_shards(accelerator)
+    plugin_fsdp = sharding.accelerate_shards(accelerator)  # GPUs with configs/fsdp2.yaml: prepare shards it
+    own_fsdp = cfg.fsdp and not plugin_fsdp
     if own_fsdp:  # before the optimizer: it must hold the sharded parameters
         sharding.shard(model, sharding.mixed_precision(accelerator))
-        if reference is not None:  # computes as the policy does (bf16 shards), and holds a shard too
-            sharding.shard(reference, sharding.mixed_precision(accelerator))
+    if reference is not None and (own_fsdp or plugin_fsdp):  # computes as the sharded policy does (bf16
+        sharding.shard(reference, sharding.mixed_precision(accelerator))  # shards, no autocast); a shard each
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))  # noqa: E731
@@ -104,9 +106,9 @@ def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
     accelerator.register_for_checkpointing(schedule)  # stepped once per RL step, on every process
     # LoRA: checkpoints hold the adapters, the frozen base is --model's (--fsdp's do so too, sharding.py);
     # accelerate's FSDP plugin (GPUs) writes the whole model.
-    adapters_only = peft is not None and not own_fsdp and not sharding.accelerate_shards(accelerator)
+    adapters_only = peft is not None and not own_fsdp and not plugin_fsdp
     if adapters_only:
         ckpt.skip_frozen(accelerator)
     policy = accelerator.unwrap_model(model)
-    autocast = nullcontext if own_fsdp else accelerator.autocast
+    autocast = nullcontext if own_fsdp or plugin_fsdp else accelerator.autocast  # FSDP2 casts, not autocast
     return Learner(model, optimizer, schedule, policy, peft, reference, own_fsdp, adapters_only, autocast)
