@@ -125,6 +125,14 @@ def find_answer(text: str) -> AnswerSpan | None:
     return best._replace(marker_start=min(outer, default=best.marker_start))
 
 
+def boxed_answer(text: str) -> str | None:
+    """The content of the last closed `\\boxed{..}` / `\\fbox{..}` of `text`, stripped, or None: how a
+    reference solution (MATH's) marks its answer, whatever remark follows it ("Is it a coincidence that
+    the answer is 24?" after `\\boxed{24}`). Completions are read by `find_answer`, where the last marker wins."""
+    box = _boxed(text) if isinstance(text, str) else None
+    return (text[box[1]:box[2]].strip() or None) if box is not None else None
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer text of `text` (see `find_answer`), or None."""
     span = find_answer(text)

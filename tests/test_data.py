@@ -119,6 +119,18 @@ def test_problems_from_records_maps_hf_fields_and_gsm8k_answers():
         problems_from_records([{"question": "Q"}], "hf")
 
 
+def test_a_reference_solutions_gold_is_its_last_box_and_a_break_inside_braces_is_one_answer():
+    """MATH solutions box their answer and may remark after it: the box is the gold, not the remark (MATH's
+    train/counting_and_probability/841 gave '24?', train/geometry/612 a sentence: both always scored 0). A gold
+    with a line break inside a brace group is one answer, not a worked solution (MATH's train_12k row 11403,
+    `90\\text{ square\\nunits}`, stopped the whole file)."""
+    rows = [{"problem": "Q1", "solution": "So there are \\boxed{24} ways. Is it a coincidence that the answer is 24?"},
+            {"problem": "Q2", "solution": "The area is $\\boxed{1440}$. Can we build it? The answer is yes! Imagine..."},
+            {"problem": "Q3", "solution": "3 + 4 = 7. The answer is 7."},
+            {"problem": "Q4", "answer": "90\\text{ square\nunits}"}]
+    assert [p.answer for p in problems_from_records(rows, "hf")] == ["24", "1440", "7", "90\\text{ square\nunits}"]
+
+
 COLUMNS = [  # one row of each column layout: GSM8K's, MATH's (answer and solution), a solution alone, ours
     {"question": "Q1", "answer": "She has 3.\n#### 18"},
     {"problem": "Q2", "solution": "So $x = 2$, and \\boxed{\\frac{1}{2}}.", "answer": "\\frac12"},

@@ -8,7 +8,7 @@ starts on data it will choke on later.
 One schema for JSON Lines files and hub data sets alike (the columns GSM8K, MATH and their copies
 use): a row's problem is its key `problem`, else `question`; its gold answer is `answer` (a GSM8K
 answer, "... #### 18", cut to what follows `####`), else `solution` cut to its final answer
-(`oar.answers`: the last `\\boxed{..}`, or what follows `####` or "the answer is"). Other keys are
+(`reference_answer`: the last `\\boxed{..}`, else what follows `####` or "the answer is"). Other keys are
 ignored; in a file, blank lines are skipped. A step's prompts and rollout seeds (`step_prompts`:
 `prompt_order`, `rollout_seeds`) are functions of the run's seed and the step alone, so a resumed run
 and any process count see the same data.
@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from oar.answers import extract_answer
+from oar.answers import boxed_answer, extract_answer
 from oar.tasks.arith import DEFAULT_ARITH, ArithConfig, arith_problems
 from oar.tasks.problem import Problem
 
@@ -55,14 +55,14 @@ def _problem_from_record(record: Any, where: str) -> Problem:
             raise DataError(f"{where}: key '{key}' must be a string, got {type(value).__name__} "
                             f"({value!r:.40}); quote it, e.g. \"{key}\": \"{value}\".")
         if key == "solution":
-            value = extract_answer(value) or ""
+            value = reference_answer(value)
             if not value:
                 raise DataError(f"{where}: key 'solution' holds no final answer (no \\boxed{{..}}, '####' or 'the answer is'); "
                                 f"add an 'answer' key or remove the row.")
         elif key == "answer":
             value = gsm8k_final_answer(value)
-            if "\n" in value.strip() or "\\boxed" in value:  # a worked solution in the answer field: its final answer
-                value = extract_answer(value) or ""
+            if _worked_solution(value):  # in the answer field: its final answer
+                value = reference_answer(value)
                 if not value:
                     raise DataError(f"{where}: key 'answer' holds a worked solution with no final answer (no \\boxed{{..}}, "
                                     f"'####' or 'the answer is'); give the answer alone, or remove the row.")
@@ -70,6 +70,25 @@ def _problem_from_record(record: Any, where: str) -> Problem:
             raise DataError(f"{where}: key '{key}' is empty; give it a value or remove the row.")
         texts.append(value)
     return Problem(problem=texts[0], answer=texts[1])
+
+
+def reference_answer(solution: str) -> str:
+    """A worked reference solution's final answer: its last `\\boxed{..}` (MATH's convention, whatever remark
+    follows it), else what `oar.answers` finds ('####', "the answer is"); '' when there is none."""
+    return boxed_answer(solution) or extract_answer(solution) or ""
+
+
+def _worked_solution(answer: str) -> bool:
+    """Whether an `answer` field holds a worked solution rather than the answer: a box, or a line break
+    outside every brace group (`90\\text{ square\\nunits}` is one answer, its break LaTeX whitespace)."""
+    if "\\boxed" in answer:
+        return True
+    depth = 0
+    for ch in answer.strip():
+        depth += (ch == "{") - (ch == "}")
+        if ch == "\n" and depth <= 0:
+            return True
+    return False
 
 
 def problems_digest(problems: list[Problem]) -> str:
