@@ -43,14 +43,17 @@ BOXED_INSTRUCTION = "Please reason step by step, and put your final answer withi
 def resolve_instruction(instruction: str, dataset: str, model: str = "") -> str:
     """The text appended to each problem: `instruction` as given, or for 'auto' the one a model folder
     records it was trained with (TRAINED_INSTRUCTION, which train.py writes into final/), else nothing on
-    the built-in arith task or for the tiny-arith model (it knows only its own `#### N` format, whatever
-    the data file), and the usual \\boxed{} request elsewhere."""
+    the built-in arith task or for the tiny-arith model, by name or folder (it knows only its own `#### N`
+    format, whatever the data file), and the usual \\boxed{} request elsewhere."""
     if instruction != "auto":
         return instruction
     saved = Path(model) / TRAINED_INSTRUCTION if model else None
     if saved is not None and saved.is_file():  # eval.py on a trained model prompts as its training did
         return json.loads(saved.read_text())["instruction"]
-    return "" if dataset == "arith" or model == "tiny-arith" else BOXED_INSTRUCTION
+    built = Path(model) / "build_info.json" if model else None  # a tiny-arith folder (shipped or built) records it
+    tiny = model == "tiny-arith" or (built is not None and built.is_file()
+                                     and str(json.loads(built.read_text()).get("builder", "")).startswith("tiny-arith"))
+    return "" if dataset == "arith" or tiny else BOXED_INSTRUCTION
 
 
 TRAINED_INSTRUCTION = "oar_instruction.json"  # in a trained model's folder: {"instruction": the text its training used}

@@ -1,5 +1,7 @@
 """Sampler: the (B, L) layout and the masks on hand-made completions; sampling determinism."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,6 +129,11 @@ def test_auto_instruction_asks_for_boxed_answers_except_from_arith_or_tiny_arith
     assert resolve_instruction("auto", "data/test.jsonl", "tiny-arith") == ""  # it knows only '#### N'
     assert resolve_instruction("auto", "data/test.jsonl", "Qwen/Qwen2.5-Math-1.5B") == BOXED_INSTRUCTION
     assert resolve_instruction("Answer briefly.", "arith", "tiny-arith") == "Answer briefly."
+    from oar.tasks.tiny_arith_cache import shipped_model
+
+    if (folder := shipped_model()) is not None:  # by its folder too: it records its builder
+        assert resolve_instruction("auto", "data/test.jsonl", str(folder)) == ""
+    assert resolve_instruction("auto", "data/test.jsonl", str(Path(__file__).parent)) == BOXED_INSTRUCTION  # any other folder
 
 
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 64, 257, 1024])
