@@ -53,6 +53,14 @@ def _family(name: str):
         "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(c, num_key_value_heads=None)),
         "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                                                        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
+        # two families whose forward reads dropout rates from the config (only the dropout test builds them)
+        "falcon": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                             num_attention_heads=4, pad_token_id=PAD, bos_token_id=BOS,
+                                                             eos_token_id=EOS)),
+        "dbrx": ("DbrxForCausalLM", "DbrxConfig", dict(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=128,
+                                                       attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, ffn_config={"ffn_hidden_size": 64,
+                                                                                                  "moe_num_experts": 2, "moe_top_k": 1},
+                                                       pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
     }
     model_cls, config_cls, kwargs = table[name]
     if not hasattr(tf, model_cls):
@@ -242,7 +250,7 @@ def test_oar_g_with_gradient_checkpointing_on_a_sliding_window_family(name):
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, "falcon", "dbrx"])
 def test_training_turns_every_familys_dropout_off(name):
     """With every dropout rate of its config at 0.5, a family's model in train mode gives its eval-mode logits
     after disable_dropout (train.py's learner calls it): pi_old, the update and the scores are one function."""

@@ -172,6 +172,9 @@ CHECKED = [  # the same through check_config in this process (a child each costs
     (["--temperature", "inf"], "--temperature inf"),
     (["--learning_rate", "inf"], "--learning_rate inf"),
     (["--eval_temperature", "inf", "--eval_samples", "2"], "--eval_temperature inf"),
+    (["--dtype", "int8"], "--dtype int8: the weights' floating-point dtype"),  # a torch dtype, but no weights' dtype
+    (["--dtype", "float8_e4m3fn"], "--dtype float8_e4m3fn"),
+    (["--vllm_importance_sampling_cap", "0.5"], "--vllm_importance_sampling_cap 0.5: 0 (off) or >= 1"),
 ]
 
 

@@ -69,7 +69,7 @@ def test_own_backend_ignores_the_vllm_settings(tiny_model, tmp_path):
     common = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--steps", "2", "--save_every", "0",
               "--method", "grpo", *TINY]
     run_inprocess([*common, "--output_dir", str(tmp_path / "default")])
-    run_inprocess([*common, "--output_dir", str(tmp_path / "moved"), "--rollout_backend", "own", "--vllm_importance_sampling_cap", "0.5",
+    run_inprocess([*common, "--output_dir", str(tmp_path / "moved"), "--rollout_backend", "own", "--vllm_importance_sampling_cap", "1.5",
                    "--vllm_gpu_memory_utilization", "0.9"])
     a, b = final_params(tmp_path / "default"), final_params(tmp_path / "moved")
     assert all(torch.equal(a[k], b[k]) for k in a)

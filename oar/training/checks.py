@@ -22,7 +22,9 @@ def check_model_settings(cfg: ModelSettings) -> list[str]:
 
     problems = []
     need = lambda ok, msg: ok or problems.append(msg)
-    need(isinstance(getattr(torch, cfg.dtype, None), torch.dtype), f"--dtype {cfg.dtype}: a torch dtype name such as float32 or bfloat16.")
+    dtype = getattr(torch, cfg.dtype, None)
+    need(isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+         f"--dtype {cfg.dtype}: the weights' floating-point dtype, one of float32, bfloat16, float16, float64.")
     need(cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: must be >= 1.")
     need(cfg.decode_loop in DECODE_LOOPS, f"--decode_loop {cfg.decode_loop}: one of {', '.join(DECODE_LOOPS)}.")
     return problems
@@ -34,7 +36,9 @@ def check_backend_settings(cfg: BackendSettings) -> list[str]:
     problems = []
     need = lambda ok, msg: ok or problems.append(msg)
     need(cfg.rollout_backend in ("own", "vllm"), f"--rollout_backend {cfg.rollout_backend}: own or vllm.")
-    need(cfg.vllm_importance_sampling_cap >= 0, f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: must be >= 0 (0: off).")
+    need(cfg.vllm_importance_sampling_cap == 0 or cfg.vllm_importance_sampling_cap >= 1,  # below 1 it caps agreeing tokens too
+         f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: 0 (off) or >= 1 (a cap below 1 would scale "
+         f"down every token's gradient, even where the engine and the trainer agree).")
     need(0 < cfg.vllm_gpu_memory_utilization <= 1, f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must lie in (0, 1].")
     return problems
 

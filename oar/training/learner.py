@@ -16,6 +16,7 @@ Legend: b a micro-batch's rollouts, L positions, T completion positions.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,12 @@ class Learner:
         return lora.final_weights(self.peft, full, main=main) if self.peft is not None else (full, None)
 
 
+HALF_WEIGHTS = ("--dtype {dtype} without LoRA trains {dtype} weights with a plain AdamW: an update below "
+                "about 1/256 of its weight is rounded away (at --learning_rate {lr:g}, most of them). Keep "
+                "float32 weights (the default --dtype) and launch with --mixed_precision bf16 to compute in "
+                "bfloat16, or shard with configs/fsdp2.yaml (accelerate's FSDP2 keeps float32 masters).")
+
+
 def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
     """Everything train.py trains from the loaded `model`, in the order that works (module docstring).
     `n_micro`: micro-batches per optimizer step on each process (accelerate's accumulation steps)."""
@@ -91,6 +98,8 @@ def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
         reference = reference.to(accelerator.device)
     # On CPU processes accelerate's FSDP plugin falls back to DDP: --fsdp shards the model here
     plugin_fsdp = sharding.accelerate_shards(accelerator)  # GPUs with configs/fsdp2.yaml: prepare shards it
+    if not cfg.lora_r and cfg.dtype in ("bfloat16", "float16") and not plugin_fsdp:  # (the plugin upcasts)
+        warnings.warn(HALF_WEIGHTS.format(dtype=cfg.dtype, lr=cfg.learning_rate), stacklevel=2)
     own_fsdp = cfg.fsdp and not plugin_fsdp
     if own_fsdp:  # before the optimizer: it must hold the sharded parameters
         sharding.shard(model, sharding.mixed_precision(accelerator))

@@ -26,14 +26,27 @@ def disable_dropout(model) -> None:
     """Dropout off for training (TRL's `disable_dropout`, on by default there): the update forward runs in
     train mode, and with dropout it would compute pi_old, the PPO ratio of a later pass and the vLLM
     correction's weight from noised log-probs, while the sampler, OAR's scores and the reference run without.
-    Sets every dropout module's p, and every float attribute of a module named like a dropout rate
-    (transformers' attentions keep theirs as floats, e.g. Llama's `attention_dropout`), to 0."""
+    Sets every dropout module's p, and every float attribute named like a dropout rate (`dropout`,
+    `pdrop`) of a module (transformers' attentions keep theirs as floats, e.g. Llama's `attention_dropout`)
+    or of the model's config and its sub-configs (Falcon reads `config.attention_dropout` in the forward), to 0;
+    so final/config.json records the rates the policy trained at, 0."""
+    rate = lambda name, value: ("dropout" in name or "pdrop" in name) and isinstance(value, float)  # noqa: E731
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
-        for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float):
+        for name, value in list(vars(module).items()):
+            if rate(name, value):
                 setattr(module, name, 0.0)
+    configs, seen = [getattr(m, "config", None) for m in model.modules()], set()
+    while configs:  # every config a module holds, and the sub-configs they hold (DBRX's attn_config, ffn_config)
+        config = configs.pop()
+        if config is None or id(config) in seen or not hasattr(config, "to_dict"):
+            continue
+        seen.add(id(config))
+        for name, value in list(vars(config).items()):
+            if rate(name, value):
+                setattr(config, name, 0.0)
+            configs.append(value)
 
 
 class ModelError(ValueError):
