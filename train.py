@@ -139,7 +139,7 @@ def main(cfg: Config) -> dict:
     if cfg.resume:
         state = ckpt.load_checkpoint(accelerator, resume_from, sharded=learner.sharded,
                                      frozen_skipped=learner.adapters_only)
-        start_step, history = state["step"], state["history"]
+        start_step, history = state["step"], facts | state["history"]  # an old checkpoint gains the facts
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
     log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps,
                  start_step=start_step, progress=cfg.progress)
@@ -163,6 +163,7 @@ def main(cfg: Config) -> dict:
                             loop=cfg.decode_loop, progress=log.bars, sampler=sampler)
 
     pass_at = lambda result: {k: v for k, v in result.items() if k.startswith("pass@")}  # noqa: E731
+    on_line = lambda r: {f"eval/{k}": v for k, v in r.items() if k == "accuracy" or k.startswith("pass@")}  # noqa: E731
     held_out_set = problems_digest(eval_set) if eval_set else None
     if history.get("eval_before_set", held_out_set) != held_out_set and "eval_before" in history:
         # a resume with another --eval_dataset / --eval_size: "before" was measured on other problems
@@ -179,7 +180,6 @@ def main(cfg: Config) -> dict:
                     "eval_before_set": held_out_set}
         log.say(f"held-out accuracy before training: {before['accuracy']:.3f} on {len(eval_set)} problems")
 
-    evaluated = (None,)  # (step, records, result) of the last held-out evaluation in the loop
     for step in range(start_step, cfg.steps):
         t0, cpu0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU (steadier)
         # 1. sample: this process's slice of the step's prompts, G rollouts each (a group on one process)
@@ -239,11 +239,12 @@ def main(cfg: Config) -> dict:
         if nonfinite := round(metrics["oar/frac_nonfinite_scores"] * len(ro) * n_proc):  # every process's
             log.say(f"warning: step {step + 1}: {nonfinite} rollouts had non-finite OAR scores; "
                     f"they got plain GRPO weights")
-        if eval_set and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps):
-            evaluated = (step + 1, *held_out())  # the last is the summary's: a longer resume keeps its line
-            mid = evaluated[2]
-            metrics |= {"eval/accuracy": mid["accuracy"]} | {f"eval/{k}": v for k, v in pass_at(mid).items()}
-        log.step(step + 1, metrics)
+        if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            metrics |= on_line(held_out()[1])
+        if step + 1 < cfg.steps:
+            log.step(step + 1, metrics)
+        else:  # the last line waits for the final evaluation, which follows the checkpoint: in its history
+            history["last_metrics"] = metrics
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             record = {"history": history, "config": asdict(cfg), "code": code}
             ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, record, cfg.keep_checkpoints,
@@ -253,13 +254,17 @@ def main(cfg: Config) -> dict:
     summary = {"method": cfg.method, "model": cfg.model, "steps": cfg.steps, "processes": n_proc,
                "seconds_per_step": float(np.median(seconds)) if seconds else None,
                "skipped_steps": history["bad_steps"]}
+    last = history.get("last_metrics")  # None: a checkpoint from before the last line waited
     if eval_set:
-        records, final = evaluated[1:] if evaluated[0] == cfg.steps else held_out()  # else: no step was left
+        records, final = held_out()
         summary |= {"eval_problems": len(eval_set), "eval_problems_seen_in_training": seen,
                     "accuracy_before": history.get("eval_before"),
                     "accuracy_after": final["accuracy"], "pass_before": history.get("eval_before_pass"),
                     "pass_after": pass_at(final)}
         log.records("eval_final.jsonl", records)
+        last = last and last | as_logged(on_line(final))
+    if last:  # a longer resume keeps this line; a resume after a kill past the checkpoint logs it (once)
+        log.step_once(cfg.steps, last)
     held = sharding.param_optimizer_bytes(learner.model, learner.optimizer)  # this process's share
     summary |= {"param_optimizer_bytes": held["local"], "param_optimizer_bytes_unsharded": held["unsharded"]}
     # final/ is a plain model: LoRA's adapters merged into the weights, the adapter alone in final/adapter/

@@ -59,10 +59,15 @@ _BARE_FRACTION = re.compile(r"\\frac(?:(?P<n>\d)|\{(?P<n1>[^{}]*)\})(?:(?P<d>\d)
 _APART = re.compile(r"[\d.],?\s+[-+]?[\d.]")  # digits, then spaces (after a comma or not), then digits
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
 _UNITS = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}")
-# Plain words after a number ("18 eggs", "$4 per hour"): a unit, dropped as a \text{} one is; not a word
-# that changes the value or joins another term ("18 thousand", "5 or more"), nor one letter (a variable)
-_SCALING = {"hundred", "thousand", "million", "billion", "trillion", "dozen", "score", "half", "halves", "third",
-            "thirds", "quarter", "quarters", "squared", "cubed", "times", "or", "and", "to", "plus", "minus", "over", "by"}
+# Plain words after a number ("18 eggs", "$4 per hour"): a unit, dropped as a \text{} one is; not a word that
+# changes the value, joins another term or names a symbol ("18 thousand", "3 fourths", "5 or more", "2 pi",
+# "5 below zero"), nor one letter (a variable)
+_SCALING = {"hundred", "thousand", "million", "billion", "trillion", "dozen", "score", "gross", "half", "halves", "third",
+            "thirds", "quarter", "quarters", "squared", "cubed", "times", "or", "and", "to", "plus", "minus", "over", "by",
+            "pi", "ln", "log", "sin", "cos", "tan", "exp", "sqrt", "mod", "below", "negative", "less", "fewer", "more",
+            "before", "ago", "bc", "bce", "under", "behind", "off", "percent", "percentage", "per-cent"}
+_SCALING |= {w + "s" for w in _SCALING if w.isalpha()}  # "5 hundreds", "3 dozens"
+_ORDINAL_FRACTION = re.compile(r"(?:fourth|fifth|sixth|seventh|eighth|ninth|tenth|hundredth|thousandth|millionth|billionth)s?")
 _WORD_UNITS = re.compile(r"(?<=[\d.%$])(?:\s+[A-Za-z]{2,}\.?)+\s*$")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf)\{([^{}]*)\}")
 _NOISE = re.compile(  # dropped from both sides: spacing, sizing, currency, percent and degree signs
@@ -88,7 +93,8 @@ def _as_number(answer: str) -> Fraction | None:
     not 1500 or 56)."""
     answer = _UNITS.sub(" ", answer)
     words = _WORD_UNITS.search(answer) if len(answer) <= MAX_NUMBER_CHARS else None  # (linear only when short)
-    if words and not _SCALING & {w.rstrip(".").lower() for w in words[0].split()}:
+    said = {w.rstrip(".").lower() for w in words[0].split()} if words else set()
+    if words and not (_SCALING & said or any(_ORDINAL_FRACTION.fullmatch(w) for w in said)):
         answer = answer[: words.start()]
     if _APART.search(answer):
         return None

@@ -68,7 +68,8 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids,
     reasoning = torch.zeros_like(gen_mask)
     answer = torch.zeros_like(gen_mask)
     texts = []
-    special = set(getattr(tokenizer, "all_special_ids", []))
+    special = set(getattr(tokenizer, "all_special_ids", []))  # and added tokens flagged special (skipped in decoding)
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
     for i in range(b):
         content = completion[i, : int(first_eos[i])].tolist()  # tokens before EOS
         text, offsets = char_offsets(tokenizer, content)

@@ -126,3 +126,21 @@ def test_reward_of_a_megabyte_of_unicode_noise():
         got = reward(completion, gold)
         assert time.perf_counter() - start < 2.0
         assert got in (0.0, 1.0) and (want is None or got == want)
+
+
+def test_an_added_special_token_before_the_answer_stays_out_of_it():
+    """A token its tokenizer flags special without listing it in all_special_ids decodes to nothing, like the
+    first bytes of a character, but it holds no character of the answer: it keeps its empty span."""
+    from tokenizers import AddedToken
+
+    from oar.rollout import build_rollout
+
+    tok = _byte_level_tokenizer()
+    tok.add_tokens([AddedToken("<|reserved|>", special=True)])
+    reserved = tok.convert_tokens_to_ids("<|reserved|>")
+    ids = tok("3 + 4 = 7 so the answer is", add_special_tokens=False)["input_ids"] + [reserved]
+    ids += tok(" 7", add_special_tokens=False)["input_ids"]
+    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
+    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
+    answer = ro.input_ids[0][ro.answer_mask[0]].tolist()
+    assert reserved not in answer and tok.decode(answer).strip() == "7"

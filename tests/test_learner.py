@@ -87,6 +87,8 @@ def test_full_fine_tuning_of_half_precision_weights_warns(tiny_model, tmp_path):
 
     with pytest.warns(UserWarning, match="--dtype bfloat16 without LoRA trains bfloat16 weights"):
         _learner(tiny_model, tmp_path / "full", dtype="bfloat16", kl_beta=0.0)
+    with pytest.warns(UserWarning, match="--dtype half without LoRA"):  # torch's other name for float16
+        _learner(tiny_model, tmp_path / "half", dtype="half", kl_beta=0.0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="--dtype")
         _learner(tiny_model, tmp_path / "lora", dtype="bfloat16", kl_beta=0.0, lora_r=4, lora_alpha=8.0)

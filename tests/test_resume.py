@@ -227,6 +227,36 @@ def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_tru
         run_inprocess(args + ["--steps", "5", "--resume"])
 
 
+KILL_AFTER_THE_FINAL_EVALUATION = """
+import os, signal, oar.training.runlog as r
+_records = r.RunLog.records
+def _dying_records(self, name, rows):  # after the final checkpoint and evaluation, before the last line
+    if name == "eval_final.jsonl":
+        os.kill(os.getpid(), signal.SIGKILL)
+    _records(self, name, rows)
+r.RunLog.records = _dying_records
+"""
+
+
+def test_a_run_killed_after_its_last_checkpoint_logs_its_last_line_on_resume(tiny_model, tmp_path):
+    """The last step's line waits for the final evaluation, which follows the final checkpoint (a kill during it
+    loses no step). Killed there, the resume has nothing left to train: it evaluates, and logs the last line
+    from the checkpoint's record with that evaluation, once, as the uninterrupted run did."""
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    args = lambda out: _args(tiny_model, out, "--steps", "2", "--eval_dataset", str(tiny_model / "data.jsonl"),  # noqa: E731
+                             "--eval_size", "6")
+    want = run_inprocess(args(straight))
+    assert [m["step"] for m in metrics(straight)] == [1, 2] and "eval/accuracy" in metrics(straight)[1]
+    died = run_script(TRAIN, args(broken), prelude=KILL_AFTER_THE_FINAL_EVALUATION)
+    assert died.returncode == -9, died.stderr[-3000:]
+    assert [m["step"] for m in metrics(broken)] == [1] and "checkpoint-2" in _names(broken)
+    got = run_inprocess(args(broken) + ["--resume"])
+    _assert_same_metrics(metrics(broken), metrics(straight))
+    assert got["accuracy_after"] == want["accuracy_after"]
+    run_inprocess(args(broken) + ["--resume"])  # once more, nothing to do: the line is not logged twice
+    assert [m["step"] for m in metrics(broken)] == [1, 2]
+
+
 def test_a_resume_under_another_mixed_precision_is_refused(tiny_model, tmp_path, monkeypatch):
     """accelerate's mixed precision is the launch's, not a flag: a checkpoint records it, and a resume launched
     with another is refused before anything is written (its forwards would compute in another dtype)."""

@@ -52,6 +52,12 @@ MATCH_CASES = [
     ("5 or more", "5", False),  # nor one that joins another term
     ("3 i", "3", False),  # one letter is a variable, not a unit
     ("18 eggs and 2 hens", "18", False),
+    ("5 hundreds", "5", False),  # plural scale words, fractions, symbols and signs change the value
+    ("3 fourths", "3", False),
+    ("2 pi", "2", False),
+    ("5 degrees below zero", "5", False),
+    ("100 BC", "100", False),
+    ("18 months", "18", True),  # (a unit ending like an ordinal fraction)
     (r"32,\!348", r"\$32,\!348", True),
     ("1{,}000", "1000", True),
     ("3.5", "3.50", True),

@@ -73,6 +73,14 @@ class RunLog:
         if self.bar:
             self.bar.update(1)
 
+    def step_once(self, step: int, metrics: dict) -> None:
+        """`step(step, metrics)` unless metrics.jsonl holds that step already: the last line, written after the
+        final checkpoint and evaluation, by an invocation that was killed before it ended."""
+        if self.main and self.metrics_path.exists() and any(
+                _step_of(line) == step for line in self.metrics_path.read_text().splitlines()):
+            return
+        self.step(step, metrics)
+
     def records(self, name: str, rows: list[dict]) -> None:
         if self.main:
             tmp = self.dir / (name + ".tmp")
