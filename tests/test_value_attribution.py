@@ -200,6 +200,11 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     with pytest.raises(SystemExit, match="other settings or other rollouts"):  # refused, not overwritten
         va.main(common + ["--k", "3", "--method", "grpo"])  # the last --k counts
     assert len(json.loads((tmp_path / "values.json").read_text())["values"]) == 2
+    # values whose reasoning positions another answer rule found (a resume by newer code) are refused, not scored
+    moved = whole | {"values": [dict(whole["values"][0], positions=whole["values"][0]["positions"][:-1]), *whole["values"][1:2]]}
+    (tmp_path / "values.json").write_text(json.dumps(moved))
+    with pytest.raises(SystemExit, match="reasoning positions of 1 of the 2 rollouts .* are not this code's"):
+        va.main(common + ["--method", "grpo", "--cached_only"])
     with pytest.raises(SystemExit):
         va.parse_args(["--model", "x", "--method", "no-such-method"])
     with pytest.raises(SystemExit):

@@ -19,9 +19,10 @@ Continuation c of every prefix of a rollout draws position p with the same rando
 numbers: the continuations of prefixes t and t + 1 are the same text unless the first resampled token t),
 so ΔV_t is the mean of K paired differences, exact 0s where the token's choice did not matter, and its
 Monte-Carlo standard error is their standard deviation / sqrt(K) (ddof 1). Prefixes are batched
-(prefixes of similar length together, `--batch` continuation rows a call); a prefix's prompt and text
-are prefilled once and their keys/values copied to its K continuations (the sampler's `group_size`).
-The values are computed and cached by scripts/analysis/delta_v.py.
+(prefixes of similar length together, `--batch` continuation rows a call); each (prefix, continuation)
+row is prefilled on its own (since d55d613: the shared prefill of commit 94f9638 is gone). The values
+are computed and cached by scripts/analysis/delta_v.py. A table is made by code whose answer rule finds
+the reasoning positions the values were made at: other code refuses the values file.
 
 A method is scored through train.py's credit interface (oar.credit.step_credit): any built-in
 (`--method oar-g`, `oar-p`, `entropy`, `tempo`, `random-gate`, ...) or one of a `--credit_module`'s,
@@ -51,7 +52,8 @@ rollout's reasoning tokens:
 Controls, always in the table as `control: random` (uniform scores from each rollout's seed), `control:
 surprisal` (-log p of the token at the sampling temperature), `control: entropy` (of the distribution
 it was drawn from; raw, where the credit method `entropy` is the same score through the gate), read
-from the same forward, and `control: position` (t / n_R: a method that only leans later or earlier).
+from the same forward, and `control: position` (the completion index t: a method that only leans later
+or earlier; per rollout only its order counts, and the pooled sign agreement weights rollouts by it).
 Each cell: the mean over rollouts where the metric is defined, ± its standard error with the rollouts
 clustered by problem (the G rollouts of a problem, which the group methods see together, are one unit:
 the s.e. is over the problems' means); n rollouts (problems). Beside Spearman, each method's paired
@@ -210,6 +212,16 @@ def main(argv=None) -> dict:
                             lambda vs: write_json_atomic(args.values, {"settings": key, **({"code": code} if code else {}), **record,
                                                                        "values": vs}))
     total = len(ro)
+    lp = ro.prompt_width
+    # the values' reasoning positions are the code's that made them: a table by code with another answer rule would
+    # score the methods (this code's masks) on positions that are not their reasoning, without a word
+    moved = [i for i, v in enumerate(values) if v["positions"] != ro.reasoning_mask[i, lp:].nonzero().flatten().tolist()]
+    if moved:
+        raise SystemExit(f"value_attribution.py: error: the reasoning positions of {len(moved)} of the {len(values)} rollouts "
+                         f"in {args.values} (rollouts {', '.join(map(str, moved[:8]))}{', ...' if len(moved) > 8 else ''}) "
+                         f"are not this code's: it finds their answers elsewhere. Make the table with the code that made "
+                         f"the values ({', '.join(code) if code else 'the commit the values file was made at'}), or "
+                         f"start a new values file.")
     if len(values) < total:  # --cached_only before the values are complete: only the groups that have values are scored
         keep = math.ceil(len(values) / G) * G
         ro, rewards, golds, seeds = ro.select(slice(0, keep)), rewards[:keep], golds[:keep], seeds[:keep]
@@ -218,7 +230,6 @@ def main(argv=None) -> dict:
     for name in args.method:
         scores[name] = method_weights(name, args.credit_module, model, tok, ro, rewards, golds, seeds, group_size=G,
                                       temperature=args.temperature, probe=args.probe, gate=gate)
-    lp = ro.prompt_width
     records = []
     for i, v in enumerate(values):
         if not v["positions"]:
