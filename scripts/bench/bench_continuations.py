@@ -1,8 +1,9 @@
 """The ΔV values' continuations (scripts/analysis/value_attribution.py), two ways, side by side in one run:
 K continuations of each prefix sampled with one prefill shared by the K (the sampler's group_size: what
-the script does) against one prefill per continuation row (what it did before), on the same prefixes
-and seeds, in alternating repeats. Prints the CPU seconds of each, their ratio, and whether every row's
-tokens are the same.
+the script did from 94f9638 until d55d613, which samples only the pairs that deviate from the rollout,
+each with its own prefill) against one prefill per continuation row, on the same prefixes and seeds,
+in repeats (per row first, then shared, each time; the minimum of each is reported). Prints the CPU
+seconds of each, their ratio, and whether every row's tokens are the same.
 
     python scripts/bench/bench_continuations.py                                   # tiny-arith: seconds
     OMP_NUM_THREADS=1 python scripts/bench/bench_continuations.py --model smollm2 --threads 1   # minutes
