@@ -113,26 +113,35 @@ def test_a_module_that_cannot_serve_stops_the_run_before_the_model_loads(tiny_mo
     assert not out.exists()
 
 
+def _plugin_weigh(tiny_model, module, name):
+    """step_credit's `weigh` for method `name` of the --credit_module file `module`, on two tiny-model rollouts
+    (rewards and advantages 0), and the rollouts."""
+    from oar.credit import CreditSettings, step_credit
+    from oar.sampler import format_prompt, sample
+    from oar.training.models import load_model
+
+    model, tok = load_model(str(tiny_model))
+    ro = sample(model, tok, [format_prompt(tok, "Compute 3 + 4.")], group_size=2, seeds=[0, 1], max_new_tokens=5)
+    zeros = torch.zeros(2)
+    weigh = step_credit(CreditSettings(method=name, credit_module=str(module), group_size=2), model, tok, ro, zeros, zeros,
+                        zeros.bool(), [0, 1], ["7", "7"], "last")
+    return weigh, ro
+
+
 def test_a_method_breaking_the_protocol_at_run_time_is_named(tiny_model, tmp_path):
     """What the loss relies on is checked for every method, each micro-batch: float weights of the
     micro-batch's shape, finite, and 1 for a method that declares it scores nothing."""
-    from oar.credit import CreditError, CreditSettings, step_credit
-    from oar.training.models import load_model
-    from oar.sampler import format_prompt, sample
+    from oar.credit import CreditError
 
     module = tmp_path / "bad_weights.py"
     module.write_text("import torch\nfrom oar.credit import CreditMethod\nCREDIT_METHODS = [\n"
                       "    CreditMethod('short', lambda step, state, micro: torch.ones(len(micro.rollouts), 3)),\n"
                       "    CreditMethod('nan', lambda step, state, micro: torch.full(micro.rollouts.input_ids.shape, float('nan'))),\n"
                       "    CreditMethod('half', lambda step, state, micro: torch.full(micro.rollouts.input_ids.shape, 0.5), scores=False),\n]\n")
-    model, tok = load_model(str(tiny_model))
-    ro = sample(model, tok, [format_prompt(tok, "Compute 3 + 4.")], group_size=2, seeds=[0, 1], max_new_tokens=5)
-    zeros = torch.zeros(2)
     for name, needle in (("short", "weigh returned torch.float32 of shape (2, 3); it must return float weights of the micro-batch's shape"),
                          ("nan", "weigh returned non-finite weights for rows slice(0, 2, None)"),
                          ("half", "scores=False promises weights 1")):  # it would train with 0.5 and log GRPO's 1
-        weigh = step_credit(CreditSettings(method=name, credit_module=str(module), group_size=2), model, tok, ro, zeros, zeros,
-                            zeros.bool(), [0, 1], ["7", "7"], "last")
+        weigh, ro = _plugin_weigh(tiny_model, module, name)
         with pytest.raises(CreditError) as err:
             weigh(slice(0, 2), ro, None)
         assert str(err.value).startswith(f"credit method '{name}': ") and needle in str(err.value), str(err.value)
@@ -142,21 +151,13 @@ def test_weights_a_method_computed_with_a_graph_add_no_gradient(tiny_model, tmp_
     """Weights are constants of the loss (maths §5): a plugin that reads the model without no_grad returns
     weights with a graph, and the loss must not backpropagate through them (it doubled the gradient of a
     w = 2 p(token) method)."""
-    from oar.credit import CreditSettings, step_credit
-    from oar.sampler import format_prompt, sample
-    from oar.training.models import load_model
-
     module = tmp_path / "graph_weights.py"
     module.write_text("import torch\nfrom oar.credit import CreditMethod\n"
                       "def weigh(step, state, micro):\n"
                       "    w = next(step.model.parameters()).sum() * 0 + 2.0  # a graph back to the model\n"
                       "    return torch.ones(micro.rollouts.input_ids.shape) * w\n"
                       "CREDIT_METHODS = [CreditMethod('graph', weigh)]\n")
-    model, tok = load_model(str(tiny_model))
-    ro = sample(model, tok, [format_prompt(tok, "Compute 3 + 4.")], group_size=2, seeds=[0, 1], max_new_tokens=5)
-    zeros = torch.zeros(2)
-    weigh = step_credit(CreditSettings(method="graph", credit_module=str(module), group_size=2), model, tok, ro, zeros,
-                        zeros, zeros.bool(), [0, 1], ["7", "7"], "last")
+    weigh, ro = _plugin_weigh(tiny_model, module, "graph")
     weights, _, _ = weigh(slice(0, 2), ro, None)
     assert not weights.requires_grad and torch.equal(weights, 2.0 * ro.completion_mask)
 
