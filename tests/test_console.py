@@ -121,3 +121,21 @@ def test_the_rollout_bar_ticks_once_per_decode_step(loop):
                    chunk=1, loop=loop)
     assert torch.equal(ro.input_ids, quiet.input_ids)  # the bar only counts
     assert 2 <= len(ticks) <= 2 * 6  # one per decode step of each of the 2 chunks, at most max_new_tokens each
+
+
+def test_a_sampler_far_from_the_trainer_is_said_once(tmp_path, capsys):
+    """sampler/logprob_diff_mean above SAMPLER_DRIFT means the rollouts came from another policy than the one
+    trained (an engine whose weights did not follow): the run says so once; rounding-sized gaps say nothing."""
+    from oar.training import runlog
+
+    class Acc:
+        is_main_process, log_with = True, None
+
+    log = runlog.RunLog(Acc(), str(tmp_path), {}, resume=False, total_steps=3)
+    line = {k: 0.0 for k in ("reward/mean", "completion/length", "policy/entropy", "loss/clip_frac", "oar/ess_ratio",
+                             "optim/grad_norm", "time/step_s")}
+    capsys.readouterr()
+    for step, drift in enumerate((3e-5, 0.4, 0.9), start=1):
+        log.step(step, line | {"sampler/logprob_diff_mean": drift})
+    said = capsys.readouterr().out
+    assert said.count("warning:") == 1 and "warning: step 2: the sampler's log-probs differ" in said and "0.400" in said

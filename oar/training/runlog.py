@@ -17,6 +17,9 @@ from oar.training.checkpoint import write_json_atomic, write_text_atomic
 from oar.gating import weight_stats
 
 
+SAMPLER_DRIFT = 0.1  # nats a token, mean |log pi_sample - log pi_old|; float32 rounding on a CPU is < 1e-4 (docs/sampler.md)
+
+
 class RunLog:
     def __init__(self, accelerator, output_dir: str, config: dict, *, resume: bool, total_steps: int, start_step: int = 0,
                  progress: bool = False):
@@ -25,6 +28,7 @@ class RunLog:
         self.bars = console.bars_wanted(self.main, progress)  # stderr a terminal, or --progress
         self.metrics_path = self.dir / "metrics.jsonl"
         self.bar = None
+        self.drift_said = False
         if not self.main:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -70,6 +74,12 @@ class RunLog:
         if "eval/accuracy" in metrics:
             line += f" | held-out {metrics['eval/accuracy']:.3f}"
         self.say(line)
+        drift = metrics.get("sampler/logprob_diff_mean", 0.0)
+        if drift > SAMPLER_DRIFT and not self.drift_said:  # once a run: the metric keeps the rest
+            self.drift_said = True
+            self.say(f"warning: step {step}: the sampler's log-probs differ from the trainer's by {drift:.3f} a token on "
+                     f"average (sampler/logprob_diff_mean; above {SAMPLER_DRIFT}): the rollouts come from another policy "
+                     f"than the one trained (an engine whose weights did not follow, or half-precision kernels far apart)")
         if self.bar:
             self.bar.update(1)
 
