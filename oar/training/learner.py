@@ -98,7 +98,7 @@ def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
         reference = reference.to(accelerator.device)
     # On CPU processes accelerate's FSDP plugin falls back to DDP: --fsdp shards the model here
     plugin_fsdp = sharding.accelerate_shards(accelerator)  # GPUs with configs/fsdp2.yaml: prepare shards it
-    upcast = plugin_fsdp and str(accelerator.mixed_precision) != "no"  # FSDP2 plugin: float32 masters
+    upcast = plugin_fsdp and sharding.mixed_precision(accelerator) is not None  # the plugin: float32 masters
     if not cfg.lora_r and getattr(torch, cfg.dtype) in (torch.bfloat16, torch.float16) and not upcast:
         warnings.warn(HALF_WEIGHTS.format(dtype=cfg.dtype, lr=cfg.learning_rate), stacklevel=2)
     own_fsdp = cfg.fsdp and not plugin_fsdp
