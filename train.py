@@ -80,7 +80,8 @@ from oar.tasks.tiny_arith_cache import model_source
 from oar.training import checkpoint as ckpt
 from oar.training import lora, rollout_backend, sharding
 from oar.training.checks import check_config, check_launch
-from oar.training.config import Config, check_resume, micro_batch, parse_args
+from oar.training.config import Config, micro_batch, parse_args
+from oar.training.resume import check_resume
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
 from oar.training.data import DataError, problems_digest, run_problems, seen_in_training, step_prompts

@@ -6,7 +6,8 @@ This module imports nothing (no torch): train.py's `--help` and its flag errors 
 from oar/training/config.py before torch loads.
 
 Knobs that only tuning studies turned are constants here, not flags (each was a flag before; a
-checkpoint that ran with another value is refused on resume, oar/training/config.py's REMOVED).
+checkpoint that ran with another value is refused on resume: oar/training/config.py's REMOVED,
+oar/training/resume.py).
 They stay readable as class attributes, so `step.settings.gate_floor` reads as it did.
 """
 

@@ -13,8 +13,8 @@ import pytest
 
 import eval as evaluation
 from oar.credit_settings import CreditSettings
-from oar.training.config import (ALIASES, GROUPS, REMOVED, RESUMABLE, Config, check_resume, from_record, parse_args,
-                                parser)
+from oar.training.config import ALIASES, GROUPS, REMOVED, Config, parse_args, parser
+from oar.training.resume import RESUMABLE, check_resume, from_record
 from oar.training.flags import field_docs
 from tinyrun import ROOT, env
 

@@ -203,7 +203,7 @@ def test_a_published_v5_ledger_run_reproduces_to_the_digit(tmp_path, loop):
     import json
     from pathlib import Path
 
-    from oar.training.config import from_record
+    from oar.training.resume import from_record
     from tinyrun import train_module
 
     run = Path(__file__).resolve().parents[1] / "research" / "testbeds_v5" / "ledger" / "runs" / "fork" / "grpo-s0"

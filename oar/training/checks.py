@@ -2,7 +2,7 @@
 
 `check_config` is train.py's: every problem of a Config at once, one line each (ValueError). The
 model, backend and evaluation checks are shared with eval.py, whose settings are those parts of a
-Config. What a resumed run may change is oar.training.config.check_resume's. Like config.py, this
+Config. What a resumed run may change is oar.training.resume.check_resume's. Like config.py, this
 module imports no torch at import time: a bad flag answers before torch loads.
 """
 

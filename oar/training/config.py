@@ -1,34 +1,26 @@
-"""Every setting of a training run, and what a resumed run may change.
+"""Every setting of a training run: its flag, default, help and group.
 
 `Config` is train.py's command line: one flag per field, its help the docstring under the field
 (oar/training/flags.py), grouped as GROUPS says, with other libraries' names (ALIASES, docs/flags.md).
 The settings token credit reads are declared once, in oar/credit_settings.py, which `Config`
 extends; `Config.credit()` derives a run's CreditSettings. `ModelSettings` and `EvalSettings` are
 shared with eval.py, and so are their checks (oar/training/checks.py, which names every impossible
-setting with its fix). `check_resume` refuses a resume that would splice two different runs into one.
+setting with its fix). What a resumed run may change is oar/training/resume.py's.
 
 This module imports no torch at import time: `train.py --help` and a bad flag answer before torch loads.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from oar import credit_settings as cs
 from oar.credit_settings import CreditSettings
 from oar.training.flags import Alias, FlagParser
 
-# Settings a resumed run may change: they change neither the data, the rollouts nor the updates
-# (micro-batching and processes give the same update, tests/test_distributed.py). Any other setting
-# must match the checkpoint's, or a resume would splice two different runs into one.
-RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
-             "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
-             "gradient_checkpointing", "perturb_chunk_tokens", "score_all", "decode_loop", "progress",
-             "collective_timeout", "vllm_gpu_memory_utilization"}
-
 # Flags this version fixes to a constant (only tuning studies turned them), and the value it runs
-# with. A checkpoint that ran with another value of one (outside RESUMABLE) is refused on resume.
+# with. A checkpoint that ran with another value of one is refused on resume (oar/training/resume.py).
 REMOVED = {"train_size": 10_000, "max_bad_steps": 3, "gate_floor": cs.GATE_FLOOR, "entropy_top": cs.ENTROPY_TOP,
            "perturb_span": cs.PERTURB_SPAN, "perturb_auto_length": cs.PERTURB_AUTO_LENGTH,
            "perturb_chunk_tokens": cs.PERTURB_CHUNK_TOKENS, "reference_template": cs.REFERENCE_TEMPLATE}
@@ -264,55 +256,3 @@ def micro_batch(cfg: Config, num_processes: int) -> int:
     """Rollouts per forward/backward: --micro_batch_size, or all of a process's rollouts when it holds
     fewer (8 GPUs x 4 prompts x 8 rollouts is one micro-batch of 32 at the default 64)."""
     return max(1, min(cfg.micro_batch_size, cfg.prompts_per_step // num_processes * cfg.group_size))
-
-
-def check_resume(cfg: Config, state: dict, where, facts: dict | None = None) -> None:
-    """A resume continues the checkpoint's run: every setting outside RESUMABLE must be the same. A
-    setting the checkpoint lacks (written before the setting existed) ran at its default, e.g. lora_r 0;
-    one it has that is no longer a flag (REMOVED) must have run at the value this version fixes. --steps
-    may not end before the checkpoint's step, and the run's `facts` (recorded in its history) must be the
-    checkpoint's: the training problems ("train_data", data.problems_digest; an edited file at the same
-    path would reorder the data silently) and accelerate's "mixed_precision" (every forward's floats)."""
-    if cfg.steps < state.get("step", 0):
-        raise ValueError(f"--resume: {where} is at step {state['step']}, past --steps {cfg.steps}: pass --steps >= "
-                         f"{state['step']} to continue it (its final model is already the later one).")
-    recorded, facts = state.get("history", {}), facts or {}
-    if None not in (recorded.get("train_data"), facts.get("train_data")) and recorded["train_data"] != facts["train_data"]:
-        raise ValueError(f"--resume: {where} trained on other problems than --dataset {cfg.dataset} now holds (an edited file, "
-                         f"another hub revision): its data order would not continue. Restore the data, or start a new run.")
-    ran, now = recorded.get("mixed_precision"), facts.get("mixed_precision")
-    if None not in (ran, now) and ran != now:
-        raise ValueError(f"--resume: {where} ran under accelerate's mixed precision {ran}, this launch's is {now}: every "
-                         f"forward would compute otherwise. Launch with --mixed_precision {ran} to continue it.")
-    saved = {**asdict(Config()), **state.get("config", {})}
-    changed = [f"--{k} {v} (the checkpoint has {saved[k]})" for k, v in asdict(cfg).items()
-               if k not in RESUMABLE and k in saved and saved[k] != v]
-    if changed:
-        raise ValueError(f"--resume: {where} belongs to a run with other settings: {'; '.join(changed)}. Pass the "
-                         f"checkpoint's values to continue it, or choose another --output_dir to start a new run.")
-    fixed = refixed(saved)
-    if fixed:
-        raise ValueError(f"--resume: {where} ran with {fixed}, a setting this version no longer takes "
-                         f"(docs/flags.md); continue it with the version that wrote it, or start a new run.")
-
-
-def refixed(saved: dict) -> str:
-    """The settings a recorded config ran at another value than the one this version fixes (REMOVED),
-    as one readable line ('' when none)."""
-    return "; ".join(f"{k} {saved[k]!r} (now fixed at {v!r})" for k, v in REMOVED.items()
-                     if k not in RESUMABLE and k in saved and saved[k] != v)
-
-
-# Flags removed without a fixed value because they never changed an update: the vLLM engine's own sizes (f6e6ae1)
-RETIRED = {"vllm_kv_cache_gib", "vllm_max_model_length", "vllm_enforce_eager"}
-
-
-def from_record(saved: dict, **changes) -> Config:
-    """The Config a run's config.json records, written by this version or an earlier one, with
-    `changes` applied: a setting it lacks takes today's default, a setting that is no longer a flag
-    (REMOVED) is dropped if it ran at the value this version fixes (or changes no update) and refused
-    otherwise; a RETIRED one is dropped."""
-    fixed = refixed(saved)
-    if fixed:
-        raise ValueError(f"the recorded run ran with {fixed}: this version cannot rerun it.")
-    return Config(**{k: v for k, v in {**saved, **changes}.items() if k not in REMOVED and k not in RETIRED})

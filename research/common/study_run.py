@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from oar.training.checkpoint import run_code_version  # noqa: E402
 from oar.training.checkpoint import latest_checkpoint, write_json_atomic  # noqa: E402
-from oar.training.config import RESUMABLE, Config  # noqa: E402
+from oar.training.config import Config  # noqa: E402
+from oar.training.resume import RESUMABLE  # noqa: E402
 
 
 def effective(settings: dict) -> dict:

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from dataclasses import asdict  # noqa: E402
 
-from oar.training.config import RESUMABLE, Config  # noqa: E402
+from oar.training.config import Config  # noqa: E402
+from oar.training.resume import RESUMABLE  # noqa: E402
 from research.common.runs import fully_timed  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
