@@ -81,7 +81,6 @@ from oar.training import checkpoint as ckpt
 from oar.training import lora, rollout_backend, sharding
 from oar.training.checks import check_config, check_launch
 from oar.training.config import Config, micro_batch, parse_args
-from oar.training.resume import check_resume
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
 from oar.training.data import DataError, problems_digest, run_problems, seen_in_training, step_prompts
@@ -90,6 +89,7 @@ from oar.training.launch import (Stopped, end, exit_at_once, gather_ragged, lost
                                  release, stop_on_sigterm)
 from oar.training.learner import build_learner
 from oar.training.models import ModelError, load_model, resolve_model
+from oar.training.resume import check_resume
 from oar.training.runlog import (RunLog, as_logged, mean_over_processes, pass_metrics, reward_term_metrics,
                                  sampler_gap_metrics, step_metrics)
 from oar.training.update import count_bad_steps, update
