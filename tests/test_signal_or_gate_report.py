@@ -33,15 +33,32 @@ def test_report_t_test_by_hand():
     """Student's t tail against closed forms: df 1 is Cauchy, P(T > 1) = 1/4; df 2 has P(T > t) =
     (1 - t / sqrt(t^2 + 2)) / 2. Paired differences 1, 2, 3: mean 2, s.e. 1/sqrt(3), t = 2 sqrt(3),
     two-sided p = 1 - 2 sqrt(3) / sqrt(14) = 0.0742; and the pre-registered critical value 2.776 at df 4 gives p = 0.05."""
+    from research.common.paired_t import t_quantile, t_sf
+
     report = _report()
-    assert report.t_sf(1.0, 1) == pytest.approx(0.25, abs=1e-9)
-    assert report.t_sf(0.0, 3) == pytest.approx(0.5)
+    assert t_sf(1.0, 1) == pytest.approx(0.25, abs=1e-9)
+    assert t_sf(0.0, 3) == pytest.approx(0.5)
     t = 2 * math.sqrt(3)
-    assert report.t_sf(t, 2) == pytest.approx((1 - t / math.sqrt(t * t + 2)) / 2, rel=1e-9)
+    assert t_sf(t, 2) == pytest.approx((1 - t / math.sqrt(t * t + 2)) / 2, rel=1e-9)
     got = report.paired([1.0, 2.0, 3.0])
     assert got["mean"] == 2.0 and got["se"] == pytest.approx(1 / math.sqrt(3)) and got["p"] == pytest.approx(1 - t / math.sqrt(14), rel=1e-9)
-    assert 2 * report.t_sf(2.776, 4) == pytest.approx(0.05, abs=2e-4)
+    assert 2 * t_sf(2.776, 4) == pytest.approx(0.05, abs=2e-4)
+    # the interval the rule asks for: mean ± t_{0.975, df} s.e.; t_{0.975, 2} = 4.303 (tables), df 1: tan(0.475 pi) = 12.706
+    assert t_quantile(0.025, 4) == pytest.approx(2.7764451, abs=1e-6)
+    assert t_quantile(0.025, 1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-9)
+    assert got["ci"] == pytest.approx([2 - 4.3026527 / math.sqrt(3), 2 + 4.3026527 / math.sqrt(3)], abs=1e-6)
 
+
+def test_report_equal_differences_up_to_rounding_have_no_spread():
+    """Held-out accuracies are multiples of 1/400: three seeds each 1 point apart give 100 * (a - b) of
+    0.9999999999999953, 1.0000000000000009, 1.0000000000000009. An exact se == 0 test missed it and gave
+    se 1.9e-15, t = 5e14, p = 0; they are one difference, with no t-test."""
+    report = _report()
+    diffs = [100 * ((y + 4) / 400 - y / 400) for y in (7, 33, 97)]
+    assert len(set(diffs)) > 1  # the float rounding that made the spread
+    got = report.paired(diffs)
+    assert got["zero_spread"] and got["se"] == 0.0 and got["t"] is None and got["p"] is None and "ci" not in got
+    assert report.paired([1.0, 1.0, 1.01])["p"] is not None  # a real spread, however small, is tested
 
 def _synthetic_ledger(root: Path, base: dict, wobble: dict = {}, seeds=range(3), heldout: dict = {}, config: dict = {}) -> Path:
     """A ledger of finished 4-step runs: arm a's seed s has training reward base[a] + wobble[a][s] at every step,
@@ -59,7 +76,7 @@ def _synthetic_ledger(root: Path, base: dict, wobble: dict = {}, seeds=range(3),
             end = heldout.get(arm, reward)
             (d / "summary.json").write_text(json.dumps({"steps": 4, "accuracy_before": 0.08, "accuracy_after": end,
                                                         "pass_before": {"pass@2": 0.1}, "pass_after": {"pass@2": end + 0.1}}))
-            rows = [{"step": s, "reward/mean": reward, "policy/entropy": 1.0} for s in range(1, 5)]
+            rows = [{"step": s, "reward/mean": reward, "policy/entropy": 1.0, "time/step_cpu_s": 30.0} for s in range(1, 5)]
             rows[1] |= {"eval/accuracy": reward / 2, "eval/pass@2": reward}
             (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
             (d / "study_time.json").write_text(json.dumps({"cpu_seconds": 600.0, "code": ["abc" if seed else "def"]}))
@@ -79,7 +96,9 @@ def test_report_applies_the_decision_rule(tmp_path):
     summary = report.write(ledger, tmp_path / "out", "arith-mix")
     signal = summary["comparisons"]["oar-g-q25 - random-gate-q25"]["mean_reward"]
     assert signal["n"] == 3 and signal["mean"] == pytest.approx(12.0) and signal["p"] < 0.05
-    assert summary["decision"] == {"scores_carry_information": "positive", "change_default_gate_to_q25_b1": False,
+    assert summary["decision"] == {"seeds": {k: [0, 1, 2] for k in ("scores_carry_information", "change_default_gate_to_q25_b1",
+                                                                     "inverted_at_or_below_random")},
+                                   "scores_carry_information": "positive", "change_default_gate_to_q25_b1": False,
                                    "inverted_at_or_below_random": {"mean_training_reward": True, "heldout_last_step": True}}
     assert summary["runs"]["grpo"]["0"]["heldout"] == {"0": {"avg": 0.08, "pass@2": 0.1}, "2": {"avg": 0.15, "pass@2": 0.3},
                                                         "4": {"avg": 0.3, "pass@2": pytest.approx(0.4)}}
@@ -111,6 +130,9 @@ def test_report_gate_rule_reads_the_held_out_direction_and_needs_three_balanced_
     few = report.write(ledger, tmp_path / "oc", "arith-mix")
     assert few["comparisons"]["oar-g-q25 - random-gate-q25"]["seeds"] == [0, 1]
     assert few["decision"]["scores_carry_information"] is None
+    # each test says on which seeds it ran: test 2 on all three, test 1 on the two random-gate finished
+    assert few["decision"]["seeds"] == {"scores_carry_information": [0, 1], "change_default_gate_to_q25_b1": [0, 1, 2],
+                                        "inverted_at_or_below_random": []}
 
 
 def test_report_refuses_runs_that_are_not_one_study(tmp_path):
@@ -164,9 +186,10 @@ def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_an
             metrics = ledger / "runs" / "arith-mix" / f"{arm}-s{seed}" / "metrics.jsonl"
             rows = [json.loads(x) | {"oar/ess_ratio": ess + 0.1 * seed} for x in metrics.read_text().splitlines()]
             metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
-    for arm, lost in (("random-gate-q25", {"unmeasured": 1}), ("oar-g-q25", {"open": True})):  # killed outright; still open
-        killed = ledger / "runs" / "arith-mix" / f"{arm}-s1" / "study_time.json"
-        killed.write_text(json.dumps(json.loads(killed.read_text()) | lost))
+    for arm, seed, lost in (("random-gate-q25", 1, {"unmeasured": 1}), ("oar-g-q25", 1, {"open": True}),  # killed outright; open
+                            ("oar-g-q25", 0, {"invocations": 2})):  # stopped and resumed: every invocation timed
+        timing = ledger / "runs" / "arith-mix" / f"{arm}-s{seed}" / "study_time.json"
+        timing.write_text(json.dumps(json.loads(timing.read_text()) | lost))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "README.md").write_text(f"{report.BEGIN}\n{report.END}\n")
     two = report.write(ledger, tmp_path / "out", "arith-mix")["comparisons"]["oar-g-q25 - random-gate-q25"]["mean_reward"]
@@ -174,7 +197,9 @@ def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_an
     page = (tmp_path / "out" / "README.md").read_text()
     assert "| oar-g-q25 - random-gate-q25 | 2 | +12.0 ± 1.0 |" in page and "t = " not in page
     assert "| oar-g-q25 | 0.850 |" in page and "| random-gate-q25 | 0.650 |" in page  # ESS, mean over seeds and steps
-    assert page.count("| 10 (1 run); 1 run killed mid-way, time lost |") == 2  # CPU minutes of fully timed runs only
+    # CPU minutes: in the steps (4 x 30 s) for every run; of the whole run for fully timed runs only, a resumed one said
+    assert "| 2 (2 runs) | 10 (1 run), 1 resumed (with its redone steps and reloads); 1 run killed mid-way, time lost |" in page
+    assert "| 2 (2 runs) | 10 (1 run); 1 run killed mid-way, time lost |" in page
     wrong = _synthetic_ledger(tmp_path / "b", base, config={"oar-g-q25-s1": {"gate_quantile": 0.4, "gate_boost": 2.0}})
     with pytest.raises(SystemExit, match="oar-g-q25-s1: not the arm's settings.*gate_quantile"):
         report.write(wrong, tmp_path / "ob", "arith-mix")

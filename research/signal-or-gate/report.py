@@ -6,12 +6,13 @@ Written with the pre-registration (README.md), before any result: what it comput
 fixed. Per run (ledger/runs/<task>/<arm>-s<seed>/): the mean of `reward/mean` over all steps (the
 primary metric), held-out avg@2 and pass@2 at steps 0, 6, 12, 16, the steps to 50% training reward
 (first step whose mean of `reward/mean` over it and the two before reaches 0.5; steps + 1 if never),
-`policy/entropy` at the last step, and CPU seconds (study_time.json). Per comparison (the page's list):
-the paired difference over the seeds where both arms finished, mean ± standard error (ddof 1), the
-paired t statistic and its two-sided p-value (df = n - 1), for the primary metric and for held-out
-avg@2 and pass@2 at each evaluated step. The decision rule is then applied: test 1
-(oar-g-q25 - random-gate-q25) and test 2 (oar-g-q25 - oar-g-q40), each at alpha 0.05, on balanced
-seeds only, and none on fewer than three.
+`policy/entropy` at the last step, and CPU seconds: the whole run's (study_time.json) and the training
+steps' own (their logged `time/step_cpu_s`, which a resume does not count twice). Per comparison (the
+page's list): the paired difference over the seeds where both arms finished, mean ± standard error
+(ddof 1), the paired t statistic, its two-sided p-value (df = n - 1) and 95% interval, for the primary
+metric and for held-out avg@2 and pass@2 at each evaluated step. The decision rule is then applied:
+test 1 (oar-g-q25 - random-gate-q25) and test 2 (oar-g-q25 - oar-g-q40), each at alpha 0.05, on
+balanced pairs (each test on the seeds both its arms finished, recorded), and none on fewer than three.
 
 Before any number, every run is checked (`check_runs`): all runs ran the same settings but for their
 arm's own (method, gate, credit module) and seed, steps 1..N each, from the model build the ledger
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from dataclasses import asdict  # noqa: E402
 
 from oar.training.config import Config  # noqa: E402
 from oar.training.resume import RESUMABLE  # noqa: E402
+from research.common import paired_t  # noqa: E402
 from research.common.runs import fully_timed  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -53,55 +54,10 @@ SHAPE = {"oar/ess_ratio": "ESS", "oar/weight_max": "weight max", "oar/frac_boost
 BEGIN, END = "<!-- REPORT BEGIN (research/signal-or-gate/report.py) -->", "<!-- REPORT END -->"
 
 
-def t_sf(t: float, df: int) -> float:
-    """P(T > t) for Student's t with `df` degrees of freedom: I_x(df/2, 1/2) / 2 at x = df / (df + t^2)."""
-    if t < 0:
-        return 1.0 - t_sf(-t, df)
-    return betainc(df / 2, 0.5, df / (df + t * t)) / 2
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b): the continued fraction (Numerical Recipes'
-    betacf) where it converges fast, x < (a + 1) / (a + b + 2), else through I_x(a, b) = 1 - I_{1-x}(b, a)."""
-    if x <= 0.0 or x >= 1.0:
-        return 0.0 if x <= 0.0 else 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x >= (a + 1) / (a + b + 2):
-        return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-    return front * _betacf(a, b, x) / a
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    f = d
-    for m in range(1, 300):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)), -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            f *= c * d
-        if abs(c * d - 1.0) < 1e-15:
-            break
-    return f
-
-
-def paired(diffs: list[float], test_from: int = MIN_SEEDS) -> dict:
-    """Mean, standard error (ddof 1), t and two-sided p of paired differences; no s.e. where n < 2, and no t or p
-    where n < `test_from` (the page tests nothing on fewer than three seeds) or every difference is the same."""
-    n = len(diffs)
-    mean = sum(diffs) / n if n else math.nan
-    if n < 2:
-        return {"n": n, "mean": mean, "se": None, "t": None, "p": None}
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
-    if se == 0:  # every seed the same difference: no t (the verdict says so, apart from too few seeds)
-        return {"n": n, "mean": mean, "se": 0.0, "t": None, "p": None, "zero_spread": True}
-    if n < test_from:
-        return {"n": n, "mean": mean, "se": se, "t": None, "p": None}
-    t = mean / se
-    return {"n": n, "mean": mean, "se": se, "t": t, "p": 2 * t_sf(abs(t), n - 1)}
+def paired(diffs: list[float]) -> dict:
+    """The page's paired test of differences (research/common/paired_t.py): two-sided at ALPHA, with its
+    interval; no t, p or interval on fewer than MIN_SEEDS seeds."""
+    return paired_t.paired(diffs, test_from=MIN_SEEDS, alpha=ALPHA)
 
 
 def run_metrics(path: Path) -> dict | None:
@@ -123,6 +79,10 @@ def run_metrics(path: Path) -> dict | None:
     return {"mean_reward": sum(reward) / len(reward), "reward": reward, "steps_to_50": reached, "final_entropy": rows[-1]["policy/entropy"],
             "heldout": {str(s): {"avg": a, "pass@2": p} for s, (a, p) in sorted(held.items())},
             "cpu_seconds": timing.get("cpu_seconds") if fully_timed(timing, config or {}) else None,
+            "resumed": timing.get("invocations", 1) > 1 or bool(timing.get("unmeasured")),
+            # the CPU of the training steps alone, each counted once (a resume drops the lines after its checkpoint
+            # and logs them again): comparable between runs that stopped and ran straight, unlike cpu_seconds
+            "step_cpu_seconds": sum(r["time/step_cpu_s"] for r in rows) if all("time/step_cpu_s" in r for r in rows) else None,
             "steps": summary["steps"], "steps_logged": [r["step"] for r in rows], "config": config, "build": build,
             "code": timing.get("code", []),
             "shape": {k: sum(r[k] for r in rows if k in r) / n for k in SHAPE if (n := sum(k in r for r in rows))}}
@@ -200,7 +160,10 @@ def decide(comparisons: dict) -> dict:
     held = comparisons["oar-g-q25 - oar-g-q40"]["heldout_last"]  # q25 - q40: "q25 is not behind q40" is a mean >= 0
     inverted = comparisons["inverted-q25 - random-gate-q25"]
     enough = inverted["mean_reward"]["n"] >= MIN_SEEDS
-    return {"scores_carry_information": signal,
+    return {"seeds": {"scores_carry_information": comparisons["oar-g-q25 - random-gate-q25"]["seeds"],  # each test's own pairs
+                      "change_default_gate_to_q25_b1": comparisons["oar-g-q25 - oar-g-q40"]["seeds"],
+                      "inverted_at_or_below_random": comparisons["inverted-q25 - random-gate-q25"]["seeds"]},
+            "scores_carry_information": signal,
             # "ends at or below": read both ways (amendment 2), on the primary metric and on held-out avg@2 at the last step
             "inverted_at_or_below_random": None if not enough else {
                 "mean_training_reward": inverted["mean_reward"]["mean"] <= 0, "heldout_last_step": inverted["heldout_last"]["mean"] <= 0},
@@ -208,36 +171,45 @@ def decide(comparisons: dict) -> dict:
 
 
 def table(runs: dict, comparisons: dict) -> str:
-    lines = ["| arm | seeds | mean training reward | held-out avg@2 at steps 0 / 6 / 12 / 16 | steps to 50% | final entropy | CPU min |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| arm | seeds | mean training reward | held-out avg@2 at steps 0 / 6 / 12 / 16 | steps to 50% | final entropy "
+             "| CPU min in the steps | CPU min, whole run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, by_seed in runs.items():
         if not by_seed:
-            lines.append(f"| {arm} | 0 | | | | | |")
+            lines.append(f"| {arm} | 0 | | | | | | |")
             continue
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         steps = sorted({s for r in by_seed.values() for s in r["heldout"]}, key=int)
         held = " / ".join(f"{100 * mean([r['heldout'][s]['avg'] for r in by_seed.values() if s in r['heldout']]):.1f}%" for s in steps)
+        runs_ = lambda k: f"{k} run{'s' * (k != 1)}"  # noqa: E731
+        steps_cpu = [r["step_cpu_seconds"] for r in by_seed.values() if r["step_cpu_seconds"] is not None]
+        in_steps = f"{mean(steps_cpu) / 60:.0f} ({runs_(len(steps_cpu))})" if steps_cpu else "not logged"
         cpu = [r["cpu_seconds"] for r in by_seed.values() if r["cpu_seconds"]]
-        timed = f"{sum(cpu) / len(cpu) / 60:.0f} ({len(cpu)} run{'s' * (len(cpu) != 1)})" if cpu else "not measured"
+        timed = f"{sum(cpu) / len(cpu) / 60:.0f} ({runs_(len(cpu))})" if cpu else "not measured"
+        if resumed := sum(r["resumed"] for r in by_seed.values() if r["cpu_seconds"]):
+            timed += f", {resumed} resumed (with its redone steps and reloads)"
         if 0 < len(cpu) < len(by_seed) or not cpu:
-            timed += f"; {len(by_seed) - len(cpu)} run{'s' * (len(by_seed) - len(cpu) != 1)} killed mid-way, time lost"
+            timed += f"; {runs_(len(by_seed) - len(cpu))} killed mid-way, time lost"
         lines.append(f"| {arm} | {len(by_seed)} ({', '.join(map(str, sorted(by_seed)))}) | {100 * mean([r['mean_reward'] for r in by_seed.values()]):.1f}% | "
                      f"{held} | {mean([r['steps_to_50'] for r in by_seed.values()]):.1f} | {mean([r['final_entropy'] for r in by_seed.values()]):.3f} | "
-                     f"{timed} |")
+                     f"{in_steps} | {timed} |")
     lines += ["", "Each row is its arm's mean over its own seeds (listed); the paired differences below compare the seeds both arms "
-              "finished. The gate's shape, means over steps (reported, not decided on):", "",
+              "finished. CPU in the steps: the sum of each logged step's `time/step_cpu_s` (training only, each step once); "
+              "whole run: study_time.json, which also counts evaluations, model loads and, after a resume, the steps redone. "
+              "Neither records the machine. The gate's shape, means over steps (reported, not decided on):", "",
               "| arm | " + " | ".join(SHAPE.values()) + " |", "| --- |" + " --- |" * len(SHAPE)]
     for arm, by_seed in runs.items():
         shapes = [r["shape"] for r in by_seed.values() if r["shape"]]
         if shapes:
             cells = [[x[k] for x in shapes if k in x] for k in SHAPE]
             lines.append(f"| {arm} | " + " | ".join(f"{sum(c) / len(c):.3f}" if c else "n/a" for c in cells) + " |")
-    lines += ["", "| paired difference (points) | seeds | mean training reward ± s.e. (t, p) | held-out avg@2 at the last step ± s.e. "
-              "| held-out pass@2 at the last step ± s.e. |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| paired difference (points) | seeds | mean training reward ± s.e. (t, p; 95% interval) | held-out avg@2 at the last "
+              "step ± s.e. [95% interval] | held-out pass@2 at the last step ± s.e. [95% interval] |", "| --- | --- | --- | --- | --- |"]
+    pts = lambda x, sign="+": f"{round(x, 9):{sign}.1f}"  # noqa: E731  (rounded first: 100 * (0.45 - 0.5275) is -7.7499..., shown -7.8)
     for key, c in comparisons.items():
         last = c["heldout"][max(c["heldout"], key=int)]["pass@2"] if c["heldout"] else paired([])
-        fmt = lambda x, tp=True: "n/a" if not x["n"] else f"{x['mean']:+.1f}" + (f" ± {x['se']:.1f}" if x["se"] is not None else "") + (  # noqa: E731
-            f" (t = {x['t']:.2f}, p = {x['p']:.3f})" if tp and x["t"] is not None else "")
+        ci = lambda x: f"{pts(x['ci'][0])} to {pts(x['ci'][1])}"  # noqa: E731
+        fmt = lambda x, tp=True: "n/a" if not x["n"] else pts(x["mean"]) + (f" ± {pts(x['se'], '')}" if x["se"] is not None else "") + (  # noqa: E731
+            (f" (t = {x['t']:.2f}, p = {x['p']:.3f}; {ci(x)})" if tp else f" [{ci(x)}]") if x["t"] is not None else "")
         lines.append(f"| {key} | {len(c['seeds'])} | {fmt(c['mean_reward'])} | {fmt(c['heldout_last'], False)} | {fmt(last, False)} |")
     versions = sorted({v for by_seed in runs.values() for r in by_seed.values() for v in r["code"]})
     if len(versions) > 1:
