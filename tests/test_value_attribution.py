@@ -32,10 +32,14 @@ def test_metrics_by_hand():
     V (ΔV > 0), so the credit -w a wrong rollout gives it disagrees: sign agreement 0."""
     v = {"dv": [0, 0, 0.75, 0, 0], "se": [0, 0, 0.16, 0, 0], "plus": [0, 0, 6, 0, 0], "minus": [0] * 5}
     peak = va.metrics([1, 1, 3, 1, 1], v, correct=False)
-    assert peak == {"spearman": pytest.approx(1.0), "recall": pytest.approx(1.0), "sign_agree": 0.0, "sign_num": 0.0, "sign_den": 3.0,
+    mass = 0.75 ** 2 - 0.16 ** 2  # all of it at t = 2, which is the peak's top 1
+    assert peak == {"share_num": pytest.approx(mass), "share_base": pytest.approx(mass / 5), "mass": pytest.approx(mass),
+                    "spearman": pytest.approx(1.0), "spearman_abs": pytest.approx(1.0), "recall": pytest.approx(1.0),
+                    "recall_ceiling": pytest.approx(1.0), "sign_agree": 0.0, "sign_num": 0.0, "sign_den": 3.0,
                     "balance": -1.0}  # its only ΔV-weighted credit sits on a token that raised V
-    flat = va.metrics([1, 1, 1, 1, 1], v, correct=False)
-    assert (flat["spearman"], flat["recall"], flat["sign_agree"]) == (0.0, pytest.approx(0.2), 0.0)
+    flat = va.metrics([1, 1, 1, 1, 1], v, correct=False)  # GRPO's w = 1: no rank (undefined), k / n_R of the mass
+    assert math.isnan(flat["spearman"]) and math.isnan(flat["spearman_abs"])
+    assert (flat["share_num"], flat["recall"], flat["sign_agree"]) == (pytest.approx(mass / 5), pytest.approx(0.2), 0.0)
     drop = va.metrics([1, 1, 3, 1, 1], v | {"dv": [0, 0, -0.75, 0, 0], "plus": [0] * 5, "minus": [0, 0, 6, 0, 0]}, correct=False)
     assert drop["sign_agree"] == 1.0 and math.isnan(va.metrics([1, 1, 3, 1, 1], v, correct=True)["sign_agree"])
     # the balance needs no test: credit 3 x 0.5 on a token that lowered V against 1 x 0.25 on one that raised it
@@ -168,7 +172,7 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     for a, b in zip(first["records"], second["records"]):  # the same values, so the same controls' numbers
         assert a["methods"]["control: surprisal"] == b["methods"]["control: surprisal"]
     grpo = [r["methods"]["grpo"] for r in second["records"]]
-    assert all(m["spearman"] == 0.0 or math.isnan(m["spearman"]) for m in grpo)  # a constant method (undefined: no ΔV)
+    assert all(math.isnan(m["spearman"]) for m in grpo)  # a constant method has no rank: undefined, not 0
     # A run stopped after its first rollout's values resumes at the second, to the same values, also where
     # the file was written on another machine (the model recorded at another path, as files before
     # `portable` recorded it)
@@ -180,7 +184,7 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     va.main(common + ["--method", "grpo"])
     said = capsys.readouterr().out
     assert "reused" in said and "rollout 1/4" not in said and "rollout 2/4" in said, said
-    assert "made by other code too (0123456789" in said  # two versions made these values: said, and kept
+    assert "made by other code (0123456789" in said  # two versions made these values: said, and kept
     again = json.loads((tmp_path / "values.json").read_text())
     assert again["code"] == sorted(["0123456789", dvm.values_code()])
     strip = lambda vs: [{k: v for k, v in r.items() if k != "cpu_s"} for r in vs]
@@ -191,7 +195,7 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     interim = va.main(common + ["--method", "grpo", "--cached_only"])
     said = capsys.readouterr().out
     assert "rollout 3/4" not in said and (interim["rollouts"], interim["rollouts_with_values"]) == (4, 2)
-    assert "code of no recorded version" in said and interim["values_code"] is None  # a file from before versions
+    assert "code of no recorded version" in said and interim["values_code"] == ["unrecorded"]  # a file from before versions
     assert [r["rollout"] for r in interim["records"]] == [r["rollout"] for r in first["records"] if r["rollout"] < 2]
     for a, b in zip(interim["records"], first["records"]):  # only the first group is scored: the same numbers for it
         assert a["methods"]["control: surprisal"] == b["methods"]["control: surprisal"]
@@ -205,6 +209,10 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     (tmp_path / "values.json").write_text(json.dumps(moved))
     with pytest.raises(SystemExit, match="reasoning positions of 1 of the 2 rollouts .* are not this code's"):
         va.main(common + ["--method", "grpo", "--cached_only"])
+    capsys.readouterr()  # ... and before any new value, which this code would add at its own positions (hours, then refused)
+    with pytest.raises(SystemExit, match="reasoning positions of 1 of the 2 rollouts .* the commit the values file was made at"):
+        va.main(common + ["--method", "grpo"])
+    assert "rollout 3/4" not in capsys.readouterr().out and json.loads((tmp_path / "values.json").read_text()) == moved
     with pytest.raises(SystemExit):
         va.parse_args(["--model", "x", "--method", "no-such-method"])
     with pytest.raises(SystemExit):
@@ -240,3 +248,27 @@ def test_values_are_reused_only_for_the_same_rollouts():
     assert not dvm.same_rollouts(here | {"texts": ["1 + 23 = 25"]}, here)
     assert not dvm.same_rollouts(here | {"golds": ["25"]}, here)
     assert not dvm.same_rollouts({"texts": here["texts"]}, here)
+
+
+def test_the_share_is_unbiased_where_ranking_a_noisy_target_is_not():
+    """Two methods that put the same true ΔV² in their top 2 of 10 tokens (a pivotal token, ΔV = 0.3, and a token
+    with ΔV = 0): one picks a fork whose continuations change outcome both ways (+1 and -1 at 0.2 each), the other
+    an inert token (no change). On simulated values (K = 32) their pooled shares agree; Spearman with the unbiased
+    target ranks the fork's mostly negative target low and penalizes the first, Spearman with |ΔV| rewards it."""
+    rng = np.random.default_rng(0)
+    k = 32
+    plus, minus = np.array([0.2, 0.2, 0.2, 0, 0, 0, 0.3, 0, 0, 0]), np.array([0.2, 0.2, 0.2, 0, 0, 0, 0, 0, 0, 0])
+    fork, inert = [2, 1, 1, 1, 1, 1, 3, 1, 1, 1], [1, 1, 1, 2, 1, 1, 3, 1, 1, 1]
+    records = []
+    for r in range(500):
+        u = rng.random((10, k))
+        d = (u < plus[:, None]).astype(float) - ((u >= plus[:, None]) & (u < (plus + minus)[:, None]))
+        v = {"dv": d.mean(1), "se": d.std(1, ddof=1) / math.sqrt(k), "plus": (d > 0).sum(1), "minus": (d < 0).sum(1)}
+        records.append({"problem": r, "methods": {"fork": va.metrics(fork, v, True), "inert": va.metrics(inert, v, True)}})
+    share = {m: va.pooled_share(records, m) for m in ("fork", "inert")}
+    assert share["fork"][0] == pytest.approx(share["inert"][0], abs=0.01) and share["fork"][1] < 0.02
+    mean = lambda m, key: np.nanmean([r["methods"][m][key] for r in records])  # noqa: E731
+    assert mean("fork", "spearman") < mean("inert", "spearman") - 0.1
+    assert mean("fork", "spearman_abs") > mean("inert", "spearman_abs") + 0.2
+    # less the no-information share (k / n_R = 0.2 of each rollout's mass)
+    assert va.pooled_share(records, "fork", minus_base=True)[0] == pytest.approx(share["fork"][0] - 0.2)

@@ -31,33 +31,46 @@ group whose rewards are equal still gets its weights), the update forward's logi
 seeds. Its weights w_t (gated: monotone in the score for OAR's methods) are compared with ΔV on each
 rollout's reasoning tokens:
 
-  target      ΔV_t^2 - se_t^2, an unbiased estimate of ΔV_t^2: ranking |ΔV_t| itself would rank the
-              noise, which is largest where V is near 1/2, whatever the token did
-  spearman    rank correlation of w_t with the target (undefined, not 0, on a rollout whose target is
-              constant: every continuation of every prefix ended alike)
-  recall@k    of the k = ceil(0.2 n_R) tokens with the largest target, the share among the method's k
-              largest w_t (ties at either cut shared out in expectation: a constant method scores k / n_R;
-              undefined where the target is constant)
+  target      ΔV_t^2 - se_t^2, an unbiased estimate of ΔV_t^2 (value_metrics.target). Unbiased in value,
+              not in rank: a token whose continuations changed outcome both ways (a +1s, b -1s, a = b)
+              has a target below 0, below every token that changed nothing, so ranking it penalizes a
+              method that weights such forks; ranking |ΔV_t| instead rewards it (|ΔV_t|'s noise is
+              largest where V is near 1/2, whatever the token did). Hence the share, linear in the target:
+  share       the ΔV^2 share in the method's top 20%: sum over every rollout and its method's top k =
+              ceil(0.2 n_R) tokens (ties shared) of the target, over the target's sum over all tokens:
+              numerator and denominator are sums of unbiased estimates, so no noise variance favours a
+              method. With no information (a constant or a random method) it is k / n_R of each
+              rollout's mass, pooled; the table gives the share and the share less that. s.e.: a
+              jackknife over problems
+  spearman    rank correlation of w_t with the target, and (spearman_abs) with |ΔV_t| as the issue asked,
+              each biased as said above (undefined, not 0, on a rollout whose target, or whose weights,
+              are constant: every continuation of every prefix ended alike, or the method gave w = 1)
+  recall@k    of the k tokens with the largest target, the share among the method's k largest w_t (ties
+              at either cut shared out in expectation: a constant method scores k / n_R; undefined where
+              the target is constant). Its ceiling is far below 1 when fewer than k tokens have a
+              positive target: the table says the target's own recall
   sign agree  on wrong rollouts (reward 0), the tokens whose ΔV_t is significant (an exact sign test of
               its paired differences, p < 0.05; `delta_v.sign_test`): the share of the method's credit
               mass |w_t| on tokens where the sign of the credit a wrong rollout gets (A_i w_t with
               A_i < 0, so -w_t) is the sign of ΔV_t. For w >= 0 this is the mass on the tokens that
               lowered the chance of success; GRPO's (w = 1) is their share. Also pooled over all
               wrong rollouts' significant tokens (one mass, in the JSON and the printout). At K = 8 the
-              test cannot flag a token with fewer than 6 non-zero differences, so few tokens qualify:
+              test cannot flag a token with fewer than 6 non-zero differences, so few tokens qualify,
+              and any method with w > 0 agrees fully on a rollout with one flagged token: compare it
+              with `control: uniform` (GRPO). A wrong rollout of a group with no right one has A_i = 0
+              in training; the sign is read as if it were below its group's mean.
   balance     on wrong rollouts, every reasoning token, no test: sum_t (-w_t ΔV_t) / sum_t |w_t ΔV_t|, in
               [-1, 1]: +1 when all the method's ΔV-weighted credit sits on tokens that lowered V. ΔV's
               noise (mean 0) dilutes it, not biases its sign; GRPO's is the rollouts' own balance.
 
-Controls, always in the table as `control: random` (uniform scores from each rollout's seed), `control:
+Controls, always in the table as `control: uniform` (GRPO's w = 1), `control: random` (uniform scores from each rollout's seed), `control:
 surprisal` (-log p of the token at the sampling temperature), `control: entropy` (of the distribution
 it was drawn from; raw, where the credit method `entropy` is the same score through the gate), read
 from the same forward, and `control: position` (the completion index t: a method that only leans later
 or earlier; per rollout only its order counts, and the pooled sign agreement weights rollouts by it).
 Each cell: the mean over rollouts where the metric is defined, ± its standard error with the rollouts
 clustered by problem (the G rollouts of a problem, which the group methods see together, are one unit:
-the s.e. is over the problems' means); n rollouts (problems). Beside Spearman, each method's paired
-difference from `control: random` on the same rollouts, clustered the same way. The significance line
+the s.e. is over the problems' means); n rollouts (problems). The significance line
 says how many tokens the sign test flags, how many it would flag by chance if no token moved V (the
 sum over tokens of P(p < 0.05) given their number of non-zero differences), and how many survive
 Benjamini-Hochberg at q = 0.1 over all of them. The expensive part (the values) is kept in `--values`
@@ -98,9 +111,10 @@ from oar.training.data import load_problems
 from oar.training.models import load_model
 from scripts.analysis.delta_v import VALUE_CODE, VALUES_FORMAT, portable, rollout_record, rollout_values, same_rollouts, values_code
 from scripts.analysis.value_metrics import (ALPHA, FDR, benjamini_hochberg, clustered_mean_se, metrics, null_flag_chance,  # noqa: F401
-                                            significance, table, top_membership)
+                                            pooled_share, significance, table, top_membership)
 
-CONTROLS = ("control: random", "control: surprisal", "control: entropy", "control: position")  # apart from the methods (`entropy` is one)
+CONTROLS = ("control: uniform", "control: random", "control: surprisal", "control: entropy", "control: position")  # apart from the
+# methods (`entropy` is one); uniform is GRPO's w = 1
 
 
 # ------------------------------------------------------------------------------------------ methods
@@ -124,8 +138,8 @@ def method_weights(name: str, module: str, model, tok, ro: Rollout, rewards, gol
 
 
 def control_scores(model, ro: Rollout, seeds: list[int], temperature: float) -> dict[str, torch.Tensor]:
-    """The controls' scores (N, L): uniform random (from each rollout's seed), the token's surprisal and entropy,
-    its position in the completion (a rollout's order of positions is its reasoning tokens' order)."""
+    """The controls' scores (N, L): uniform (GRPO's w = 1), uniform random (from each rollout's seed), the token's
+    surprisal and entropy, its position in the completion (a rollout's order of positions is its reasoning tokens' order)."""
     n, width = ro.input_ids.shape
     lp = ro.prompt_width
     surprisal, entropy = torch.zeros(n, width), torch.zeros(n, width)
@@ -138,7 +152,7 @@ def control_scores(model, ro: Rollout, seeds: list[int], temperature: float) -> 
     rand = torch.stack([torch.rand(width, generator=torch.Generator().manual_seed(s + 31337)) for s in seeds])
     position = torch.zeros(n, width)
     position[:, lp:] = torch.arange(width - lp, dtype=torch.float32)
-    return dict(zip(CONTROLS, (rand, surprisal, entropy, position)))
+    return dict(zip(CONTROLS, (torch.ones(n, width), rand, surprisal, entropy, position)))
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -195,12 +209,24 @@ def main(argv=None) -> dict:
         raise SystemExit(f"value_attribution.py: error: {args.values} holds the values of other settings or other rollouts "
                          f"(another model?); give another --values file, or delete it to start again.")
     done = cached["values"] if cached is not None else []
-    # every version of the code that made values in the file; a file from before versions were kept records none
-    code = sorted(set((cached or {}).get("code", [])) | {values_code()}) if cached is None or "code" in cached else None
-    if done and (code is None or len(code) > 1):
+    # every version of the code that made values in the file ("unrecorded": values from before versions were kept),
+    # and what it records once this run adds its own
+    made_by = sorted(cached.get("code", ["unrecorded"])) if done else []
+    code = sorted(set(made_by) | {values_code()})
+    if made_by and made_by != [values_code()]:
         print(f"[values] warning: {args.values}'s values were made by "
-              f"{'code of no recorded version' if code is None else 'other code too (' + ', '.join(code) + ')'}: "
-              f"the answer rule or the sampler may differ between its rollouts ({', '.join(VALUE_CODE)})", flush=True)
+              f"{'code of no recorded version' if 'unrecorded' in made_by else 'other code'} ({', '.join(made_by)}): "
+              f"the answer rule or the sampler may differ from this code's ({', '.join(VALUE_CODE)})", flush=True)
+    lp = ro.prompt_width
+    # the values' reasoning positions are the code's that made them: a table by code with another answer rule would
+    # score the methods (this code's masks) on positions that are not their reasoning, without a word; checked before
+    # any new value is computed (hours), which this code would add at its own positions
+    moved = [i for i, v in enumerate(done) if v["positions"] != ro.reasoning_mask[i, lp:].nonzero().flatten().tolist()]
+    if moved:
+        raise SystemExit(f"value_attribution.py: error: the reasoning positions of {len(moved)} of the {len(done)} rollouts "
+                         f"in {args.values} (rollouts {', '.join(map(str, moved[:8]))}{', ...' if len(moved) > 8 else ''}) "
+                         f"are not this code's: it finds their answers elsewhere. Make the table with the code that made "
+                         f"the values ({', '.join(made_by)}: the commit the values file was made at), or start a new values file.")
     if args.values is not None:
         args.values.parent.mkdir(parents=True, exist_ok=True)
     if done:
@@ -209,19 +235,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"value_attribution.py: error: --cached_only: {args.values} holds no values yet")
     values = done if args.cached_only else rollout_values(model, tok, ro, golds, seeds, k=args.k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             batch=args.batch, done=done, save=None if args.values is None else
-                            lambda vs: write_json_atomic(args.values, {"settings": key, **({"code": code} if code else {}), **record,
-                                                                       "values": vs}))
+                            lambda vs: write_json_atomic(args.values, {"settings": key, "code": code, **record, "values": vs}))
     total = len(ro)
-    lp = ro.prompt_width
-    # the values' reasoning positions are the code's that made them: a table by code with another answer rule would
-    # score the methods (this code's masks) on positions that are not their reasoning, without a word
-    moved = [i for i, v in enumerate(values) if v["positions"] != ro.reasoning_mask[i, lp:].nonzero().flatten().tolist()]
-    if moved:
-        raise SystemExit(f"value_attribution.py: error: the reasoning positions of {len(moved)} of the {len(values)} rollouts "
-                         f"in {args.values} (rollouts {', '.join(map(str, moved[:8]))}{', ...' if len(moved) > 8 else ''}) "
-                         f"are not this code's: it finds their answers elsewhere. Make the table with the code that made "
-                         f"the values ({', '.join(code) if code else 'the commit the values file was made at'}), or "
-                         f"start a new values file.")
     if len(values) < total:  # --cached_only before the values are complete: only the groups that have values are scored
         keep = math.ceil(len(values) / G) * G
         ro, rewards, golds, seeds = ro.select(slice(0, keep)), rewards[:keep], golds[:keep], seeds[:keep]
@@ -241,18 +256,22 @@ def main(argv=None) -> dict:
     names = [*CONTROLS, *args.method]
     moving = [v for v in values if any(v["plus"]) or any(v["minus"])]  # rollouts where some continuation ended otherwise
     sig = significance(values)
+    # the Monte-Carlo s.e. over the tokens with a non-zero paired difference: the others have s.e. 0, though a
+    # |ΔV| up to about 3 / K (the rule of three: no change in K draws) goes unseen there
+    nonzero = [x for v in values for x, a, b in zip(v["se"], v["plus"], v["minus"]) if a + b]
     result = {"settings": key | {"methods": args.method, "credit_module": args.credit_module, "probe": args.probe, **gate},
               "rollouts": total, "rollouts_with_values": len(values), "scored_rollouts": len(records),
               "correct": int(rewards[:len(values)].sum()),
               "reasoning_tokens": sum(r["n_reasoning"] for r in records),
               "rollouts_with_any_nonzero_difference": len(moving),
-              "mc_se_mean_where_nonzero": float(np.mean([x for v in moving for x in v["se"]])) if moving else math.nan,
+              "mc_se_mean_where_nonzero": float(np.mean(nonzero)) if nonzero else math.nan,
               "significance": sig,
-              "values_cpu_s": sum(v["cpu_s"] for v in values), "values_code": code, "table": table(records, names), "records": records}
+              "values_cpu_s": sum(v["cpu_s"] for v in values), "values_code": code if len(values) > len(done) else made_by or None, "table": table(records, names), "records": records}
     print(f"{len(records)} rollouts with reasoning tokens of the {len(values)} with values ({result['correct']} correct), of {total}; "
           f"{result['reasoning_tokens']} reasoning tokens; values {result['values_cpu_s']:.0f} CPU s. K = {args.k}: "
-          f"{len(moving)} rollouts where some continuation ended otherwise (mean Monte-Carlo s.e. of ΔV there "
-          f"{result['mc_se_mean_where_nonzero']:.3f}); {sig['significant']} of {sig['tokens']} tokens significant (sign test, "
+          f"{len(moving)} rollouts where some continuation ended otherwise (mean Monte-Carlo s.e. of ΔV over the {len(nonzero)} "
+          f"tokens with a non-zero paired difference {result['mc_se_mean_where_nonzero']:.3f}; where all {args.k} were 0, |ΔV| up to "
+          f"about {3 / args.k:.2f} goes unseen, the rule of three); {sig['significant']} of {sig['tokens']} tokens significant (sign test, "
           f"p < {ALPHA}), {sig['expected_by_chance']:.1f} expected by chance if no token moved V, {sig['bh_significant']} after "
           f"Benjamini-Hochberg at q = {FDR}")
     print(result["table"])
