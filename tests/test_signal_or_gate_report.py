@@ -51,14 +51,21 @@ def test_report_t_test_by_hand():
 
 def test_report_equal_differences_up_to_rounding_have_no_spread():
     """Held-out accuracies are multiples of 1/400: three seeds each 1 point apart give 100 * (a - b) of
-    0.9999999999999953, 1.0000000000000009, 1.0000000000000009. An exact se == 0 test missed it and gave
-    se 1.9e-15, t = 5e14, p = 0; they are one difference, with no t-test."""
+    0.9999999999999999, 0.9999999999999996, 1.0000000000000009. An exact se == 0 test missed it and gave
+    se 4e-16, t = 2.5e15, p = 0; they are one difference, with no t-test. So are equal gaps of a training
+    reward logged in float32 (1/768 each, 0.13 points: they differ by ~2e-7 points)."""
+    import numpy as np
+
     report = _report()
     diffs = [100 * ((y + 4) / 400 - y / 400) for y in (7, 33, 97)]
     assert len(set(diffs)) > 1  # the float rounding that made the spread
     got = report.paired(diffs)
     assert got["zero_spread"] and got["se"] == 0.0 and got["t"] is None and got["p"] is None and "ci" not in got
-    assert report.paired([1.0, 1.0, 1.01])["p"] is not None  # a real spread, however small, is tested
+    rewards = [float(np.float32(k / 768)) for k in (101, 333, 517, 702)]
+    gaps = [100 * (float(np.float32((k + 1) / 768)) - r) for k, r in zip((101, 333, 517, 702), rewards)]
+    assert len(set(gaps)) > 1 and report.paired(gaps)["zero_spread"]
+    # the smallest real spread, two seeds' gaps one rollout of 768 apart, is tested
+    assert report.paired([100 / 768, 200 / 768, 100 / 768])["p"] is not None
 
 def _synthetic_ledger(root: Path, base: dict, wobble: dict = {}, seeds=range(3), heldout: dict = {}, config: dict = {}) -> Path:
     """A ledger of finished 4-step runs: arm a's seed s has training reward base[a] + wobble[a][s] at every step,

@@ -272,3 +272,23 @@ def test_the_share_is_unbiased_where_ranking_a_noisy_target_is_not():
     assert mean("fork", "spearman_abs") > mean("inert", "spearman_abs") + 0.2
     # less the no-information share (k / n_R = 0.2 of each rollout's mass)
     assert va.pooled_share(records, "fork", minus_base=True)[0] == pytest.approx(share["fork"][0] - 0.2)
+
+
+def test_the_pooled_share_and_its_jackknife_by_hand():
+    """Three problems with (top-k target, no-information part, mass) 1, 0.5, 2 / 3, 1, 4 / 0, 0.5, 2: the share is
+    4 / 8 = 0.5 (less no information: (4 - 2) / 8 = 0.25); leaving each problem out gives 3/6, 1/4, 4/6, mean 17/36,
+    so the jackknife s.e. is sqrt(2/3 * sum of squares about it). One problem: no s.e.; no mass: no share."""
+    rec = lambda p, num, base, mass: {"problem": p, "methods": {"m": {"share_num": num, "share_base": base, "mass": mass}}}  # noqa: E731
+    records = [rec(0, 1, 0.5, 2), rec(1, 3, 1, 4), rec(2, 0, 0.5, 2)]
+    leave = np.array([3 / 6, 1 / 4, 4 / 6])
+    share, se, problems = va.pooled_share(records, "m")
+    assert (share, problems) == (0.5, 3) and se == pytest.approx(math.sqrt(2 / 3 * ((leave - leave.mean()) ** 2).sum()))
+    assert va.pooled_share(records, "m", minus_base=True)[0] == 0.25
+    assert va.pooled_share(records[:1], "m")[0] == 0.5 and math.isnan(va.pooled_share(records[:1], "m")[1])
+    assert math.isnan(va.pooled_share([rec(0, 0, 0, 0), rec(1, 0, 0, 0)], "m")[0])
+    # the recall ceiling: a target with ties at the cut (k = 2 of 10: one token, then nine tied zeros sharing one
+    # slot) is the target's own recall, (1 + 9 x (1/9)^2) / 2 = 5/9, against a constant method's k / n_R = 0.2
+    v = {"dv": [0.5] + [0] * 9, "se": [0.1] + [0] * 9, "plus": [5] + [0] * 9, "minus": [0] * 10}
+    got = va.metrics([1] * 10, v, correct=True)
+    assert got["recall_ceiling"] == pytest.approx(5 / 9) and got["recall"] == pytest.approx(0.2)
+    assert got["share_num"] == pytest.approx(got["share_base"])

@@ -58,18 +58,20 @@ def _betacf(a: float, b: float, x: float) -> float:
     return f
 
 
-def paired(diffs: list[float], test_from: int = 3, alpha: float = 0.05) -> dict:
+def paired(diffs: list[float], test_from: int = 3, alpha: float = 0.05, same_within: float = 1e-4) -> dict:
     """Mean, standard error (ddof 1), t, two-sided p and the 1 - `alpha` interval (`ci`, mean ± t_{df} s.e.) of
     paired differences; no s.e. where n < 2, and no t, p or interval where n < `test_from` (a study that
-    tests nothing on fewer than three seeds) or every difference is the same."""
+    tests nothing on fewer than three seeds) or every difference is the same, within `same_within` (in the
+    differences' unit)."""
     n = len(diffs)
     mean = sum(diffs) / n if n else math.nan
     if n < 2:
         return {"n": n, "mean": mean, "se": None, "t": None, "p": None}
-    # Every seed the same difference: no t (the verdict says so). Equal up to float rounding counts: held-out
-    # accuracies are multiples of 1/400, and 100 * (a - b) of equal gaps differ in the 15th digit, which as
-    # an s.e. of 1e-15 would make t = 1e14 and p = 0.
-    if max(diffs) - min(diffs) <= 1e-9 * max(1.0, max(map(abs, diffs))):
+    # Every seed the same difference: no t (the verdict says so). Equal up to float rounding counts, or an s.e.
+    # of rounding makes t huge and p 0: a training reward logged in float32 moves an equal gap of 1/768 by
+    # ~2e-7 points (s.e. 6e-8, t = 2e6), held-out multiples of 1/400 by ~1e-15. The default 1e-4 points is far
+    # below the smallest real spread between two seeds' gaps (1/768 of a reward: 0.13 points).
+    if max(diffs) - min(diffs) <= same_within:
         return {"n": n, "mean": mean, "se": 0.0, "t": None, "p": None, "zero_spread": True}
     se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
     if n < test_from:

@@ -88,6 +88,7 @@ def pooled_share(records: list[dict], name: str, minus_base: bool = False) -> tu
         num, base, mass = by.get(r["problem"], (0.0, 0.0, 0.0))
         by[r["problem"]] = (num + m["share_num"], base + m["share_base"], mass + m["mass"])
     parts = np.array(list(by.values())) if by else np.zeros((0, 3))
+    # no share where the ΔV² mass is not positive (every target 0, or noise below 0): a ratio with it is no fraction
     share = lambda x: (x[:, 0] - minus_base * x[:, 1]).sum() / x[:, 2].sum() if x[:, 2].sum() > 0 else math.nan  # noqa: E731
     whole = share(parts)
     if len(parts) < 2 or math.isnan(whole):
