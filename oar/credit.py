@@ -9,7 +9,7 @@ a method is only a way to fill w. `train.py --method NAME` picks one from the ta
 
   grpo          w = 1                                                      (the reference)
   oar-g, oar-p  OAR's scores through the bi-level gate (maths §3-5; oar_grad.py, oar_perturb.py)
-  entropy       the update forward's token entropy through the same gate     (oar/entropy_credit.py)
+  entropy       the update forward's token entropy through the same gate     (credit_adapters.entropy_gate)
   entropy-mask  1 on the top-rho entropy tokens of the whole step, else 0    (oar/entropy_credit.py)
   tempo         prefix-tree credit from the group's own rewards, may be < 0 (oar/tempo.py)
   oar-g+tempo   BEYOND THE PAPER: OAR-G's weights plus TEMPO's TD term at branch tokens,

@@ -10,7 +10,7 @@ Per rollout, over its reasoning positions R (n_R = |R|) only:
      w_t = 1 + boost (n_t - tau)/(1 - tau) if n_t >= tau   (boost pivotal ones)
   5. w_t <- w_t n_R / sum_R w             (preserve_mass): sum_R w = n_R, so the rollout's total
                                           advantage mass sum_t A_i w_it is GRPO's A_i T_i
-Positions outside R get weight 1 (the answer span, the marker, EOS; padding is the loss's job).
+Positions outside R get weight 1 (the answer span, the marker, EOS); oar.credit.step_credit zeroes padding's.
 Weights are >= 0, so A_it has the sign of A_i.
 
 Choices where the paper is silent: the score's sign is dropped in step 1 (an answer_joint OAR-P

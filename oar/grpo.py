@@ -35,9 +35,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     """Group-relative advantages A_i (maths §1.1). `rewards` (B,) -> (B,).
 
     scale="group": divide by each group's unbiased std + 1e-4 (GRPO, the default);
-    scale="batch": divide by the unbiased std of the whole step's rewards + 1e-4 (Dr. GRPO-style
-                   robustness): `batch_rewards`, every process's (train.py gathers them), else `rewards`;
-    scale="none":  centre only. Rollouts of one prompt are contiguous: rewards.view(P, G).
+    scale="batch": divide by the unbiased std of the whole step's rewards + 1e-4 (group mean, batch std:
+                   TRL's scale_rewards="batch"): `batch_rewards`, every process's (train.py gathers
+                   them), else `rewards`;
+    scale="none":  centre only (Dr. GRPO). Rollouts of one prompt are contiguous: rewards.view(P, G).
     """
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (rewards.shape, group_size)
     assert group_size >= 2, "a group needs at least 2 rollouts to have a baseline"
@@ -218,5 +219,7 @@ def truncated_is_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL: exp(x) - x - 1 with x = log(q / p); >= 0, unbiased."""
+    """Schulman's k3 estimator of KL(p || q): exp(x) - x - 1 with x = log(q / p), >= 0; unbiased for tokens
+    drawn from p: the KL reference term's (p = pi_theta, q = pi_ref, while pi_theta samples, mu = 1). For
+    loss/approx_kl (x = log pi_old / pi_theta, tokens from pi_old) it is a diagnostic, not unbiased."""
     return torch.exp(log_ratio) - log_ratio - 1.0
