@@ -52,7 +52,7 @@ def perturbation_scores(
     of OAR-P, training's included (oar/credit_adapters.py), whatever the mode:
 
       exact   oar/oar_perturb_exact.py's computation (exact for span=1; `span` > 1 masks that many tokens at
-              once, an approximation: span-fold fewer copies)
+              once, an approximation: span-fold fewer copies; this mode only)
       window  oar/oar_perturb_window.py's approximation, W = `window` recomputed positions after the
               masked one (linear in the reasoning length)
       auto    exact for a row whose scored stretch (first reasoning token to last answer token) is
@@ -71,6 +71,8 @@ def perturbation_scores(
     check_probe(probe)
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
     assert span >= 1 and max_chunk_tokens >= 1
+    # span > 1 is the exact mode's approximation; a window row masks one token, and would ignore it silently
+    assert span == 1 or mode == "exact", f"span={span} needs mode='exact' (the window mode masks one token at a time)"
     exact = lambda reasoning: exact_perturbation_scores(model, input_ids, attention_mask, reasoning, answer_mask, probe=probe,
                                                         pad_token_id=pad_token_id, max_chunk_tokens=max_chunk_tokens, span=span,
                                                         clean=clean, clean_kv=clean_kv)

@@ -195,3 +195,14 @@ def test_a_rows_mode_on_a_sliding_window_model_does_not_depend_on_its_batch_mate
     exact_long = perturbation_scores(model, *[x[None] for x in long], mode="exact", pad_token_id=0)[0]
     torch.testing.assert_close(both[1], exact_long, rtol=1e-5, atol=1e-9)  # the long row falls back to exact
     assert "window mode unavailable" in capsys.readouterr().out
+
+
+def test_span_above_one_is_the_exact_modes_alone():
+    """`span` > 1 masks that many tokens at once in the exact mode; a window row masks one, so the window and auto
+    modes refuse it rather than ignore it."""
+    model = tiny_llama(layers=2, seed=3)
+    ids, attn, reas, ans = ragged_batch(seed=1)
+    perturbation_scores(model, ids, attn, reas, ans, span=2, pad_token_id=0)  # the exact mode's approximation
+    for mode in ("window", "auto"):
+        with pytest.raises(AssertionError, match="span=2 needs mode='exact'"):
+            perturbation_scores(model, ids, attn, reas, ans, span=2, mode=mode, pad_token_id=0)
