@@ -72,9 +72,9 @@ def test_weight_stats():
 
 # ---------------------------------------------------------------- properties
 @st.composite
-def scored_rows(draw, min_len=1, max_len=24):
+def scored_rows(draw, min_len=1, max_len=24, signed=False):
     n = draw(st.integers(min_len, max_len))
-    scores = draw(st.lists(st.floats(0, 1e6, allow_nan=False, width=32), min_size=n, max_size=n))
+    scores = draw(st.lists(st.floats(-1e6 if signed else 0, 1e6, allow_nan=False, width=32), min_size=n, max_size=n))
     mask = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     return torch.tensor([scores]), torch.tensor([mask])
 
@@ -85,7 +85,7 @@ gate_params = st.fixed_dictionaries({
 
 
 @settings(max_examples=300, deadline=None)
-@given(scored_rows(), gate_params)
+@given(scored_rows(signed=True), gate_params)
 def test_weights_finite_nonnegative_one_outside_and_mass_preserved(row, params):
     s, m = row
     w = bilevel_weights(s, m, **params)
@@ -103,11 +103,12 @@ def test_equal_scores_give_all_ones(n, value, params):
 
 
 @settings(max_examples=300, deadline=None)
-@given(scored_rows(min_len=2), gate_params)
+@given(scored_rows(min_len=2, signed=True), gate_params)
 def test_weights_are_monotone_in_the_score_before_rescaling(row, params):
+    """Monotone in |s| (maths §5 step 1, u = log(1 + |s|)): a signed score's sign is dropped."""
     s, m = row
     w = bilevel_weights(s, m, preserve_mass=False, **params)
-    order = s[m].argsort()
+    order = s[m].abs().argsort()
     assert (w[m][order].diff() >= -1e-6).all()
 
 
