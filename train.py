@@ -263,7 +263,7 @@ def main(cfg: Config) -> dict:
                     "accuracy_after": final["accuracy"], "pass_before": history.get("eval_before_pass"),
                     "pass_after": pass_at(final)}
         log.records("eval_final.jsonl", records)
-        last = last and last | as_logged(on_line(final))
+        last = last and last | on_line(final)  # unrounded, as the evaluations during the run are logged
     if last:  # a longer resume keeps this line; a resume after a kill past the checkpoint logs it (once)
         log.step_once(cfg.steps, last)
     held = sharding.param_optimizer_bytes(learner.model, learner.optimizer)  # this process's share
