@@ -194,7 +194,8 @@ def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_an
             rows = [json.loads(x) | {"oar/ess_ratio": ess + 0.1 * seed} for x in metrics.read_text().splitlines()]
             metrics.write_text("".join(json.dumps(x) + "\n" for x in rows))
     for arm, seed, lost in (("random-gate-q25", 1, {"unmeasured": 1}), ("oar-g-q25", 1, {"open": True}),  # killed outright; open
-                            ("oar-g-q25", 0, {"invocations": 2})):  # stopped and resumed: every invocation timed
+                            ("oar-g-q25", 0, {"invocations": 2}),  # stopped and resumed: every invocation timed
+                            ("random-gate-q25", 0, {"code": []})):  # its train.py finished after its study process died
         timing = ledger / "runs" / "arith-mix" / f"{arm}-s{seed}" / "study_time.json"
         timing.write_text(json.dumps(json.loads(timing.read_text()) | lost))
     (tmp_path / "out").mkdir()
@@ -207,6 +208,7 @@ def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_an
     # CPU minutes: in the steps (4 x 30 s) for every run; of the whole run for fully timed runs only, a resumed one said
     assert "| 2 (2 runs) | 10 (1 run), 1 resumed (with its redone steps and reloads); 1 run killed mid-way, time lost |" in page
     assert "| 2 (2 runs) | 10 (1 run); 1 run killed mid-way, time lost |" in page
+    assert "unrecorded: random-gate-q25-s0" in page  # code unknown is listed, not taken for the others'
     wrong = _synthetic_ledger(tmp_path / "b", base, config={"oar-g-q25-s1": {"gate_quantile": 0.4, "gate_boost": 2.0}})
     with pytest.raises(SystemExit, match="oar-g-q25-s1: not the arm's settings.*gate_quantile"):
         report.write(wrong, tmp_path / "ob", "arith-mix")

@@ -2,8 +2,8 @@
 
 `run_one` brings a run folder to completion: a folder with summary.json is done (and must hold the
 settings and starting model asked for), one with a checkpoint resumes with --resume, one with neither
-starts again. Each invocation adds its wall-clock and CPU seconds, the starting model and the code's
-hash to the folder's study_time.json (one killed before it could adds to its count of unmeasured
+starts again. Each invocation adds its wall-clock and CPU seconds and the code's hash to the folder's
+study_time.json, and records its starting model there (the last invocation's) (one killed before it could adds to its count of unmeasured
 invocations). A run is held by one study process at a time (`claimed`), so a second process over the
 same --root takes the next free run instead. Used by research/signal-or-gate/study.py (issue 30), research/testbeds_v5/study_v5.py (issue 14) and research/real_smollm2/study_real.py (issue 21); the issue-6 study's script is retired (its results: research/arith_v4/).
 """

@@ -84,7 +84,9 @@ def run_metrics(path: Path) -> dict | None:
             # and logs them again): comparable between runs that stopped and ran straight, unlike cpu_seconds
             "step_cpu_seconds": sum(r["time/step_cpu_s"] for r in rows) if all("time/step_cpu_s" in r for r in rows) else None,
             "steps": summary["steps"], "steps_logged": [r["step"] for r in rows], "config": config, "build": build,
-            "code": timing.get("code", []),
+            # a run whose study process was killed while its train.py finished alone records no code version:
+            # unknown, not the same as the others'
+            "code": timing.get("code") or ["unrecorded"],
             "shape": {k: sum(r[k] for r in rows if k in r) / n for k in SHAPE if (n := sum(k in r for r in rows))}}
 
 
