@@ -45,6 +45,11 @@ def test_a_run_recorded_on_one_machine_is_restored_on_another_with_its_paths(tmp
     kept = ledger / "runs" / "slip" / "grpo-s0"
     assert sorted(p.name for p in kept.iterdir()) == sorted([*study_ledger.RUN_FILES, "ledger.json"])
     assert not study_ledger.record_run(ledger, a, "slip", "grpo-s0")  # kept entries are never rewritten
+    other = tmp_path / "other"  # ... and another run of the same name (another machine's, a rerun) is refused, not ignored
+    _finished_run(other, model_a)
+    (other / "slip" / "grpo-s0" / "summary.json").write_text(json.dumps({"accuracy_after": 0.1}))
+    with pytest.raises(ValueError, match="two different runs of one name"):
+        study_ledger.record_run(ledger, other, "slip", "grpo-s0")
 
     b = tmp_path / "b"
     model_b = b / "models" / "slip"  # a new machine: the kept model is copied in, not rebuilt

@@ -102,11 +102,17 @@ def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
 def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
     """Keep a finished run (`root/<testbed>/<run_name>`) in the ledger, with the hash of the weights
     it started from (the build's), and its held-out completions; whether it was new to the ledger (a
-    kept run is never rewritten; one kept without its completions gets them)."""
+    kept run is never rewritten; one kept without its completions gets them). A kept run of the same name
+    whose summary.json differs is another run (another machine's, a rerun): refused, since the report
+    would read the kept one while the study went on from this one."""
     src, dst = Path(root) / testbed / run_name, run_entry(ledger, testbed, run_name)
     if not (src / "summary.json").exists():
         raise ValueError(f"{src} is not a finished run (no summary.json)")
     new = not dst.exists()
+    if not new and (dst / "summary.json").is_file() and (dst / "summary.json").read_bytes() != (src / "summary.json").read_bytes():
+        raise ValueError(f"{src} and the ledger's {dst} are two different runs of one name (their summary.json differ): "
+                         f"keep one. To keep the ledger's, delete {src} (the study restores it); to keep this one, "
+                         f"delete {dst}.")
     if new:
         with _staged(dst) as tmp:
             tmp.mkdir()
