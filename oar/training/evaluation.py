@@ -4,7 +4,7 @@ Problems are sharded across processes (problem i on process i mod n), each probl
 one process, and the per-problem records are gathered and put back in order. Scoring uses the same
 `rewards` functions as training, so "correct" means the same thing in both.
 
-  avg@k     mean over problems of the fraction of its k samples that are correct (greedy pass@1 at k=1)
+  avg@k     mean over problems of the fraction of its k samples that are correct (pass@1 at k=1: greedy at temperature 0)
   pass@j    unbiased estimator 1 - C(n - c, j) / C(n, j) per problem (Chen et al., 2021), j <= k
 """
 
