@@ -259,10 +259,15 @@ def test_every_credit_method_trains_with_lora_and_fsdp_variants(tiny, tmp_path):
     fsdp = tmp_path / "fsdp"
     check_ok(launch(_args(tiny, fsdp, "--steps", "2", "--method", "grpo", "--fsdp"), timeout=600))
     _assert_same(fsdp, tmp_path / "grpo", keys=ANY_SPLIT)
-    check_ok(run_script(EVAL, ["--model", str(tmp_path / "grpo" / "final"), "--dataset", str(tiny / "data.jsonl"), "--limit", "4",
-                               "--num_samples", "2", "--temperature", "1.0", "--max_new_tokens", "20", "--output_dir", str(tmp_path / "eval"),
-                               "--rollout_backend", "vllm", "--top_p", "0.9"], timeout=600))  # top-p: evaluation only
+    evaluation = lambda out, n: ["--model", str(tmp_path / "grpo" / "final"), "--dataset", str(tiny / "data.jsonl"), "--limit", str(n),  # noqa: E731
+                                 "--num_samples", "2", "--temperature", "1.0", "--max_new_tokens", "20", "--output_dir", str(out),
+                                 "--rollout_backend", "vllm", "--top_p", "0.9"]  # top-p: evaluation only
+    check_ok(run_script(EVAL, evaluation(tmp_path / "eval", 4), timeout=600))
     assert json.loads((tmp_path / "eval" / "eval_summary.json").read_text())["problems"] == 4
+    # two processes with unequal shards (problems 0, 2 and 1), an engine each: the same records, problem by problem
+    check_ok(launch(evaluation(tmp_path / "eval2", 3), timeout=600, script=EVAL))
+    read = lambda out: [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read(tmp_path / "eval2") == read(tmp_path / "eval")[:3]
 
 
 def test_the_benchmark_times_every_backend_on_the_same_batch(tiny, loaded):
