@@ -148,3 +148,18 @@ def test_held_out_completions_are_added_to_a_kept_run_once_and_gzipped(tmp_path)
     packed.unlink()
     (a / "slip" / "grpo-s0" / "summary.json").write_text(json.dumps({"accuracy_after": 0.9}))
     assert not study_ledger.record_completions(ledger, a, "slip", "grpo-s0") and not packed.exists()
+
+
+def test_a_run_another_study_process_holds_is_left_to_it(tmp_path):
+    """record_run takes the run's lock: while another study process holds it (it found the run finished and
+    is recording it), this one records nothing; once it is free, the run is recorded."""
+    from research.common import study_ledger
+    from research.common.study_run import claimed
+
+    ledger, _, model_a = _recorded(tmp_path)
+    late = tmp_path / "late"
+    _finished_run(late, model_a, name="grpo-s1")
+    with claimed(late / "slip" / "grpo-s1") as lock:
+        assert lock is not None and not study_ledger.record_run(ledger, late, "slip", "grpo-s1")
+        assert not (ledger / "runs" / "slip" / "grpo-s1").exists()
+    assert study_ledger.record_run(ledger, late, "slip", "grpo-s1")

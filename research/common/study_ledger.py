@@ -104,10 +104,17 @@ def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
     it started from (the build's), and its held-out completions; whether it was new to the ledger (a
     kept run is never rewritten; one kept without its completions gets them). A kept run of the same name
     whose summary.json differs is another run (another machine's, a rerun): refused, since the report
-    would read the kept one while the study went on from this one."""
+    would read the kept one while the study went on from this one. Recorded under the run's lock
+    (`claimed`): a second study process that found the run finished while this one records it leaves it
+    to this one (False), so the two never write one entry at once."""
     src, dst = Path(root) / testbed / run_name, run_entry(ledger, testbed, run_name)
     if not (src / "summary.json").exists():
         raise ValueError(f"{src} is not a finished run (no summary.json)")
+    with claimed(src) as lock:
+        return lock is not None and _record_claimed(ledger, root, testbed, run_name, src, dst)
+
+
+def _record_claimed(ledger: Path, root: Path, testbed: str, run_name: str, src: Path, dst: Path) -> bool:
     new = not dst.exists()
     if not new and (dst / "summary.json").is_file() and (dst / "summary.json").read_bytes() != (src / "summary.json").read_bytes():
         raise ValueError(f"{src} and the ledger's {dst} are two different runs of one name (their summary.json differ): "
