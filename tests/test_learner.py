@@ -93,3 +93,36 @@ def test_full_fine_tuning_of_half_precision_weights_warns(tiny_model, tmp_path):
         warnings.filterwarnings("error", message="--dtype")
         _learner(tiny_model, tmp_path / "lora", dtype="bfloat16", kl_beta=0.0, lora_r=4, lora_alpha=8.0)
         _learner(tiny_model, tmp_path / "fp32", kl_beta=0.0)
+
+
+def test_an_optimizer_step_out_of_phase_with_accumulation_is_refused(tiny_model, tmp_path):
+    """update.optimizer_step belongs at the end of an accumulation cycle (n_micro micro-batches, which build_learner
+    gives accelerate): in the middle of one, accelerate's optimizer would not step and not zero, without a word.
+    Refused there; at the cycle's end the step moves the weights."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from oar.training.config import Config
+    from oar.training.launch import make_accelerator
+    from oar.training.learner import build_learner
+    from oar.training.models import load_model
+    from oar.training.update import optimizer_step
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    cfg = Config(model=str(tiny_model), output_dir=str(tmp_path))
+    model, tok = load_model(cfg.model, dtype=cfg.dtype)
+    accelerator = make_accelerator()
+    learner = build_learner(cfg, accelerator, model, n_micro=2)
+    ids = tok(["Compute 3 + 4. #### 7"], return_tensors="pt")["input_ids"]
+
+    def micro_batch():
+        with accelerator.accumulate(learner.policy):
+            accelerator.backward(learner.policy(input_ids=ids).logits.float().pow(2).mean())
+
+    micro_batch()
+    with pytest.raises(AssertionError, match="not at the end of an accumulation cycle"):
+        optimizer_step(learner, accelerator, 1.0, 0)
+    micro_batch()
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    _, why = optimizer_step(learner, accelerator, 1.0, 0)
+    assert why == "" and any(not torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))

@@ -141,6 +141,11 @@ def optimizer_step(learner: Learner, accelerator, max_grad_norm: float, bad_loss
     NaN logit anywhere): the norm is the same on every process after DDP's all-reduce and the loss count
     is summed, so all of them skip together; the skipped gradient is discarded, the optimizer never sees
     it. Returns (the pre-clip gradient norm, why the step was skipped: "" when it was not)."""
+    # accelerate's optimizer steps (and zeroes) only at the end of an accumulation cycle: a counter out of
+    # phase with the micro-batches would skip or split this step without a word, so it is checked here
+    assert accelerator.sync_gradients, (
+        "the optimizer step is not at the end of an accumulation cycle (micro-batches != the accelerator's "
+        "gradient_accumulation_steps): it would be skipped or split")
     params = learner.model.parameters()
     grad_norm = sharding.full_tensor(accelerator.clip_grad_norm_(params, max_grad_norm))  # sharded: a DTensor
     bad_loss = int(accelerator.reduce(torch.tensor(float(bad_loss), device=accelerator.device), "sum"))
