@@ -194,6 +194,11 @@ def test_a_run_finished_before_a_setting_existed_is_still_finished(tmp_path):
     (out / "config.json").write_text(json.dumps(saved | {"method": "oar-g"}))
     with pytest.raises(SystemExit, match="finished run with other settings"):
         run_one(SimpleNamespace(root=tmp_path), run)
+    (out / "config.json").write_text(json.dumps(saved | {"eval_size": 50}))  # evaluated otherwise: not the plan's measure
+    with pytest.raises(SystemExit, match="finished run with other settings.*eval_size"):
+        run_one(SimpleNamespace(root=tmp_path), run)
+    (out / "config.json").write_text(json.dumps(saved | {"eval_batch_size": 8, "micro_batch_size": 2}))  # the same numbers
+    assert run_one(SimpleNamespace(root=tmp_path), run) == "done"
 
 
 def test_a_run_held_by_another_study_process_is_busy_and_free_when_its_holder_dies(tmp_path):

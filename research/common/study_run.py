@@ -79,7 +79,9 @@ def claimed(out: Path):
 def _run_claimed(args, run, out: Path, lock: int) -> str:
     if (out / "summary.json").exists():
         saved = json.loads((out / "config.json").read_text())
-        ignore = (RESUMABLE - {"steps"}) | {"resume"}  # settings that do not change what is trained
+        # settings that change neither what is trained nor what a study measures: not the held-out evaluation's
+        # (a resume may change it, but a finished run evaluated on 50 problems is not one of a plan of 200)
+        ignore = (RESUMABLE - {"steps", "eval_dataset", "eval_size", "eval_every", "score_all"}) | {"resume"}
         # a setting newer than the run (absent from its config.json) ran as its default: new settings default to the old behaviour
         saved = asdict(Config()) | saved
         wrong = {k: (v, saved.get(k)) for k, v in effective(run["settings"] | {"seed": run["seed"]}).items()
