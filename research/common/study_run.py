@@ -31,6 +31,11 @@ from oar.training.checkpoint import latest_checkpoint, write_json_atomic  # noqa
 from oar.training.config import Config  # noqa: E402
 from oar.training.resume import RESUMABLE  # noqa: E402
 
+# Settings that change neither what a study trains nor what it measures: what a resume may change
+# (train.py's RESUMABLE) but the step count and the held-out evaluation's (a resume may change those, but a
+# finished run evaluated on 50 problems is not one of a plan of 200). The report compares runs by the others.
+UNMEASURED = RESUMABLE - {"steps", "eval_dataset", "eval_size", "eval_every", "score_all"}
+
 
 def effective(settings: dict) -> dict:
     return asdict(Config()) | settings
@@ -79,9 +84,7 @@ def claimed(out: Path):
 def _run_claimed(args, run, out: Path, lock: int) -> str:
     if (out / "summary.json").exists():
         saved = json.loads((out / "config.json").read_text())
-        # settings that change neither what is trained nor what a study measures: not the held-out evaluation's
-        # (a resume may change it, but a finished run evaluated on 50 problems is not one of a plan of 200)
-        ignore = (RESUMABLE - {"steps", "eval_dataset", "eval_size", "eval_every", "score_all"}) | {"resume"}
+        ignore = UNMEASURED | {"resume"}
         # a setting newer than the run (absent from its config.json) ran as its default: new settings default to the old behaviour
         saved = asdict(Config()) | saved
         wrong = {k: (v, saved.get(k)) for k, v in effective(run["settings"] | {"seed": run["seed"]}).items()

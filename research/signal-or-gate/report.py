@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 from dataclasses import asdict  # noqa: E402
 
 from oar.training.config import Config  # noqa: E402
-from oar.training.resume import RESUMABLE  # noqa: E402
 from research.common import paired_t  # noqa: E402
 from research.common.runs import fully_timed  # noqa: E402
+from research.common.study_run import UNMEASURED  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -45,10 +45,9 @@ COMPARISONS = (("oar-g-q25", "random-gate-q25"), ("oar-g-q25", "oar-g-q40"), ("o
                ("oar-g-q40", "grpo"), ("inverted-q25", "grpo"), ("inverted-q25", "random-gate-q25"))
 ALPHA, MIN_SEEDS = 0.05, 3
 # What an arm sets (study.py's ARMS), and what may differ between runs of one study without changing what is
-# trained or measured: where the run and its model lie, and the settings a resume may change (train.py's
-# RESUMABLE) but the step count and the held-out evaluation's, which the report compares
+# trained or measured: where the run and its model lie, and study_run's UNMEASURED settings
 ARM_SETTINGS = {"method", "gate_quantile", "gate_boost", "credit_module", "seed"}
-FREE_SETTINGS = (RESUMABLE - {"steps", "eval_dataset", "eval_every", "eval_size", "score_all"}) | {"model"}
+FREE_SETTINGS = UNMEASURED | {"model"}
 # The gate's shape per arm (the page: "reported, not decided on"): means over the steps of train.py's diagnostics
 SHAPE = {"oar/ess_ratio": "ESS", "oar/weight_max": "weight max", "oar/frac_boosted": "boosted", "oar/frac_suppressed": "suppressed"}
 BEGIN, END = "<!-- REPORT BEGIN (research/signal-or-gate/report.py) -->", "<!-- REPORT END -->"

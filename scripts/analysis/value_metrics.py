@@ -44,12 +44,12 @@ def metrics(w, v: dict, correct: bool) -> dict:
     n = len(dv)
     k = max(1, math.ceil(TOP * n))
     informative, varies = np.ptp(t) > 0, np.ptp(w) > 0
-    top = top_membership(w, k)
+    top, best = top_membership(w, k), top_membership(t, k) if informative else None  # the method's top k, the target's
     out = {"share_num": float((top * t).sum()), "share_base": float(k / n * t.sum()), "mass": float(t.sum()),
            "spearman": spearman(w, t) if informative and varies else math.nan,
            "spearman_abs": spearman(w, np.abs(dv)) if np.ptp(np.abs(dv)) > 0 and varies else math.nan,
-           "recall": float((top * top_membership(t, k)).sum() / k) if informative else math.nan,
-           "recall_ceiling": float((top_membership(t, k) ** 2).sum() / k) if informative else math.nan,
+           "recall": float((top * best).sum() / k) if informative else math.nan,
+           "recall_ceiling": float((best ** 2).sum() / k) if informative else math.nan,
            "sign_agree": math.nan, "sign_num": 0.0, "sign_den": 0.0, "balance": math.nan}
     if not correct and np.abs(w * dv).sum() > 0:
         out["balance"] = float((-w * dv).sum() / np.abs(w * dv).sum())
