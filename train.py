@@ -43,7 +43,7 @@ plain model. Sharding: a model sharded by FSDP2 (accelerate's plugin on GPUs, or
 processes) is gathered whole for sampling, OAR scoring and evaluation, and resharded after
 (oar/training/sharding.py). Which model does what is oar/training/learner.py's.
 
-Degenerate numbers, each with a defined outcome (tests/test_failures.py):
+Degenerate numbers, each with a defined outcome (tests/test_degenerate_numbers.py):
   * a group whose rewards are all equal has advantage 0 (oar/grpo.py): it adds nothing to the gradient,
     and OAR does not score it (exact; --score_all scores it, for the oar/ weight diagnostics);
   * a rollout with no extractable answer, or an empty reasoning span, keeps weights 1 (plain GRPO);
