@@ -163,3 +163,42 @@ def test_a_run_another_study_process_holds_is_left_to_it(tmp_path):
         assert lock is not None and not study_ledger.record_run(ledger, late, "slip", "grpo-s1")
         assert not (ledger / "runs" / "slip" / "grpo-s1").exists()
     assert study_ledger.record_run(ledger, late, "slip", "grpo-s1")
+
+
+def test_a_run_finished_here_between_the_first_look_and_the_lock_is_not_replaced(tmp_path, monkeypatch):
+    """restore looks at summary.json again once it holds the run's lock: another study process that finishes
+    the run here in between (and releases the lock) leaves its result, which restore must not overwrite with
+    the ledger's run of the same name."""
+    from contextlib import contextmanager
+
+    from research.common import study_ledger
+
+    ledger, _, model_a = _recorded(tmp_path)
+    b = tmp_path / "b"
+    (b / "slip" / "grpo-s0").mkdir(parents=True)  # being run here by another study process
+    mine = json.dumps({"accuracy_after": 0.3})
+    real = study_ledger.claimed
+
+    @contextmanager
+    def finished_meanwhile(out):  # the other process writes summary.json and ends just before the lock is taken
+        (out / "summary.json").write_text(mine)
+        with real(out) as lock:
+            yield lock
+
+    monkeypatch.setattr(study_ledger, "claimed", finished_meanwhile)
+    assert study_ledger.restore(ledger, b, "slip", model_a) == 0
+    assert (b / "slip" / "grpo-s0" / "summary.json").read_text() == mine
+
+
+def test_a_copy_that_fails_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    from research.common import study_ledger
+
+    def broken(src, dst, **kwargs):
+        Path(dst).mkdir()
+        (Path(dst) / "half").write_text("x")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(study_ledger.shutil, "copytree", broken)
+    with pytest.raises(OSError, match="disk full"):
+        study_ledger._copy_folder(_model(tmp_path / "src", 1.0), tmp_path / "dst")
+    assert not (tmp_path / "dst").exists() and [p.name for p in tmp_path.iterdir()] == ["src"]

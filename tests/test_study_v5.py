@@ -201,6 +201,32 @@ def test_a_run_finished_before_a_setting_existed_is_still_finished(tmp_path):
     assert run_one(SimpleNamespace(root=tmp_path), run) == "done"
 
 
+def test_a_train_py_that_fails_after_its_summary_is_kept_with_a_line(tmp_path, monkeypatch, capsys):
+    """train.py writes summary.json and the final model, then tears down (the vLLM engine, the process
+    group): a failure there is reported as failed, and at the next start the run is finished, with a note
+    naming the exit code, not taken silently."""
+    import json
+    import sys
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    import research.common.study_run as sr
+    from oar.training.config import Config
+
+    run = {"name": "grpo", "seed": 0, "settings": {"model": "some/model", "method": "grpo"}}
+    out = tmp_path / "grpo-s0"
+    config = json.dumps(asdict(Config()) | run["settings"] | {"seed": 0})
+    script = (f"import pathlib; d = pathlib.Path({str(out)!r}); (d / 'config.json').write_text({config!r}); "
+              "(d / 'summary.json').write_text('{}'); raise SystemExit(3)")
+    monkeypatch.setattr(sr, "command", lambda *a: [sys.executable, "-c", script])
+    args = SimpleNamespace(root=tmp_path, threads=1)
+    assert sr.run_one(args, run) == "failed"
+    assert json.loads((out / "study_time.json").read_text())["exit"] == 3
+    capsys.readouterr()
+    assert sr.run_one(args, run) == "done"
+    assert "finished (summary.json), but train.py then exited 3" in capsys.readouterr().out
+
+
 def test_a_run_held_by_another_study_process_is_busy_and_free_when_its_holder_dies(tmp_path):
     """Two study processes over one --root run different runs: a run another process holds is 'busy'
     (its folder untouched), and free again once that process ends, even by a kill."""

@@ -91,6 +91,8 @@ def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
             if lock is None:  # another study process (or its train.py) is running it here: not replaced under it
                 print(f"[study] {out.name} is running in another study process: not restored from the ledger", flush=True)
                 continue
+            if (out / "summary.json").exists():  # looked at again under the lock: a run that another process
+                continue  # finished between the first look and the lock is its result, not the ledger's to replace
             with _staged(out) as tmp:  # replaces an unfinished attempt here: the ledger holds the finished one
                 shutil.copytree(kept, tmp, ignore=shutil.ignore_patterns(".*"))  # not a write cut short
                 (tmp / "ledger.json").unlink()
@@ -182,7 +184,11 @@ def _staged(dst: Path):
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    yield tmp
+    try:
+        yield tmp
+    except BaseException:  # a copy that failed leaves nothing behind (one killed outright does: *.tmp, never read)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if dst.exists():
         shutil.rmtree(dst)
     tmp.rename(dst)
