@@ -181,6 +181,8 @@ def main(cfg: Config) -> dict:
                     "eval_before_set": held_out_set}
         log.say(f"held-out accuracy before training: {before['accuracy']:.3f} on {len(eval_set)} problems")
 
+    if start_step < cfg.steps and "last_metrics" in history:  # a longer resume: the old last line first
+        log.step_once(start_step, history.pop("last_metrics"))  # (missing if a kill cut its final evaluation)
     for step in range(start_step, cfg.steps):
         t0, cpu0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU (steadier)
         # 1. sample: this process's slice of the step's prompts, G rollouts each (a group on one process)
@@ -255,7 +257,7 @@ def main(cfg: Config) -> dict:
     summary = {"method": cfg.method, "model": cfg.model, "steps": cfg.steps, "processes": n_proc,
                "seconds_per_step": float(np.median(seconds)) if seconds else None,
                "skipped_steps": history["bad_steps"]}
-    last = history.get("last_metrics")  # None: a checkpoint from before the last line waited
+    final_line = {}
     if eval_set:
         records, final = held_out()
         summary |= {"eval_problems": len(eval_set), "eval_problems_seen_in_training": seen,
@@ -263,9 +265,8 @@ def main(cfg: Config) -> dict:
                     "accuracy_after": final["accuracy"], "pass_before": history.get("eval_before_pass"),
                     "pass_after": pass_at(final)}
         log.records("eval_final.jsonl", records)
-        last = last and last | on_line(final)  # unrounded, as the evaluations during the run are logged
-    if last:  # a longer resume keeps this line; a resume after a kill past the checkpoint logs it (once)
-        log.step_once(cfg.steps, last)
+        final_line = on_line(final)  # unrounded, as the evaluations during the run are logged
+    log.last_step(cfg.steps, history.get("last_metrics"), final_line)
     held = sharding.param_optimizer_bytes(learner.model, learner.optimizer)  # this process's share
     summary |= {"param_optimizer_bytes": held["local"], "param_optimizer_bytes_unsharded": held["unsharded"]}
     # final/ is a plain model: LoRA's adapters merged into the weights, the adapter alone in final/adapter/

@@ -178,6 +178,42 @@ def test_a_run_killed_after_its_last_checkpoint_logs_its_last_line_on_resume(tin
     assert [m["step"] for m in metrics(broken)] == [1, 2]
 
 
+
+KILL_AT_STEP_3 = """
+import os, signal, oar.training.runlog as r
+_step = r.RunLog.step
+def _dying_step(self, step, metrics):  # step 3 trained, its line not written: checkpoint-2 is the last
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _step(self, step, metrics)
+r.RunLog.step = _dying_step
+"""
+
+
+@pytest.mark.slow
+def test_a_resume_that_moves_the_last_step_logs_every_line_as_a_run_of_its_new_length(tiny_model, tmp_path):
+    """--steps may change on a resume. Larger, after a kill during the final evaluation: the old last step's line
+    (in the checkpoint's record, never logged) is logged before the run goes on. Lowered to a checkpoint of a
+    longer run: that step's line, logged during the run, gains the final evaluation. Either way the lines
+    are those of an uninterrupted run of the new length."""
+    args = lambda out, steps: _args(tiny_model, out, "--steps", str(steps), "--eval_dataset",  # noqa: E731
+                                    str(tiny_model / "data.jsonl"), "--eval_size", "6")
+    straight3, longer = tmp_path / "straight3", tmp_path / "longer"
+    run_inprocess(args(straight3, 3))
+    died = run_script(TRAIN, args(longer, 2), prelude=KILL_AFTER_THE_FINAL_EVALUATION)
+    assert died.returncode == -9, died.stderr[-3000:]
+    run_inprocess(args(longer, 3) + ["--resume"])
+    _assert_same_metrics(metrics(longer), metrics(straight3))
+
+    straight2, shorter = tmp_path / "straight2", tmp_path / "shorter"
+    want = run_inprocess(args(straight2, 2))
+    died = run_script(TRAIN, args(shorter, 4), prelude=KILL_AT_STEP_3)
+    assert died.returncode == -9, died.stderr[-3000:]
+    assert "eval/accuracy" not in metrics(shorter)[-1]
+    got = run_inprocess(args(shorter, 2) + ["--resume"])
+    _assert_same_metrics(metrics(shorter), metrics(straight2))
+    assert got["accuracy_after"] == want["accuracy_after"] == metrics(shorter)[-1]["eval/accuracy"]
+
 def test_a_resume_under_another_mixed_precision_is_refused(tiny_model, tmp_path, monkeypatch):
     """accelerate's mixed precision is the launch's, not a flag: a checkpoint records it, and a resume launched
     with another is refused before anything is written (its forwards would compute in another dtype)."""

@@ -91,6 +91,30 @@ class RunLog:
             return
         self.step(step, metrics)
 
+    def logged(self, step: int) -> dict | None:
+        """The metrics metrics.jsonl holds for `step` (without "step"), or None; None off the main process."""
+        if self.main and self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                if _step_of(line) == step:
+                    return {k: v for k, v in json.loads(line).items() if k != "step"}
+        return None
+
+    def last_step(self, step: int, waiting: dict | None, evaluation: dict) -> None:
+        """The run's last line: the step's metrics, `waiting` in the final checkpoint's record (None from a version
+        whose last line did not wait), with the final `evaluation`; logged once. A resume that ends at a
+        checkpoint of a longer run (--steps lowered to its step) finds the line logged already, without the
+        final evaluation: it is completed in place (trackers have had the step already)."""
+        old = self.logged(step)
+        metrics = (old or waiting) and (old or waiting) | evaluation
+        if not metrics:
+            return
+        if old is None or not self.main:
+            self.step_once(step, metrics)
+        elif json.loads(json.dumps(metrics)) != old:
+            lines = self.metrics_path.read_text().splitlines()
+            write_text_atomic(self.metrics_path, "".join((json.dumps({"step": step, **metrics}) if _step_of(ln) == step else ln)
+                                                         + "\n" for ln in lines))
+
     def records(self, name: str, rows: list[dict]) -> None:
         if self.main:
             tmp = self.dir / (name + ".tmp")
