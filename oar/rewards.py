@@ -5,7 +5,8 @@ r"""Whether an extracted answer is right, and the outcome reward r_i (the answer
    `4.5\times10^{33}`, `\frac43`) once `$`, `\%`, `^\circ`, units (`\text{cm}`, `18 eggs`) and
    spaces are dropped, they are compared as exact rationals, and that is final (`10\%` matches `10`,
    not `0.1`); numbers that a space keeps apart (`1, 500`, `5 \text{ or } 6`) are no one number;
-2. strings: equal after a light normalisation (no spaces or `\left`, `\dfrac` -> `\frac`,
+2. strings: equal after a light normalisation (no spaces but those between two numbers, which keep
+   `5 6` from `56`; no `\left`, `\dfrac` -> `\frac`,
    `\text{x}` -> `x`, ...), so identical answers always match, whatever sympy makes of them;
 3. math-verify: equivalence through sympy (`\frac{\sqrt3}{2}`, `2π` for `2\pi`, intervals, tuples,
    sets, `x=5` for `5`, simple expressions).
@@ -57,6 +58,7 @@ _FRACTION = re.compile(
 )
 _BARE_FRACTION = re.compile(r"\\frac(?:(?P<n>\d)|\{(?P<n1>[^{}]*)\})(?:(?P<d>\d)|\{(?P<d1>[^{}]*)\})")  # one digit may go unbraced
 _APART = re.compile(r"[\d.],?\s+[-+]?[\d.]")  # digits, then spaces (after a comma or not), then digits
+_SPACE_APART = re.compile(r"(?<=[\d.])(,?)\s+(?=[-+]?[\d.])")  # the spaces that keep them apart
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
 _UNITS = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}")
 # Plain words after a number ("18 eggs", "$4 per hour"): a unit, dropped as a \text{} one is; not a word that
@@ -231,6 +233,8 @@ def answers_match(pred: str | None, gold: str) -> bool:
     pred_value, gold_value = _as_number(pred), _as_number(gold)
     if pred_value is not None and gold_value is not None:
         return pred_value == gold_value  # exact and final: 0.333 is not 1/3
+    if _APART.search(pred) or _APART.search(gold):  # the spaces that keep numbers apart are kept: `5 6` is not `56`
+        pred_canonical, gold_canonical = (_canonical(_SPACE_APART.sub("\\1\u2423", x)) for x in (pred, gold))
     return pred_canonical == gold_canonical or _math_verify_equal(pred, gold)
 
 

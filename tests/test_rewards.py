@@ -30,6 +30,10 @@ MATCH_CASES = [
     ("12", "1,2", False),
     ("1, 500", "1500", False),  # nor does a comma and a space: a list, not 1500
     ("1500", "1, 500", False),
+    ("5 6", "56", False),  # nor a space alone: the string check keeps it too (it had matched there)
+    ("12 3", "123", False),
+    ("1 500", "1500", False),  # as "1 500" against "1,500"
+    ("5  6", "5 6", True),  # identical up to spacing
     (r"5 \text{ or } 6", "56", False),  # a dropped unit does not join the numbers either side
     (r"5 \text{cm}", "5", True),
     (r"1.3333333", r"\frac43", False),  # `\frac43` is `\frac{4}{3}`, compared exactly as that is
