@@ -79,7 +79,7 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids,
             continue
         for t, (start, end) in enumerate(held_spans(offsets, [c in special for c in content])):
             reasoning[i, t] = end <= span.marker_start and end > start
-            answer[i, t] = start < span.end and end > span.start
+            answer[i, t] = start < span.end and end > span.start and end > start  # a special token holds none
 
     pad = lambda m: torch.cat([torch.zeros_like(prompt_mask, dtype=torch.bool), m], dim=1)
     return Rollout(

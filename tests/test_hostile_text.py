@@ -144,3 +144,18 @@ def test_an_added_special_token_before_the_answer_stays_out_of_it():
     ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
     answer = ro.input_ids[0][ro.answer_mask[0]].tolist()
     assert reserved not in answer and tok.decode(answer).strip() == "7"
+
+
+def test_a_special_token_inside_the_answer_stays_out_of_it():
+    """A special token the model writes between two characters of its answer has an empty span strictly inside
+    the answer's: it holds none of it, so it is no answer position for the probes (as none of the reasoning)."""
+    from oar.rollout import build_rollout
+
+    tok = _byte_level_tokenizer()
+    pad = tok.convert_tokens_to_ids("<pad>")
+    ids = tok("3 + 4 = 7 so #### 7", add_special_tokens=False)["input_ids"] + [pad]
+    ids += tok("7", add_special_tokens=False)["input_ids"]
+    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
+    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
+    answer = ro.input_ids[0][ro.answer_mask[0]].tolist()
+    assert ro.texts[0].endswith("#### 77") and pad not in answer and tok.decode(answer).strip() == "77"
