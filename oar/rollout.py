@@ -149,18 +149,24 @@ def with_reference_answer(rollout: Rollout, tokenizer, golds: list[str], templat
     """`outcome_source=reference` (the authors' code): keep each rollout's prompt and reasoning where
     they are, replace what follows by `template` filled with the gold answer, and mark the gold
     answer's tokens. Returns (input_ids, attention_mask, reasoning_mask, answer_mask), each (B, L');
-    reasoning positions are the rollout's own, so scores on them map back one to one."""
+    reasoning positions are the rollout's own, so scores on them map back one to one. The filled template
+    is tokenized whole, as the model would write it (" -3" after "####" is one token " -", not " " and
+    "-"), and its answer tokens are those holding a character of the gold answer, `build_rollout`'s rule."""
     rows = []
     for i, gold in enumerate(golds):
         text = template.format(answer=gold)
         start = template.index("{answer}")  # the gold answer's characters are text[start : start + len(gold)]
-        prefix = tokenizer(text[:start], add_special_tokens=False)["input_ids"]
-        answer = tokenizer(gold, add_special_tokens=False)["input_ids"]
-        suffix = tokenizer(text[start + len(gold):], add_special_tokens=False)["input_ids"]
+        conclusion = tokenizer(text, add_special_tokens=False)["input_ids"]
+        decoded, offsets = char_offsets(tokenizer, conclusion)
+        if decoded != text:  # the characters' places would be another text's
+            raise ValueError(f"--outcome_source reference: the tokenizer decodes the conclusion {text!r} as {decoded!r}, "
+                             f"so its answer tokens cannot be found; use --outcome_source rollout.")
+        spans = held_spans(offsets, [False] * len(conclusion))
+        answer = [s < start + len(gold) and e > start and e > s for s, e in spans]
         reasoning = rollout.reasoning_mask[i].nonzero().flatten()
         cut = int(reasoning[-1]) + 1 if reasoning.numel() else rollout.prompt_width
-        rows.append((rollout.input_ids[i, :cut].tolist(), rollout.attention_mask[i, :cut].tolist(), prefix, answer, suffix))
-    width = max(len(ids) + len(p) + len(a) + len(s) for ids, _, p, a, s in rows)
+        rows.append((rollout.input_ids[i, :cut].tolist(), rollout.attention_mask[i, :cut].tolist(), conclusion, answer))
+    width = max(len(ids) + len(c) for ids, _, c, _ in rows)
     device = rollout.input_ids.device
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -168,11 +174,11 @@ def with_reference_answer(rollout: Rollout, tokenizer, golds: list[str], templat
     reasoning_mask = torch.zeros((len(rows), width), dtype=torch.bool)
     keep = min(width, rollout.reasoning_mask.shape[1])
     reasoning_mask[:, :keep] = rollout.reasoning_mask[:, :keep].cpu()
-    for i, (ids, att, p, a, s) in enumerate(rows):
-        seq = ids + p + a + s
+    for i, (ids, att, conclusion, answer) in enumerate(rows):
+        seq = ids + conclusion
         input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention[i, : len(seq)] = torch.tensor(att + [1] * (len(p) + len(a) + len(s)))
-        answer_mask[i, len(ids) + len(p) : len(ids) + len(p) + len(a)] = True
+        attention[i, : len(seq)] = torch.tensor(att + [1] * len(conclusion))
+        answer_mask[i, len(ids) : len(seq)] = torch.tensor(answer, dtype=torch.bool)
     return input_ids.to(device), attention.to(device), reasoning_mask.to(device), answer_mask.to(device)
 
 

@@ -4,6 +4,7 @@ with them; the spans must stay contiguous and the costs linear."""
 
 import time
 
+import pytest
 import torch
 
 def _byte_level_tokenizer():
@@ -159,3 +160,49 @@ def test_a_special_token_inside_the_answer_stays_out_of_it():
     ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
     answer = ro.input_ids[0][ro.answer_mask[0]].tolist()
     assert ro.texts[0].endswith("#### 77") and pad not in answer and tok.decode(answer).strip() == "77"
+
+
+def _bpe(corpus: str, normalizer=None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    if normalizer is not None:
+        core.normalizer = normalizer
+    core.train_from_iterator([corpus] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+def test_the_reference_conclusion_is_tokenized_as_the_model_writes_it():
+    """--outcome_source reference appends "#### {gold}": tokenized whole, so a gold that starts with a sign or a word
+    keeps the space in its first token (" -", " yes"), as in the model's own text; tokenized in pieces it read
+    "####", " ", "-", a context the model never writes. Its answer tokens are those holding the gold's characters."""
+    from oar.rollout import build_rollout, with_reference_answer
+
+    tok = _bpe("2 + 2 = 4 #### -3 #### yes #### 18")
+    whole = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert "Ġ-" in tok.convert_ids_to_tokens(whole("#### -3"))  # the space is the sign's
+    reasoning = tok("2 + 2 = 4 ", add_special_tokens=False)["input_ids"]
+    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]] * 2)
+    written = [reasoning + tok("#### 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]] * 2
+    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor(written), {tok.eos_token_id})
+    ids, attention, _, answer = with_reference_answer(ro, tok, ["-3", "yes"], "#### {answer}")
+    for row, gold in enumerate(["-3", "yes"]):
+        kept = ids[row][attention[row].bool()].tolist()
+        assert kept[-len(whole(f"#### {gold}")):] == whole(f"#### {gold}")
+        assert tok.decode(ids[row][answer[row]]) == f" {gold}"
+
+
+def test_a_reference_conclusion_the_tokenizer_does_not_reproduce_is_refused():
+    from tokenizers import normalizers
+
+    from oar.rollout import build_rollout, with_reference_answer
+
+    tok = _bpe("2 + 2 = 4 #### abc", normalizers.Lowercase())
+    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
+    written = torch.tensor([tok("2 + 2 = 4 #### 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
+    ro = build_rollout(tok, prompt, torch.ones_like(prompt), written, {tok.eos_token_id})
+    with pytest.raises(ValueError, match="decodes the conclusion '#### ABC' as '#### abc'"):
+        with_reference_answer(ro, tok, ["ABC"], "#### {answer}")
