@@ -53,7 +53,8 @@ def _family(name: str):
         "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(c, num_key_value_heads=None)),
         "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                                                        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
-        # two families whose forward reads dropout rates from the config (only the dropout test builds them)
+        # families whose forward reads dropout rates, or router jitter, from the config (only the dropout test builds them)
+        "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(c, num_local_experts=4, num_experts_per_tok=2)),
         "falcon": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                              num_attention_heads=4, pad_token_id=PAD, bos_token_id=BOS,
                                                              eos_token_id=EOS)),
@@ -250,13 +251,14 @@ def test_oar_g_with_gradient_checkpointing_on_a_sliding_window_family(name):
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "falcon", "dbrx"])
+@pytest.mark.parametrize("name", [*FAMILIES, "falcon", "dbrx", "mixtral"])
 def test_training_turns_every_familys_dropout_off(name):
-    """With every dropout rate of its config at 0.5, a family's model in train mode gives its eval-mode logits
-    after disable_dropout (train.py's learner calls it): pi_old, the update and the scores are one function."""
+    """With every dropout rate (and MoE router jitter, Mixtral's) of its config at 0.5, a family's model in train
+    mode gives its eval-mode logits after disable_dropout (train.py's learner calls it): pi_old, the update and the
+    scores are one function."""
     model_cls, config = _family(name)
     for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+        if ("dropout" in key or "pdrop" in key or "jitter" in key) and isinstance(value, float):
             setattr(config, key, 0.5)
     torch.manual_seed(0)
     model = model_cls(config).float()

@@ -29,8 +29,9 @@ def disable_dropout(model) -> None:
     Sets every dropout module's p, and every float attribute named like a dropout rate (`dropout`,
     `pdrop`) of a module (transformers' attentions keep theirs as floats, e.g. Llama's `attention_dropout`)
     or of the model's config and its sub-configs (Falcon reads `config.attention_dropout` in the forward), to 0;
-    so final/config.json records the rates the policy trained at, 0."""
-    rate = lambda name, value: ("dropout" in name or "pdrop" in name) and isinstance(value, float)  # noqa: E731
+    so final/config.json records the rates the policy trained at, 0. Likewise MoE router jitter (Mixtral's
+    `router_jitter_noise`, its blocks' `jitter_noise`), which multiplies hidden states by noise in train mode."""
+    rate = lambda name, value: any(k in name for k in ("dropout", "pdrop", "jitter")) and isinstance(value, float)  # noqa: E731
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
