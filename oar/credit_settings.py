@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-GATE_FLOOR = 0.1  # smallest weight of a suppressed token (docs/maths.md §5; 1.0 would be boost only)
+GATE_FLOOR = 0.1  # a suppressed token's smallest weight before the mass rescale (maths §5; 1.0: boost only)
 ENTROPY_TOP = 0.2  # entropy-mask's rho: share of the step's tokens, the highest-entropy ones, that carry the advantage
 PERTURB_SPAN = 1  # OAR-P: tokens masked together (1 = the definition, exact)
 PERTURB_AUTO_LENGTH = 512  # OAR-P auto mode: reasoning-to-answer positions from which the window is used (docs/long-reasoning.md)

@@ -18,7 +18,8 @@ score can be negative: masking a token may make the answer *more* likely, which 
 influence as making it less likely); the divisions in step 4 are guarded (tau = 0 sends every token
 to the boost branch since n_t >= 0; tau = 1 makes (n_t - tau)/(1 - tau) = 0) without moving a token
 between branches; a row with any non-finite reasoning score gets all-ones weights (plain GRPO), and
-the caller counts such rows. `floor = 1` gives boost-only gating, `boost = 0` suppress-only.
+the caller counts such rows. `floor = 1` gives boost-only gating, `boost = 0` suppress-only, before
+step 5: the mass rescale then moves every weight by one factor (a suppressed token can end below the floor).
 
 The gate with a run's settings (`credit_adapters.gate`) and its control, BEYOND THE PAPER, uniform
 random scores through it (`credit_adapters.random_gate`), are the credit layer's (oar/credit.py).

@@ -14,8 +14,8 @@ method inverts the scores in the gate's own log space, per rollout over its reas
 
 (the token OAR-G ranks first gets OAR-G's last place, and the gaps between tokens are kept). Every
 other step is OAR-G's: the same noise (each rollout's own seed, oar_grad.seeded_noise), the same clean outcome from
-the update forward, the same probe, the same gate settings (--gate_quantile, --gate_boost, --gate_floor,
---preserve_mass). If OAR's scores carry information about which tokens matter, this arm should learn
+the update forward, the same probe, the same gate settings (--gate_quantile, --gate_boost, --preserve_mass,
+and the fixed floor, oar.credit_settings.GATE_FLOOR). If OAR's scores carry information about which tokens matter, this arm should learn
 worse than `random-gate` (which gates scores that carry none); if only the reshaping matters, the
 three gated arms should tie. tests/test_signal_or_gate.py checks that with the inversion switched
 off the weights are the built-in oar-g's, and with it on they are the gate of 1 - n.
