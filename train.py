@@ -129,7 +129,7 @@ def main(cfg: Config) -> dict:
     learner = build_learner(cfg, accelerator, model, n_micro=local_prompts * cfg.group_size // micro)
     policy, gather = learner.policy, (lambda x: gather_ragged(accelerator, x))
     try:  # the method's trial on a synthetic step: a broken one stops here, before any evaluation or file
-        with learner.gathered(), accelerator.autocast():
+        with learner.gathered(), learner.autocast():
             try_credit(cfg.credit(), policy, tokenizer, train_set[0].problem, train_set[0].answer,
                        instruction=instruction, probe="last" if cfg.probe_warmup else cfg.probe,
                        device=accelerator.device, keep_cache=not cfg.gradient_checkpointing, gather=gather)
@@ -214,7 +214,7 @@ def main(cfg: Config) -> dict:
         has_tokens = ro.loss_tokens(cfg.mask_truncated).any(1)
         scored = ((advantages != 0) & has_tokens | cfg.score_all) & method.scores  # (B,)
         probe = "last" if step < cfg.probe_warmup else cfg.probe
-        with accelerator.autocast():
+        with learner.autocast():  # the update forward's context (none under FSDP2)
             credit = step_credit(cfg.credit(), policy, tokenizer, ro, rewards, advantages, scored, seeds,
                                  golds, probe, gather=gather)
 

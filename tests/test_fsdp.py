@@ -102,3 +102,35 @@ def test_the_kl_reference_under_fsdp_in_bf16_is_the_policy_at_the_start(tiny_mod
     check_ok(finish(*spawn(cmd), timeout=180))
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert step["loss/kl_ref"] == 0.0
+
+
+RECORD_AUTOCAST = """
+import json, torch, oar.credit_adapters as c
+_scores = c.gradient_scores
+def _recording(*args, **kwargs):  # whether the credit's forward autocasts, as the update forward does not
+    with open({path!r}, "a") as f:
+        f.write(json.dumps(torch.is_autocast_enabled("cpu")) + "\\n")
+    return _scores(*args, **kwargs)
+c.gradient_scores = _recording
+"""
+
+
+@pytest.mark.slow
+def test_the_credit_under_fsdp_in_bf16_computes_without_autocast_as_the_update_forward(tiny_model, tmp_path):
+    """OAR-G's noised forward is compared with the clean outcome of the update forward, which FSDP2 computes in
+    its shards' mixed precision with no autocast around it: the credit computes the same way (learner.autocast),
+    not under accelerate's autocast, which an unsharded bf16 launch turns on (and its update forward too)."""
+    from tinyrun import TRAIN, finish, launch_command, spawn
+
+    record = tmp_path / "autocast.jsonl"
+    script = tmp_path / "recording_train.py"  # train.py run after the prelude, in each launched process
+    script.write_text(RECORD_AUTOCAST.format(path=str(record)) + f"import runpy, sys\nsys.argv[0] = {str(TRAIN)!r}\n"
+                      f"runpy.run_path({str(TRAIN)!r}, run_name='__main__')\n")
+    for sharded in (["--fsdp"], []):
+        record.unlink(missing_ok=True)
+        cmd = launch_command(_args(tiny_model, tmp_path / f"run{len(sharded)}", "oar-g/resumed", "--steps", "1", *sharded),
+                             script=script)
+        cmd[cmd.index("--mixed_precision") + 1] = "bf16"
+        check_ok(finish(*spawn(cmd), timeout=180))
+        seen = {json.loads(line) for line in record.read_text().splitlines()}
+        assert seen == ({False} if sharded else {True}), (sharded, seen)  # the trial step and the update's scoring

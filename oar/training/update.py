@@ -97,7 +97,7 @@ def update(cfg, learner: Learner, accelerator, ro: Rollout, advantages: torch.Te
                         clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:],
                                                     mb.answer_mask[:, lp - 1:], probe)
                     # the method calls submodules: gathered when sharded; in the update's precision
-                    with learner.gathered(method.scores), accelerator.autocast():
+                    with learner.gathered(method.scores), learner.autocast():
                         weights, secs, nonfinite = credit(rows, mb, logits.detach(), clean, clean_kv)
                     out.credit_seconds, out.nonfinite = out.credit_seconds + secs, out.nonfinite + nonfinite
                     out.gaps.append((logprobs.detach() - sampled[rows].to(logprobs.device)).abs()[valid])
