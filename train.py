@@ -88,8 +88,8 @@ from oar.training.evaluation import evaluate
 from oar.training.launch import (Stopped, end, exit_at_once, gather_ragged, lost_process, make_accelerator,
                                  release, stop_on_sigterm)
 from oar.training.learner import build_learner
-from oar.training.models import ModelError, load_model, resolve_model
-from oar.training.resume import check_resume
+from oar.training.models import ModelError, load_model, model_digest, resolve_model
+from oar.training.resume import check_model, check_resume
 from oar.training.runlog import (RunLog, as_logged, mean_over_processes, pass_metrics, reward_term_metrics,
                                  sampler_gap_metrics, step_metrics)
 from oar.training.update import count_bad_steps, update
@@ -122,6 +122,9 @@ def main(cfg: Config) -> dict:
         rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.top_p)  # vllm: usable
         set_seed(cfg.seed)
         model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer checked first
+        facts["model_files"] = model_digest(model_source(cfg.model), model)  # a resume must find them so
+        if cfg.resume:
+            check_model(ckpt.read_state(resume_from), resume_from, facts["model_files"])
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"train.py: error: {err}") from None
     # LoRA, checkpointing, KL reference, FSDP2, optimizer, accelerate's prepare (oar/training/learner.py)

@@ -136,3 +136,24 @@ def test_the_real_model_page_runs_the_studys_settings():
     assert literal and all(getattr(cfg, k) == v for k, v in literal.items()), {k: (getattr(cfg, k), v) for k, v in literal.items()}
     assert cfg.instruction == ast.literal_eval(names["INSTRUCTION"])
     assert cfg.dataset.endswith("real_smollm2/data/train.jsonl") and cfg.eval_dataset.endswith("real_smollm2/data/test.jsonl")
+
+
+def test_the_model_digest_is_the_hub_commit_or_a_hash_of_the_files_read(tmp_path, monkeypatch):
+    """model_digest, which a resume compares: a hub id's loaded commit; a .gguf file's own bytes (not its folder's
+    other files); a folder's top-level files, so an edit of one changes it."""
+    from types import SimpleNamespace
+
+    from oar.training import models
+
+    loaded = SimpleNamespace(config=SimpleNamespace(_commit_hash="0123abc"))
+    monkeypatch.setattr(models, "_check_hub", lambda name: None)  # no hub here: the id is taken as found
+    assert models.model_digest("org/model", loaded) == "hub commit 0123abc"
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "weights.gguf").write_bytes(b"GGUF1")
+    gguf = models.model_digest(str(folder / "weights.gguf"), loaded)
+    whole = models.model_digest(str(folder), loaded)
+    (folder / "config.json").write_text('{"a": 1}')
+    assert models.model_digest(str(folder / "weights.gguf"), loaded) == gguf  # the folder's other files are not read
+    assert models.model_digest(str(folder), loaded) != whole

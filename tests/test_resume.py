@@ -262,3 +262,29 @@ def test_a_run_extended_by_a_resume_keeps_its_last_evaluation(tiny_model, tmp_pa
     assert max_abs_diff(final_params(extended), final_params(straight)) <= 1e-6
     assert summary["accuracy_after"] == metrics(straight)[-1]["eval/accuracy"]  # the same evaluation, at one precision
     assert metrics(extended)[0]["eval/accuracy"] == metrics(straight)[0]["eval/accuracy"]  # the final one of a shorter run too
+
+
+def test_a_resume_from_other_model_files_is_refused(tiny_model, tmp_path):
+    """A resume reloads --model (the tokenizer, LoRA's frozen base, the KL reference): a folder edited in place
+    since the checkpoint (one weight scaled, the file's size unchanged) is refused before anything is written;
+    the same files resume."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    out = tmp_path / "run"
+    args = lambda steps: _args(model, out, "--steps", str(steps))  # noqa: E731
+    run_inprocess(args(1))
+    weights = next(model.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    name = next(iter(tensors))
+    save_file({**tensors, name: tensors[name] * 1.5}, str(weights), metadata={"format": "pt"})
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(SystemExit, match="started from other --model files"):
+        run_inprocess(args(2) + ["--resume"])
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    save_file({**tensors, name: tensors[name]}, str(weights), metadata={"format": "pt"})  # restored: it resumes
+    run_inprocess(args(2) + ["--resume"])
+    assert [m["step"] for m in metrics(out)] == [1, 2]

@@ -6,6 +6,7 @@ Calling them (position ids, caches, a logits forward) is oar/lm.py's job.
 from __future__ import annotations
 
 import functools
+import hashlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -154,6 +155,23 @@ def load_model(name: str, *, dtype: str = "float32"):
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config
     return model, tokenizer
+
+
+def model_digest(name: str, model) -> str:
+    """What `--model` held when `model` was loaded from it, for a resume to compare (resume.check_model): the hub
+    commit transformers loaded, or a sha256 of the files it read, the .gguf file or the folder's top-level
+    files (the weights, config and tokenizer; about a second a GB)."""
+    source, kwargs = resolve_model(name)
+    if not Path(source).exists():  # a hub id: its files are the revision's
+        return f"hub commit {getattr(model.config, '_commit_hash', None)}"
+    folder = Path(source)
+    files = [folder / kwargs["gguf_file"]] if "gguf_file" in kwargs else \
+        sorted(f for f in folder.iterdir() if f.is_file() and not f.name.startswith("."))
+    digest = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as handle:
+            digest.update(f"{f.name}\0{hashlib.file_digest(handle, 'sha256').hexdigest()}\n".encode())
+    return digest.hexdigest()
 
 
 @contextmanager

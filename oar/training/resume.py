@@ -52,6 +52,17 @@ def check_resume(cfg: Config, state: dict, where, facts: dict | None = None) -> 
                          f"(docs/flags.md); continue it with the version that wrote it, or start a new run.")
 
 
+def check_model(state: dict, where, digest: str) -> None:
+    """A resume reloads --model (the tokenizer, LoRA's frozen base, the KL reference, the instruction 'auto'
+    reads): its files must be those the checkpoint's run started from (`models.model_digest`, in its history;
+    a checkpoint from before it was recorded is not checked)."""
+    ran = state.get("history", {}).get("model_files")
+    if ran is not None and ran != digest:
+        raise ValueError(f"--resume: {where} started from other --model files than those there now (an edited or "
+                         f"re-saved folder, another hub revision): the run would go on from another model. Restore "
+                         f"the model, or start a new run.")
+
+
 def refixed(saved: dict) -> str:
     """The settings a recorded config ran at another value than the one this version fixes (REMOVED),
     as one readable line ('' when none)."""
