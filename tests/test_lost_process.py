@@ -139,3 +139,17 @@ def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout
     assert len(said) == 1 and "died or stalled" in said[0] and f"--collective_timeout is {TIMEOUT} s" in said[0], done.stderr[-3000:]
     assert "starts over" in said[0] and "--resume" not in said[0]  # an evaluation has nothing to resume
     assert not re.search(r"\[rank\d\]:\s*Traceback", done.stderr), done.stderr[-3000:]
+
+
+def test_a_long_collective_error_is_cut_between_words_and_says_so(monkeypatch):
+    """The message quotes the collective's first line, at most about 200 characters: cut at a space, with '...'."""
+    import torch
+
+    from oar.training.launch import lost_process
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    words = "[../gloo/transport/pair.cc:534] Connection closed by peer " + " ".join(f"word{i}" for i in range(80))
+    message = lost_process(RuntimeError(words), "train.py", 600)
+    quoted = message.split("failed: ", 1)[1].split("; --collective_timeout", 1)[0]
+    assert quoted.startswith("Connection closed by peer word0") and quoted.endswith(" ...") and len(quoted) <= 204
+    assert words.split("] ", 1)[1].startswith(quoted[:-4] + " ")  # whole words only

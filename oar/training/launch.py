@@ -71,7 +71,8 @@ def lost_process(err: BaseException, script: str, collective_timeout: float, hin
     gloo = any(s in text for s in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
     if not (isinstance(err, torch.distributed.DistError) or (torch.distributed.is_initialized() and gloo)):
         return None
-    what = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)[:200]  # without gloo's source path
+    what = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)  # without gloo's source path
+    what = what if len(what) <= 200 else what[:200].rsplit(" ", 1)[0] + " ..."  # cut between words, and said
     return (f"{script}: error: another process of this run died or stalled (a collective operation failed: {what}; "
             f"--collective_timeout is {collective_timeout:g} s). This process stops too. {hint}")
 
