@@ -55,6 +55,8 @@ def _family(name: str):
                                                        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
         # families whose forward reads dropout rates, or router jitter, from the config (only the dropout test builds them)
         "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(c, num_local_experts=4, num_experts_per_tok=2)),
+        "phimoe": ("PhimoeForCausalLM", "PhimoeConfig", dict(c, num_local_experts=4, num_experts_per_tok=2,
+                                                             router_jitter_noise=0.5)),  # a routing threshold, eval mode too
         "falcon": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                              num_attention_heads=4, pad_token_id=PAD, bos_token_id=BOS,
                                                              eos_token_id=EOS)),
@@ -315,3 +317,16 @@ def test_a_bfloat16_model_trains_with_oar(tiny_model, tmp_path, method):
     (m,) = metrics(tmp_path / "run")
     assert all(v == v and abs(v) != float("inf") for v in m.values()), m
     assert m["oar/frac_scored"] > 0 and m["oar/frac_boosted"] > 0 and m["oar/frac_nonfinite_scores"] == 0, m
+
+
+def test_disable_dropout_keeps_what_a_model_computes_in_eval_mode():
+    """Phi-MoE's router reads `router_jitter_noise` as a fixed threshold in eval mode too (Mixtral's is train-mode
+    noise): disable_dropout leaves it, so the model computes what it was pretrained to. (Phi-MoE's train-mode
+    routing samples experts, which no setting turns off: its update forward is not deterministic.)"""
+    model_cls, config = _family("phimoe")
+    torch.manual_seed(0)
+    model = model_cls(config).float().eval()
+    ids, attn = long_batch()[:2]
+    want = forward_logits(model, ids, attn)
+    disable_dropout(model)
+    assert torch.equal(forward_logits(model.eval(), ids, attn), want) and model.config.router_jitter_noise == 0.5

@@ -23,6 +23,9 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+JITTER = {"jitter_noise", "input_jitter_noise", "moe_jitter_eps"}  # Mixtral, MiniMax; Phi-MoE; DBRX's router
+
+
 def disable_dropout(model) -> None:
     """Dropout off for training (TRL's `disable_dropout`, on by default there): the update forward runs in
     train mode, and with dropout it would compute pi_old, the PPO ratio of a later pass and the vLLM
@@ -30,14 +33,17 @@ def disable_dropout(model) -> None:
     Sets every dropout module's p, and every float attribute named like a dropout rate (`dropout`,
     `pdrop`) of a module (transformers' attentions keep theirs as floats, e.g. Llama's `attention_dropout`)
     or of the model's config and its sub-configs (Falcon reads `config.attention_dropout` in the forward), to 0;
-    so final/config.json records the rates the policy trained at, 0. Likewise MoE router jitter (Mixtral's
-    `router_jitter_noise`, its blocks' `jitter_noise`), which multiplies hidden states by noise in train mode."""
-    rate = lambda name, value: any(k in name for k in ("dropout", "pdrop", "jitter")) and isinstance(value, float)  # noqa: E731
+    so final/config.json records the rates the policy trained at, 0. Likewise the MoE jitter that multiplies
+    hidden states by noise in train mode, by its modules' names (`JITTER`: Mixtral's and MiniMax's blocks copy
+    `router_jitter_noise` there); not the configs' `router_jitter_noise`, which Phi-MoE's router also reads
+    as a fixed threshold in eval mode (zeroed, it would route otherwise than the pretrained model)."""
+    rate = lambda name, value: ("dropout" in name or "pdrop" in name) and isinstance(value, float)  # noqa: E731
+    jitter = lambda name, value: name in JITTER and isinstance(value, float)  # noqa: E731
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
         for name, value in list(vars(module).items()):
-            if rate(name, value):
+            if rate(name, value) or jitter(name, value):
                 setattr(module, name, 0.0)
     configs, seen = [getattr(m, "config", None) for m in model.modules()], set()
     while configs:  # every config a module holds, and the sub-configs they hold (DBRX's attn_config, ffn_config)
