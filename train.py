@@ -122,7 +122,7 @@ def main(cfg: Config) -> dict:
         rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.top_p)  # vllm: usable
         set_seed(cfg.seed)
         model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer checked first
-        facts["model_files"] = model_digest(model_source(cfg.model), model)  # a resume must find them so
+        facts["model_files"] = model_digest(model_source(cfg.model))  # a resume must find them so
         if cfg.resume:
             check_model(ckpt.read_state(resume_from), resume_from, facts["model_files"])
     except (ValueError, DataError, ModelError) as err:

@@ -6,6 +6,7 @@ hub is a closed local port, or a local server that answers 404."""
 import http.server
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -138,22 +139,30 @@ def test_the_real_model_page_runs_the_studys_settings():
     assert cfg.dataset.endswith("real_smollm2/data/train.jsonl") and cfg.eval_dataset.endswith("real_smollm2/data/test.jsonl")
 
 
-def test_the_model_digest_is_the_hub_commit_or_a_hash_of_the_files_read(tmp_path, monkeypatch):
-    """model_digest, which a resume compares: a hub id's loaded commit; a .gguf file's own bytes (not its folder's
-    other files); a folder's top-level files, so an edit of one changes it."""
-    from types import SimpleNamespace
 
-    from oar.training import models
+def test_the_model_digest_is_the_hub_commit_or_a_hash_of_the_files_read(hub, tiny_model, tmp_path, monkeypatch):
+    """model_digest, which a resume compares: for a hub id, the commit of the cached snapshot transformers loads
+    (transformers 5 no longer records it on the config); a .gguf file's own bytes (not its folder's other files);
+    a folder's top-level files, so an edit of one changes it."""
+    import shutil
 
-    loaded = SimpleNamespace(config=SimpleNamespace(_commit_hash="0123abc"))
-    monkeypatch.setattr(models, "_check_hub", lambda name: None)  # no hub here: the id is taken as found
-    assert models.model_digest("org/model", loaded) == "hub commit 0123abc"
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)  # no request for a newer revision (retried on a closed port)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = Path(hub.HF_HUB_CACHE) / "models--org--tiny"
+    shutil.copytree(tiny_model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    model, _ = models.load_model("org/tiny")  # from the cache, offline
+    assert model.config.vocab_size > 0 and models.model_digest("org/tiny") == {"hub commit": commit}
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / "weights.gguf").write_bytes(b"GGUF1")
-    gguf = models.model_digest(str(folder / "weights.gguf"), loaded)
-    whole = models.model_digest(str(folder), loaded)
+    (folder / "README.md").write_text("notes")
+    gguf, whole = models.model_digest(str(folder / "weights.gguf")), models.model_digest(str(folder))
+    assert list(gguf) == ["weights.gguf"] and list(whole) == ["config.json"]  # what loading reads, no more
     (folder / "config.json").write_text('{"a": 1}')
-    assert models.model_digest(str(folder / "weights.gguf"), loaded) == gguf  # the folder's other files are not read
-    assert models.model_digest(str(folder), loaded) != whole
+    (folder / "README.md").write_text("other notes")
+    assert models.model_digest(str(folder / "weights.gguf")) == gguf  # the folder's other files are not read
+    assert models.model_digest(str(folder)).keys() == whole.keys() and models.model_digest(str(folder)) != whole

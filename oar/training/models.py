@@ -163,20 +163,30 @@ def load_model(name: str, *, dtype: str = "float32"):
     return model, tokenizer
 
 
-def model_digest(name: str, model) -> str:
-    """What `--model` held when `model` was loaded from it, for a resume to compare (resume.check_model): the hub
-    commit transformers loaded, or a sha256 of the files it read, the .gguf file or the folder's top-level
-    files (the weights, config and tokenizer; about a second a GB)."""
+MODEL_FILES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".tiktoken")  # what from_pretrained reads
+
+
+def model_digest(name: str) -> dict[str, str]:
+    """What `--model` held once loaded, for a resume to compare (resume.check_model), file by file: a hub id's
+    commit (the snapshot its files were loaded from), or the sha256 of each file loading reads, the .gguf file
+    or the folder's top-level weights, config and tokenizer files (`MODEL_FILES`; about a second a GB)."""
+    from huggingface_hub import try_to_load_from_cache
+
     source, kwargs = resolve_model(name)
-    if not Path(source).exists():  # a hub id: its files are the revision's
-        return f"hub commit {getattr(model.config, '_commit_hash', None)}"
+    if not Path(source).exists():  # a hub id: the cache's snapshots/<commit>/ folder it loaded from
+        config = try_to_load_from_cache(source, "config.json")
+        return {"hub commit": Path(config).parent.name if isinstance(config, str) else "unknown"}
     folder = Path(source)
     files = [folder / kwargs["gguf_file"]] if "gguf_file" in kwargs else \
-        sorted(f for f in folder.iterdir() if f.is_file() and not f.name.startswith("."))
+        sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(MODEL_FILES) and not f.name.startswith("."))
+    return {f.name: _sha256(f) for f in files}
+
+
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    for f in files:
-        with open(f, "rb") as handle:
-            digest.update(f"{f.name}\0{hashlib.file_digest(handle, 'sha256').hexdigest()}\n".encode())
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
     return digest.hexdigest()
 
 

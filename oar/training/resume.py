@@ -2,7 +2,8 @@
 
 `check_resume` refuses a resume that would splice two different runs into one: a setting outside
 RESUMABLE changed, other training problems or another accelerate mixed precision (the run's facts),
-or a former flag (config.py's REMOVED) that ran at another value than this version fixes.
+or a former flag (config.py's REMOVED) that ran at another value than this version fixes; once the model is
+loaded, `check_model` refuses other --model files than the run started from.
 `from_record` rebuilds the Config a run's config.json records, written by this version or an earlier
 one. Like config.py, this module imports no torch: a refused resume answers before torch loads.
 """
@@ -52,15 +53,16 @@ def check_resume(cfg: Config, state: dict, where, facts: dict | None = None) -> 
                          f"(docs/flags.md); continue it with the version that wrote it, or start a new run.")
 
 
-def check_model(state: dict, where, digest: str) -> None:
+def check_model(state: dict, where, digest: dict) -> None:
     """A resume reloads --model (the tokenizer, LoRA's frozen base, the KL reference, the instruction 'auto'
     reads): its files must be those the checkpoint's run started from (`models.model_digest`, in its history;
     a checkpoint from before it was recorded is not checked)."""
     ran = state.get("history", {}).get("model_files")
     if ran is not None and ran != digest:
-        raise ValueError(f"--resume: {where} started from other --model files than those there now (an edited or "
-                         f"re-saved folder, another hub revision): the run would go on from another model. Restore "
-                         f"the model, or start a new run.")
+        changed = ", ".join(sorted(k for k in ran.keys() | digest.keys() if ran.get(k) != digest.get(k)))
+        raise ValueError(f"--resume: {where} started from other --model files than those there now ({changed}: "
+                         f"edited, added, removed or another hub revision): the run would go on from another model. "
+                         f"Restore them, or start a new run.")
 
 
 def refixed(saved: dict) -> str:
