@@ -151,18 +151,22 @@ def with_reference_answer(rollout: Rollout, tokenizer, golds: list[str], templat
     answer's tokens. Returns (input_ids, attention_mask, reasoning_mask, answer_mask), each (B, L');
     reasoning positions are the rollout's own, so scores on them map back one to one. The filled template
     is tokenized whole, as the model would write it (" -3" after "####" is one token " -", not " " and
-    "-"), and its answer tokens are those holding a character of the gold answer, `build_rollout`'s rule."""
+    "-"), and its answer tokens are those holding a character of the gold answer, `build_rollout`'s rule.
+    Where the tokenizer does not decode the conclusion back to its text (a character it maps to <unk>, a
+    lower-casing normalizer), the places of the characters are unknown: that row's conclusion is tokenized
+    in three pieces (before, the answer, after), the answer's tokens being the middle piece's."""
     rows = []
+    encode = lambda piece: tokenizer(piece, add_special_tokens=False)["input_ids"]  # noqa: E731
     for i, gold in enumerate(golds):
         text = template.format(answer=gold)
         start = template.index("{answer}")  # the gold answer's characters are text[start : start + len(gold)]
-        conclusion = tokenizer(text, add_special_tokens=False)["input_ids"]
+        conclusion = encode(text)
         decoded, offsets = char_offsets(tokenizer, conclusion)
-        if decoded != text:  # the characters' places would be another text's
-            raise ValueError(f"--outcome_source reference: the tokenizer decodes the conclusion {text!r} as {decoded!r}, "
-                             f"so its answer tokens cannot be found; use --outcome_source rollout.")
-        spans = held_spans(offsets, [False] * len(conclusion))
-        answer = [s < start + len(gold) and e > start and e > s for s, e in spans]
+        if decoded == text:
+            answer = [s < start + len(gold) and e > start and e > s for s, e in held_spans(offsets, [False] * len(conclusion))]
+        else:
+            before, middle, after = encode(text[:start]), encode(gold), encode(text[start + len(gold):])
+            conclusion, answer = before + middle + after, [False] * len(before) + [True] * len(middle) + [False] * len(after)
         reasoning = rollout.reasoning_mask[i].nonzero().flatten()
         cut = int(reasoning[-1]) + 1 if reasoning.numel() else rollout.prompt_width
         rows.append((rollout.input_ids[i, :cut].tolist(), rollout.attention_mask[i, :cut].tolist(), conclusion, answer))

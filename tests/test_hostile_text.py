@@ -4,7 +4,6 @@ with them; the spans must stay contiguous and the costs linear."""
 
 import time
 
-import pytest
 import torch
 
 def _byte_level_tokenizer():
@@ -195,14 +194,21 @@ def test_the_reference_conclusion_is_tokenized_as_the_model_writes_it():
         assert tok.decode(ids[row][answer[row]]) == f" {gold}"
 
 
-def test_a_reference_conclusion_the_tokenizer_does_not_reproduce_is_refused():
+def test_a_reference_conclusion_the_tokenizer_does_not_reproduce_is_tokenized_in_pieces():
+    """A tokenizer that does not decode "#### ABC" back (this one lower-cases) leaves the answer's characters
+    without a place: that row's conclusion is "#### " and "ABC" tokenized apart, its answer tokens the second
+    piece's, where the reasoning stays as it was; the other rows are tokenized whole."""
     from tokenizers import normalizers
 
     from oar.rollout import build_rollout, with_reference_answer
 
     tok = _bpe("2 + 2 = 4 #### abc", normalizers.Lowercase())
-    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
-    written = torch.tensor([tok("2 + 2 = 4 #### 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]])
+    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]] * 2)
+    written = torch.tensor([tok("2 + 2 = 4 #### 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]] * 2)
     ro = build_rollout(tok, prompt, torch.ones_like(prompt), written, {tok.eos_token_id})
-    with pytest.raises(ValueError, match="decodes the conclusion '#### ABC' as '#### abc'"):
-        with_reference_answer(ro, tok, ["ABC"], "#### {answer}")
+    ids, attention, _, answer = with_reference_answer(ro, tok, ["ABC", "abc"], "#### {answer}")
+    piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    kept = ids[0][attention[0].bool()].tolist()
+    assert kept[-len(piece("#### ") + piece("ABC")):] == piece("#### ") + piece("ABC")
+    assert ids[0][answer[0]].tolist() == piece("ABC") and tok.decode(ids[0][answer[0]]) == "abc"
+    assert tok.decode(ids[1][answer[1]]).strip() == "abc"  # decoded back: tokenized whole
