@@ -6,7 +6,7 @@ r"""Whether an extracted answer is right, and the outcome reward r_i (the answer
    spaces are dropped, they are compared as exact rationals, and that is final (`10\%` matches `10`,
    not `0.1`); numbers that a space keeps apart (`1, 500`, `5 \text{ or } 6`) are no one number;
 2. strings: equal after a light normalisation (no spaces but those between two numbers, which keep
-   `5 6` from `56`; no `\left`, `\dfrac` -> `\frac`,
+   `5 6` from `56`, so `(1, 2)` and `(1,2)` are left to step 3; no `\left`, `\dfrac` -> `\frac`,
    `\text{x}` -> `x`, ...), so identical answers always match, whatever sympy makes of them;
 3. math-verify: equivalence through sympy (`\frac{\sqrt3}{2}`, `2π` for `2\pi`, intervals, tuples,
    sets, `x=5` for `5`, simple expressions).

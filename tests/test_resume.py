@@ -178,7 +178,6 @@ def test_a_run_killed_after_its_last_checkpoint_logs_its_last_line_on_resume(tin
     assert [m["step"] for m in metrics(broken)] == [1, 2]
 
 
-
 KILL_AT_STEP_3 = """
 import os, signal, oar.training.runlog as r
 _step = r.RunLog.step
@@ -210,9 +209,13 @@ def test_a_resume_that_moves_the_last_step_logs_every_line_as_a_run_of_its_new_l
     died = run_script(TRAIN, args(shorter, 4), prelude=KILL_AT_STEP_3)
     assert died.returncode == -9, died.stderr[-3000:]
     assert "eval/accuracy" not in metrics(shorter)[-1]
-    got = run_inprocess(args(shorter, 2) + ["--resume"])
+    got = run_inprocess(args(shorter, 2) + ["--resume", "--log_with", "tensorboard"])
     _assert_same_metrics(metrics(shorter), metrics(straight2))
     assert got["accuracy_after"] == want["accuracy_after"] == metrics(shorter)[-1]["eval/accuracy"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sent = EventAccumulator(str(shorter / "oar")).Reload().Scalars("eval/accuracy")  # the trackers are sent it too
+    assert [(e.step, e.value) for e in sent] == [(2, pytest.approx(got["accuracy_after"]))]
 
 def test_a_resume_under_another_mixed_precision_is_refused(tiny_model, tmp_path, monkeypatch):
     """accelerate's mixed precision is the launch's, not a flag: a checkpoint records it, and a resume launched

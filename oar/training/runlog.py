@@ -103,7 +103,7 @@ class RunLog:
         """The run's last line: the step's metrics, `waiting` in the final checkpoint's record (None from a version
         whose last line did not wait), with the final `evaluation`; logged once. A resume that ends at a
         checkpoint of a longer run (--steps lowered to its step) finds the line logged already, without the
-        final evaluation: it is completed in place (trackers have had the step already)."""
+        final evaluation: it is completed in place (and the trackers are sent the evaluation)."""
         old = self.logged(step)
         metrics = (old or waiting) and (old or waiting) | evaluation
         if not metrics:
@@ -111,6 +111,8 @@ class RunLog:
         if old is None or not self.main:
             self.step_once(step, metrics)
         elif json.loads(json.dumps(metrics)) != old:
+            if self.acc.log_with and evaluation:  # the trackers had the step's line, without the final evaluation
+                self.acc.log(evaluation, step=step)
             lines = self.metrics_path.read_text().splitlines()
             write_text_atomic(self.metrics_path, "".join((json.dumps({"step": step, **metrics}) if _step_of(ln) == step else ln)
                                                          + "\n" for ln in lines))
