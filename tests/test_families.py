@@ -1,11 +1,9 @@
 """Every causal-LM family a user plausibly brings: OAR-P, OAR-G, the update forward, the sampler and the
 log-probs against each model's own definition (issue 11).
 
-Each family's tiny random model is built here from its transformers config class (hidden 32, 2 layers,
-vocab 96). Sliding-window families get a window of 6, shorter than every sequence below, and the
-families that scale or cap their logits (Granite, Cohere, Gemma 2/3) get scales far from 1, so a head
-that skipped them would be far off. Every model runs eager attention (Llama also sdpa), and every
-definition runs through the same model, so the attention implementation is the same on both sides.
+Each family's tiny random model is built in tests/families.py from its transformers config class, and every
+definition runs through the same model, so the attention implementation is the same on both sides. Their
+dropout: tests/test_dropout.py.
 """
 
 import copy
@@ -15,98 +13,13 @@ import torch
 
 from oar.grpo import token_logprobs
 from oar.lm import forward_logits
-from oar.training.models import disable_dropout, enable_checkpointing
+from oar.training.models import enable_checkpointing
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive
 from oar.probes import clean_forward, divergence, outcome_from_logits
 from oar.sampler import generate
 
-VOCAB, PAD, BOS, EOS, WINDOW = 96, 0, 1, 2, 6
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
-
-
-def _family(name: str):
-    """(model class, config) of a family, built from transformers' own config classes."""
-    import transformers as tf
-
-    c = COMMON
-    table = {
-        "llama-sdpa": ("LlamaForCausalLM", "LlamaConfig", dict(c, attn_implementation="sdpa")),
-        "llama": ("LlamaForCausalLM", "LlamaConfig", c),
-        "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(c, tie_word_embeddings=True)),  # q/k/v biases, tied head
-        "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(c, head_dim=8)),
-        "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(c, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                                                    moe_intermediate_size=32, decoder_sparse_step=1)),
-        "mistral-window": ("MistralForCausalLM", "MistralConfig", dict(c, sliding_window=WINDOW)),
-        "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(c, head_dim=8)),
-        "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(c, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0,
-                                                             attn_logit_softcapping=5.0)),
-        "gemma3-text": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(c, head_dim=8, sliding_window=WINDOW, final_logit_softcapping=2.0,
-                                                                      layer_types=["sliding_attention", "full_attention"])),
-        "phi3": ("Phi3ForCausalLM", "Phi3Config", c),
-        "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", c),
-        "granite": ("GraniteForCausalLM", "GraniteConfig", dict(c, logits_scaling=8.0, embedding_multiplier=3.0,
-                                                                 residual_multiplier=0.5, attention_multiplier=0.3)),
-        "cohere": ("CohereForCausalLM", "CohereConfig", dict(c, logit_scale=0.05)),
-        "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", c),
-        "gpt-neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(c, num_key_value_heads=None)),
-        "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
-                                                       pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
-        # families whose forward reads dropout rates, or router jitter, from the config (only the dropout test builds them)
-        "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(c, num_local_experts=4, num_experts_per_tok=2)),
-        "phimoe": ("PhimoeForCausalLM", "PhimoeConfig", dict(c, num_local_experts=4, num_experts_per_tok=2,
-                                                             router_jitter_noise=0.5)),  # a routing threshold, eval mode too
-        "falcon": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                                             num_attention_heads=4, pad_token_id=PAD, bos_token_id=BOS,
-                                                             eos_token_id=EOS)),
-        "dbrx": ("DbrxForCausalLM", "DbrxConfig", dict(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=128,
-                                                       attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, ffn_config={"ffn_hidden_size": 64,
-                                                                                                  "moe_num_experts": 2, "moe_top_k": 1},
-                                                       pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
-    }
-    model_cls, config_cls, kwargs = table[name]
-    if not hasattr(tf, model_cls):
-        pytest.skip(f"transformers {tf.__version__} has no {model_cls}")
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    kwargs.setdefault("attn_implementation", "eager")
-    return getattr(tf, model_cls), getattr(tf, config_cls)(**kwargs)
-
-
-FAMILIES = ["llama-sdpa", "llama", "qwen2", "qwen3", "qwen3-moe", "mistral-window", "gemma", "gemma2", "gemma3-text", "phi3",
-            "olmo2", "granite", "cohere", "smollm3", "gpt-neox", "gpt2"]
-
-
-def build(name: str, seed: int = 0):
-    model_cls, config = _family(name)
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    with torch.no_grad():  # random biases and norm weights: zeros and ones would hide a skipped term
-        for n, p in model.named_parameters():
-            if n.endswith("bias") or "norm" in n or "ln" in n:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def long_batch(seed: int = 0):
-    """Three rows as the sampler lays them out (left pad, prompt, reasoning, answer, EOS, right pad),
-    each longer than the window, with different left padding. ids, attention, reasoning, answer (B, L)."""
-    g = torch.Generator().manual_seed(seed)
-    layouts = [(0, 5, 14, 2, 1), (4, 3, 10, 3, 2), (1, 6, 12, 1, 2)]
-    rows, attn, reas, ans = [], [], [], []
-    for lp, p, r, a, tail in layouts:
-        n = lp + p + r + a + tail
-        ids = torch.randint(3, VOCAB, (n,), generator=g)
-        ids[:lp] = PAD
-        ids[lp + p + r + a] = EOS
-        ids[lp + p + r + a + 1:] = PAD
-        mask = torch.zeros(n, dtype=torch.long)
-        mask[lp: lp + p + r + a + 1] = 1
-        rm, am = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
-        rm[lp + p: lp + p + r] = True
-        am[lp + p + r: lp + p + r + a] = True
-        rows.append(ids), attn.append(mask), reas.append(rm), ans.append(am)
-    return torch.stack(rows), torch.stack(attn), torch.stack(reas), torch.stack(ans)
+from families import EOS, FAMILIES, PAD, VOCAB, build, long_batch
 
 
 def oar_g_definition(model, ids, attn, reas, ans, probe, noise, noise_std):
@@ -123,7 +36,7 @@ def oar_g_definition(model, ids, attn, reas, ans, probe, noise, noise_std):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_oar_scores_equal_the_definitions_on_every_family(name):
+def test_oar_scores_equal_the_definitions_on_everyfamily(name):
     model = build(name)
     ids, attn, reas, ans = long_batch()
     if getattr(model.config, "sliding_window", None):
@@ -238,7 +151,7 @@ def test_one_train_step_per_method_on_other_families(tiny_model, tmp_path_factor
 
 
 @pytest.mark.parametrize("name", ["mistral-window", "gemma2"])
-def test_oar_g_with_gradient_checkpointing_on_a_sliding_window_family(name):
+def test_oar_g_with_gradient_checkpointing_on_a_sliding_windowfamily(name):
     # Training mode with checkpointed layers drops caches: OAR-G then puts whole rows in the graph.
     model = build(name)
     ids, attn, reas, ans = long_batch()
@@ -251,25 +164,6 @@ def test_oar_g_with_gradient_checkpointing_on_a_sliding_window_family(name):
     got = gradient_scores(model, ids, attn, reas, ans, noise=noise, noise_std=1e-2)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())  # as above
     assert all(p.grad is None for p in model.parameters())
-
-
-@pytest.mark.parametrize("name", [*FAMILIES, "falcon", "dbrx", "mixtral"])
-def test_training_turns_every_familys_dropout_off(name):
-    """With every dropout rate (and MoE router jitter, Mixtral's) of its config at 0.5, a family's model in train
-    mode gives its eval-mode logits after disable_dropout (train.py's learner calls it): pi_old, the update and the
-    scores are one function."""
-    model_cls, config = _family(name)
-    for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key or "jitter" in key) and isinstance(value, float):
-            setattr(config, key, 0.5)
-    torch.manual_seed(0)
-    model = model_cls(config).float()
-    ids, attn = long_batch()[:2]
-    want = forward_logits(model.eval(), ids, attn)
-    noisy = forward_logits(model.train(), ids, attn)
-    disable_dropout(model)
-    got = forward_logits(model.train(), ids, attn)
-    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(noisy, want, atol=1e-5)  # it had dropout to turn off
 
 
 @pytest.mark.slow
@@ -317,16 +211,3 @@ def test_a_bfloat16_model_trains_with_oar(tiny_model, tmp_path, method):
     (m,) = metrics(tmp_path / "run")
     assert all(v == v and abs(v) != float("inf") for v in m.values()), m
     assert m["oar/frac_scored"] > 0 and m["oar/frac_boosted"] > 0 and m["oar/frac_nonfinite_scores"] == 0, m
-
-
-def test_disable_dropout_keeps_what_a_model_computes_in_eval_mode():
-    """Phi-MoE's router reads `router_jitter_noise` as a fixed threshold in eval mode too (Mixtral's is train-mode
-    noise): disable_dropout leaves it, so the model computes what it was pretrained to. (Phi-MoE's train-mode
-    routing samples experts, which no setting turns off: its update forward is not deterministic.)"""
-    model_cls, config = _family("phimoe")
-    torch.manual_seed(0)
-    model = model_cls(config).float().eval()
-    ids, attn = long_batch()[:2]
-    want = forward_logits(model, ids, attn)
-    disable_dropout(model)
-    assert torch.equal(forward_logits(model.eval(), ids, attn), want) and model.config.router_jitter_noise == 0.5

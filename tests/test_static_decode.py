@@ -1,6 +1,6 @@
 """The fixed-shape decode loop (oar/static_decode.py) gives the eager loop's rollouts (issue 20).
 
-Every family of tests/test_families.py runs in float64 with sdpa attention where the family has it
+Every family of tests/families.py runs in float64 with sdpa attention where the family has it
 (eager attention in float64 turns left-padded rows into NaN in this transformers), so the two loops'
 logits agree far below any gap between two tokens' cumulative probabilities: the tokens must be equal,
 token for token, greedy, sampled and with top-p, with left padding and EOS ids that end rows early.
@@ -14,9 +14,9 @@ import torch
 import oar.static_decode as sd
 from oar.sampler import decode, sample
 
-from test_families import EOS, FAMILIES, PAD, VOCAB, build
+from families import EOS, FAMILIES, PAD, VOCAB, build
 
-SLIDING = {"mistral-window", "gemma2", "gemma3-text"}  # a window of 6 (test_families), shorter than every row
+SLIDING = {"mistral-window", "gemma2", "gemma3-text"}  # a window of 6 (tests/families.py), shorter than every row
 
 
 def _double(name):

@@ -12,7 +12,7 @@ weights the loss sees (q = 0.4, beta = 2, floor 0.1, mass preserved).
     python scripts/analysis/precision.py --families      # tiny random models of five families instead
 
 With --families: the same comparison (bfloat16 weights against float32, OAR-P and OAR-G with
-answer_mean at noise 1e-2) on tiny random models of five families built as tests/test_families.py
+answer_mean at noise 1e-2) on tiny random models of five families built by tests/families.py
 builds them, on the same rows: Spearman and the largest error over the largest score, per family.
 (It replaces scripts/analysis/bf16_closeness.py, whose SmolLM2 rollout the real-text mode covers.)
 """
@@ -59,9 +59,9 @@ def scores(model, ro, method, pad_id):
 
 
 def families() -> None:
-    """bfloat16 weights against float32 on tiny random models of five families (tests/test_families.py)."""
+    """bfloat16 weights against float32 on tiny random models of five families (tests/families.py)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_families import PAD, build, long_batch
+    from families import PAD, build, long_batch
 
     from scripts.analysis.attribution import spearman
 
