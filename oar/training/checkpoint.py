@@ -109,9 +109,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict,
     if accelerator.is_main_process:
         if final.exists():  # the same step saved before a crash: the new one replaces it
             shutil.rmtree(final)
-        written = sorted(tmp.rglob("*"), key=lambda x: len(x.parts), reverse=True)  # deepest first: files, then their folders
-        for path in [*written, tmp]:  # on disk before the name says complete, even if the machine dies
-            _fsync(path)
+        fsync_tree(tmp)  # on disk before the name says complete, even if the machine dies
         os.replace(tmp, final)
         _fsync(root)
         for old in checkpoints(root)[:-keep]:
@@ -187,6 +185,13 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush a folder's files and folders to disk, deepest first, then the folder itself: before a rename says
+    it is complete (a checkpoint, the final model)."""
+    for path in [*sorted(folder.rglob("*"), key=lambda x: len(x.parts), reverse=True), folder]:
+        _fsync(path)
 
 
 def _fsync(path: Path) -> None:

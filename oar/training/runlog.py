@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from oar.training import console
-from oar.training.checkpoint import write_json_atomic, write_text_atomic
+from oar.training.checkpoint import fsync_tree, write_json_atomic, write_text_atomic
 from oar.gating import weight_stats
 
 
@@ -119,9 +119,7 @@ class RunLog:
 
     def records(self, name: str, rows: list[dict]) -> None:
         if self.main:
-            tmp = self.dir / (name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(self.dir / name)
+            write_text_atomic(self.dir / name, "".join(json.dumps(r) + "\n" for r in rows))
 
     def finish(self, summary: dict, model, tokenizer, state_dict: dict | None = None, also=None) -> None:
         """Save the final model (safetensors, loadable with from_pretrained) and summary.json. The
@@ -138,6 +136,7 @@ class RunLog:
             tokenizer.save_pretrained(tmp)
             if also is not None:
                 also(tmp)
+            fsync_tree(tmp)  # on disk before it is named final, as a checkpoint is
             shutil.rmtree(final, ignore_errors=True)  # a resumed run that had already finished
             os.replace(tmp, final)
             write_json_atomic(self.dir / "summary.json", summary)
