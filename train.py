@@ -156,11 +156,12 @@ def main(cfg: Config) -> dict:
     # The sampler: oar.sampler.sample, or a vLLM engine in this process that follows the policy (docs/vllm.md)
     sampler = rollout_backend.make(cfg.rollout_backend, model_source(cfg.model), accelerator=accelerator,
                                    folder=cfg.output_dir, **rollout_backend.engine_settings(cfg))
+    own = cfg.rollout_backend == "own"  # the sampler is the policy (gathered when sharded), not a vLLM engine
     if cfg.resume:  # the engine starts from --model's weights: give it the checkpoint's
         rollout_backend.follow(sampler, policy, learner.peft)
 
     def held_out():  # (records, accuracy and pass@k) on the held-out set; avg@k when --eval_samples k > 1
-        with learner.gathered():
+        with learner.gathered(own):
             return evaluate(policy, tokenizer, eval_set, accelerator=accelerator, instruction=instruction,
                             batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
                             num_samples=cfg.eval_samples, temperature=cfg.eval_temperature, seed=cfg.seed,
@@ -194,7 +195,8 @@ def main(cfg: Config) -> dict:
         prompts = [format_prompt(tokenizer, train_set[i].problem, instruction) for i in idx]
         golds = [train_set[i].answer for i in idx for _ in range(cfg.group_size)]
         chunks = local_prompts // cfg.rollout_batch_size if cfg.rollout_batch_size else 1
-        with learner.gathered(), log.progress(chunks * cfg.max_new_tokens, "rollouts", unit="token") as shown:
+        with (learner.gathered(own),  # the own sampler reads the whole policy; a vLLM engine its own weights
+              log.progress(chunks * cfg.max_new_tokens, "rollouts", unit="token") as shown):
             ro = sampler(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
                          max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                          chunk=cfg.rollout_batch_size, loop=cfg.decode_loop, on_token=shown.update)

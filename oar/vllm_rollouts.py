@@ -90,6 +90,11 @@ def check(source: str, *, top_p: float, gguf_file: str | None = None, training: 
     if not archs or not set(archs) & set(ModelRegistry.get_supported_archs()):
         raise BackendError(f"--rollout_backend vllm: vLLM has no implementation of {', '.join(archs) or 'this model (no architectures in its config)'}; "
                            f"use --rollout_backend own.")
+    if training and _experts(config):
+        raise BackendError(f"--rollout_backend vllm: {', '.join(archs)} is a mixture of experts, and vLLM's in-place weight reload does not "
+                           f"reach its MoE kernels' own weight layout (vLLM 0.32's CPU build: after one step the engine's log-probs "
+                           f"were 0.3 nats off the trainer's; not verified on a GPU), so rollouts would come from another policy "
+                           f"than the one trained. Train it with --rollout_backend own (eval.py may use vllm: it loads once).")
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -100,6 +105,15 @@ def check(source: str, *, top_p: float, gguf_file: str | None = None, training: 
         if head not in sizes:
             raise BackendError(f"--rollout_backend vllm: attention heads of size {head}; vLLM's CPU kernels take {sizes}. "
                                f"Use --rollout_backend own for this model.")
+
+
+def _experts(config) -> int:
+    """The number of experts a transformers config names (0 for a dense model), at its top level or in DBRX's ffn_config."""
+    ffn = getattr(config, "ffn_config", None)
+    places = [config, *([ffn] if ffn is not None else [])]
+    counts = [(p.get(k) if isinstance(p, dict) else getattr(p, k, None)) for p in places
+              for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")]
+    return max([c for c in counts if isinstance(c, int)], default=0)
 
 
 @contextmanager

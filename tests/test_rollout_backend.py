@@ -95,6 +95,22 @@ def test_vllm_backend_refuses_top_p(tiny_model, tmp_path):
                         "--rollout_backend", "vllm", "--top_p", "0.9"])
 
 
+@pytest.mark.parametrize("script, flag", [("train", "--temperature"), ("train", "--eval_temperature"),
+                                          ("eval", "--eval_temperature")])
+def test_vllm_backend_refuses_a_temperature_it_would_raise_to_001(tiny_model, tmp_path, script, flag):
+    """vLLM samples (and scores) any temperature in (0, 0.01) at 0.01 and says so only at a log level the backend
+    silences: such a run is refused before anything loads; 0.01 itself and 0 (greedy evaluation) pass the check."""
+    args = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "run"),
+            "--rollout_backend", "vllm"]
+    with pytest.raises(SystemExit, match=f"{flag} 0.005 with --rollout_backend vllm: vLLM samples any temperature in"):
+        _main(script, [*args, flag, "0.005"])
+    from oar.training.checks import check_backend_settings
+    from oar.training.config import Config
+
+    for ok in (0.01, 0.0) if flag == "--eval_temperature" else (0.01,):
+        assert check_backend_settings(Config(rollout_backend="vllm", **{flag[2:]: ok})) == []
+
+
 def test_unknown_backend_is_refused(tiny_model, tmp_path):
     with pytest.raises(SystemExit, match="--rollout_backend sglang: own or vllm"):
         _main("train", ["--model", str(tiny_model), "--output_dir", str(tmp_path / "run"), "--rollout_backend", "sglang"])
@@ -181,3 +197,14 @@ def test_the_engine_gets_the_weights_one_at_a_time(family, monkeypatch):
     assert all(torch.equal(drawn[k], want[k]) for k in drawn)
     base = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".base_layer.weight" in k}
     assert base and all(not torch.equal(drawn[k], v) for k, v in base.items())  # merged, not the base weights
+
+
+def test_a_mixture_of_experts_is_told_from_a_dense_model_by_its_config():
+    """What vllm_rollouts.check refuses for training (its test runs in the vLLM environment): a config naming
+    experts, at its top level (Mixtral, Qwen3-MoE) or in DBRX's ffn_config; dense configs name none."""
+    import transformers as tf
+
+    assert vllm_rollouts._experts(tf.LlamaConfig()) == 0 == vllm_rollouts._experts(tf.Qwen2Config())
+    assert vllm_rollouts._experts(tf.MixtralConfig(num_local_experts=4)) == 4
+    assert vllm_rollouts._experts(tf.Qwen3MoeConfig(num_experts=6)) == 6
+    assert vllm_rollouts._experts(tf.DbrxConfig(ffn_config={"moe_num_experts": 3})) == 3

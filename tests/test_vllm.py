@@ -180,6 +180,12 @@ def test_refuses_what_it_cannot_serve(tiny, tmp_path):
     with pytest.raises(BackendError, match="--top_p 0.9 with --rollout_backend vllm"):  # training scores its log-probs ...
         vllm_rollouts.check(str(tiny), top_p=0.9)
     vllm_rollouts.check(str(tiny), top_p=0.9, training=False)  # ... evaluation reads none
+    moe = tmp_path / "moe"  # a mixture of experts (here a config that names 4): trained on the own sampler only
+    shutil.copytree(tiny, moe)
+    (moe / "config.json").write_text(json.dumps({**config, "num_local_experts": 4}))
+    with pytest.raises(BackendError, match="is a mixture of experts, and vLLM's in-place weight reload"):
+        vllm_rollouts.check(str(moe), top_p=1.0)
+    vllm_rollouts.check(str(moe), top_p=1.0, training=False)  # eval.py loads the weights once
 
 
 def test_the_benchmark_times_every_backend_on_the_same_batch(tiny, loaded):

@@ -40,6 +40,11 @@ def check_backend_settings(cfg: BackendSettings) -> list[str]:
          f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: 0 (off) or >= 1 (a cap below 1 would scale "
          f"down every token's gradient, even where the engine and the trainer agree).")
     need(0 < cfg.vllm_gpu_memory_utilization <= 1, f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must lie in (0, 1].")
+    for name in ("temperature", "eval_temperature"):  # those of the entry point's settings
+        t = getattr(cfg, name, None)
+        need(cfg.rollout_backend != "vllm" or t is None or not 0 < t < 0.01,
+             f"--{name} {t} with --rollout_backend vllm: vLLM samples any temperature in (0, 0.01) at 0.01, without a "
+             f"word (and reports log-probs at 0.01); use a temperature of 0 (greedy) or >= 0.01, or --rollout_backend own.")
     return problems
 
 
