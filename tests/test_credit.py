@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from oar.entropy_credit import linear_quantile, top_entropy_mask
 from oar.grpo import group_advantages
 from oar.tempo import tempo_weights
+from tinyrun import tiny_step
 
 
 def test_tempo_by_hand():
@@ -156,18 +157,10 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     from oar.credit import METHODS, CreditSettings, step_credit
     from oar.gating import bilevel_weights
     from oar.grpo import token_entropy
-    from oar.training.models import load_model
     from oar.lm import forward_logits
-    from oar.rewards import reward
-    from oar.sampler import format_prompt, sample
     from oar.rollout import Rollout
 
-    model, tok = load_model(str(tiny_model))
-    problems = [("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10")]
-    ro = sample(model, tok, [format_prompt(tok, q) for q, _ in problems], group_size=4, seeds=list(range(8)), max_new_tokens=20)
-    golds = [a for _, a in problems for _ in range(4)]
-    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
-    adv = group_advantages(rewards, 4)
+    model, tok, ro, golds, rewards, adv = tiny_step(tiny_model)
     scored = (adv != 0) & ro.completion_mask.any(1)
     lp = ro.prompt_width
     with torch.no_grad():
@@ -257,17 +250,9 @@ def test_step_credit_scores_against_the_gold_answer_under_outcome_source_referen
     from oar.lm import forward_logits
     from oar.oar_grad import gradient_scores
     from oar.oar_perturb import perturbation_scores
-    from oar.rewards import reward
     from oar.rollout import with_reference_answer
-    from oar.sampler import format_prompt, sample
-    from oar.training.models import load_model
 
-    model, tok = load_model(str(tiny_model))
-    problems = [("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10")]
-    ro = sample(model, tok, [format_prompt(tok, q) for q, _ in problems], group_size=4, seeds=list(range(8)), max_new_tokens=20)
-    golds = [a for _, a in problems for _ in range(4)]
-    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
-    adv = group_advantages(rewards, 4)
+    model, tok, ro, golds, rewards, adv = tiny_step(tiny_model)
     scored = torch.ones(8, dtype=torch.bool)  # every rollout, whatever the tiny model's rewards
     reasoning = ro.reasoning_mask & scored[:, None]
     assert reasoning.any(1).sum() >= 2, "too few rollouts with reasoning tokens to test on"

