@@ -9,7 +9,8 @@ r"""Whether an extracted answer is right, and the outcome reward r_i (the answer
    `5 6` from `56`, so `(1, 2)` and `(1,2)` are left to step 3; no `\left`, `\dfrac` -> `\frac`,
    `\text{x}` -> `x`, ...), so identical answers always match, whatever sympy makes of them;
 3. math-verify: equivalence through sympy (`\frac{\sqrt3}{2}`, `2π` for `2\pi`, intervals, tuples,
-   sets, `x=5` for `5`, simple expressions).
+   sets, `x=5` for `5`, simple expressions), with its own unit stripping off (it takes a trailing
+   one-letter variable for a unit: `6` matched `6m`); units at the end are dropped by `_without_units`.
 Why math-verify earns its place as a dependency: MATH-style gold answers are LaTeX, and string
 normalisation alone (Hendrycks' `is_equiv`) rejects equivalent forms such as `\sqrt{50}` for
 `5\sqrt{2}` or `\{2,1\}` for `\{1,2\}`; hand-written graders that fix this grow into long tables of
@@ -60,7 +61,7 @@ _BARE_FRACTION = re.compile(r"\\frac(?:(?P<n>\d)|\{(?P<n1>[^{}]*)\})(?:(?P<d>\d)
 _APART = re.compile(r"[\d.],?\s+[-+]?[\d.]")  # digits, then spaces (after a comma or not), then digits
 _SPACE_APART = re.compile(r"(?<=[\d.])(,?)\s+(?=[-+]?[\d.])")  # the spaces that keep them apart
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
-_UNITS = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}")
+_UNITS = re.compile(r"\\(?:text|textnormal|mbox|mathrm)\s*\{[^{}]*\}")
 # Plain words after a number ("18 eggs", "$4 per hour"): a unit, dropped as a \text{} one is; not a word that
 # changes the value, joins another term or names a symbol ("18 thousand", "3 fourths", "5 or more", "2 pi",
 # "5 below zero"), nor one letter (a variable)
@@ -71,7 +72,11 @@ _SCALING = {"hundred", "thousand", "million", "billion", "trillion", "dozen", "s
 _SCALING |= {w + "s" for w in _SCALING if w.isalpha()}  # "5 hundreds", "3 dozens"
 _ORDINAL_FRACTION = re.compile(r"(?:fourth|fifth|sixth|seventh|eighth|ninth|tenth|hundredth|thousandth|millionth|billionth)s?")
 _WORD_UNITS = re.compile(r"(?<=[\d.%$])(?:\s+[A-Za-z]{2,}\.?)+\s*$")
-_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf)\{([^{}]*)\}")
+# Units at the end of an answer that math-verify reads (its own unit stripping is off: it also takes a trailing
+# one-letter variable for a unit, `6m` -> 6): `\text{ cm}^2`, or plain words after a number or a brace (`\sqrt{13} feet`)
+_TRAILING_TEXT_UNITS = re.compile(r"(?:\s*\\(?:text|textnormal|mbox|mathrm)\s*\{[^{}]*\}(?:\^\{?[23]\}?)?)+\s*$")
+_TRAILING_WORD_UNITS = re.compile(r"(?<=[\d.%$}])(?:\s+[A-Za-z]{2,}\.?)+\s*$")
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textnormal|textbf|textit|textrm|mbox|mathrm|mathbf)\s*\{([^{}]*)\}")
 _NOISE = re.compile(  # dropped from both sides: spacing, sizing, currency, percent and degree signs
     r"\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\[!,;: ]|\s+|\\?\$|\\?%|\^\{?\\circ\}?|°|\\degree"
 )
@@ -194,8 +199,30 @@ def _math_verify():
 @functools.lru_cache(maxsize=4096)  # a gold answer is parsed once per prompt, not once per rollout
 def _parse(answer: str) -> tuple:
     math_verify = _math_verify()
-    latex_only = (math_verify.LatexExtractionConfig(boxed_match_priority=0),)
-    return tuple(math_verify.parse("\\boxed{" + answer + "}", latex_only, parsing_timeout=None))
+    return tuple(math_verify.parse("\\boxed{" + _without_units(answer) + "}", _latex_only(), parsing_timeout=None))
+
+
+def _latex_only() -> tuple:
+    """math-verify's LaTeX extraction, with its normalisation but its unit stripping off: its unit list holds
+    one-letter variables (m, s, t, c, ...) and words that change the value (more, less), so `6` matched `6m`,
+    `a +` matched `a + b + c`, and `\\sin^2(t)` missed `\\sin^2 t`. Units are dropped by `_without_units`."""
+    from latex2sympy2_extended.math_normalization import NormalizationConfig
+
+    math_verify = _math_verify()
+    keep = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="all", equations=False)
+    return (math_verify.LatexExtractionConfig(boxed_match_priority=0, normalization_config=keep),)
+
+
+def _without_units(answer: str) -> str:
+    """`answer` without the units at its end: `\\text{..}`-marked ones (`\\text{ feet}`, `\\mbox{ inches}^2`) and plain
+    words of two letters or more after a number or a brace (`12\\sqrt{13} feet`), but not words that change the
+    value (`_SCALING`: `5 more`, `2 pi`) nor one letter, which is a variable (`\\frac{37}{4} m`)."""
+    cut = _TRAILING_TEXT_UNITS.sub("", answer) if len(answer) <= MV_MAX_CHARS else answer
+    words = _TRAILING_WORD_UNITS.search(cut) if len(cut) <= MV_MAX_CHARS else None
+    said = {w.rstrip(".").lower() for w in words[0].split()} if words else set()
+    if words and not (_SCALING & said or any(_ORDINAL_FRACTION.fullmatch(w) for w in said)):
+        cut = cut[: words.start()]
+    return cut.strip() or answer
 
 
 def _math_verify_equal(pred: str, gold: str) -> bool:

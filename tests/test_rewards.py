@@ -34,6 +34,21 @@ MATCH_CASES = [
     ("12 3", "123", False),
     ("1 500", "1500", False),  # as "1 500" against "1,500"
     ("5  6", "5 6", True),  # identical up to spacing
+    # math-verify's own unit stripping (off) took a trailing one-letter variable for a unit, both ways:
+    (r"\frac{37}{4}", r"\frac{37}{4} m", False),  # Minerva 104: wrong, had matched
+    (r"\frac{37m}{4}", r"\frac{37}{4} m", True),  # right, had not
+    ("6", "6m", False),  # OlympiadBench 117
+    ("4", "4t", False),  # MATH train_12k 11372, "Simplify 3t+4-6t+7t-4"
+    ("a +", "a + b + c", False),  # MATH train 4490
+    ("c+b+a", "a + b + c", True),
+    (r"\sin^2(t)", r"\sin^2 t", True),  # MATH train 7489
+    ("5 more", "5", False),  # a word that changes the value is no unit
+    (r"12\sqrt{13} feet", r"12\sqrt{13}", True),  # units in words or \text{} at the end still drop
+    (r"12\sqrt{13}", r"12\sqrt{13} \text{ feet}", True),
+    ("864", r"864 \mbox{ inches}^2", True),
+    ("125", r"125\textnormal{ miles}", True),
+    (r"8\sqrt{3}", r"8\sqrt{3} \text { square inches}", True),  # a space after \text (MATH train_12k 9254)
+    (r"\lambda_{\text{red}}/\sqrt{2}", r"\lambda_{\text {red}} / \sqrt{2}", True),  # Minerva 139
     (r"5 \text{ or } 6", "56", False),  # a dropped unit does not join the numbers either side
     (r"5 \text{cm}", "5", True),
     (r"1.3333333", r"\frac43", False),  # `\frac43` is `\frac{4}{3}`, compared exactly as that is
