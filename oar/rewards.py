@@ -90,6 +90,16 @@ def _canonical(answer: str) -> str:
     return answer.rstrip(".")
 
 
+def _without_word_units(answer: str, words_at_end: re.Pattern) -> str:
+    """`answer` without the plain words at its end that `words_at_end` finds (`18 eggs`), unless one changes the
+    value (`_SCALING`: `18 thousand`, `5 more`) or is an ordinal fraction (`3 fourths`)."""
+    words = words_at_end.search(answer) if len(answer) <= MAX_NUMBER_CHARS else None  # (linear only when short)
+    said = {w.rstrip(".").lower() for w in words[0].split()} if words else set()
+    if words and not (_SCALING & said or any(_ORDINAL_FRACTION.fullmatch(w) for w in said)):
+        return answer[: words.start()]
+    return answer
+
+
 def _braced_fraction(m: re.Match) -> str:
     return f"\\frac{{{m['n'] or m['n1']}}}{{{m['d'] or m['d1']}}}"
 
@@ -98,11 +108,7 @@ def _as_number(answer: str) -> Fraction | None:
     r"""The exact value of a plain number, `\text{}` and plain-word units dropped (`18 eggs`, not `18
     thousand`); None if it is not one (two numbers apart, `1, 500` or `5 \text{ or } 6`, are a list,
     not 1500 or 56)."""
-    answer = _UNITS.sub(" ", answer)
-    words = _WORD_UNITS.search(answer) if len(answer) <= MAX_NUMBER_CHARS else None  # (linear only when short)
-    said = {w.rstrip(".").lower() for w in words[0].split()} if words else set()
-    if words and not (_SCALING & said or any(_ORDINAL_FRACTION.fullmatch(w) for w in said)):
-        answer = answer[: words.start()]
+    answer = _without_word_units(_UNITS.sub(" ", answer), _WORD_UNITS)
     if _APART.search(answer):
         return None
     answer = _canonical(answer)
@@ -202,6 +208,7 @@ def _parse(answer: str) -> tuple:
     return tuple(math_verify.parse("\\boxed{" + _without_units(answer) + "}", _latex_only(), parsing_timeout=None))
 
 
+@functools.cache
 def _latex_only() -> tuple:
     """math-verify's LaTeX extraction, with its normalisation but its unit stripping off: its unit list holds
     one-letter variables (m, s, t, c, ...) and words that change the value (more, less), so `6` matched `6m`,
@@ -217,12 +224,8 @@ def _without_units(answer: str) -> str:
     """`answer` without the units at its end: `\\text{..}`-marked ones (`\\text{ feet}`, `\\mbox{ inches}^2`) and plain
     words of two letters or more after a number or a brace (`12\\sqrt{13} feet`), but not words that change the
     value (`_SCALING`: `5 more`, `2 pi`) nor one letter, which is a variable (`\\frac{37}{4} m`)."""
-    cut = _TRAILING_TEXT_UNITS.sub("", answer) if len(answer) <= MV_MAX_CHARS else answer
-    words = _TRAILING_WORD_UNITS.search(cut) if len(cut) <= MV_MAX_CHARS else None
-    said = {w.rstrip(".").lower() for w in words[0].split()} if words else set()
-    if words and not (_SCALING & said or any(_ORDINAL_FRACTION.fullmatch(w) for w in said)):
-        cut = cut[: words.start()]
-    return cut.strip() or answer
+    cut = _TRAILING_TEXT_UNITS.sub("", answer) if len(answer) <= MV_MAX_CHARS else answer  # (linear only when short)
+    return _without_word_units(cut, _TRAILING_WORD_UNITS).strip() or answer
 
 
 def _math_verify_equal(pred: str, gold: str) -> bool:
