@@ -117,12 +117,13 @@ def main(cfg: Config) -> dict:
         if cfg.resume:
             check_resume(cfg, ckpt.read_state(resume_from), resume_from, facts)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
+        source = model_source(cfg.model)  # tiny-arith: its folder, built on first use
         if cfg.lora_r:  # on the model's skeleton (meta device): no weight is read yet
-            lora.check_targets(model_source(cfg.model), cfg.lora_target_modules)
-        rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.top_p)  # vllm: usable
+            lora.check_targets(source, cfg.lora_target_modules)
+        rollout_backend.check(cfg.rollout_backend, source, top_p=cfg.top_p)  # vllm: usable
         set_seed(cfg.seed)
-        model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer checked first
-        facts["model_files"] = model_digest(model_source(cfg.model))  # a resume must find them so
+        model, tokenizer = load_model(source, dtype=cfg.dtype)  # the tokenizer checked first
+        facts["model_files"] = model_digest(source)  # a resume must find them so
         if cfg.resume:
             check_model(ckpt.read_state(resume_from), resume_from, facts["model_files"])
     except (ValueError, DataError, ModelError) as err:
@@ -154,7 +155,7 @@ def main(cfg: Config) -> dict:
             log.say(f"the checkpoint was written by other code (train.py, oar/ and the modules "
                     f"{state['code']}, now {code}): the steps after it run this version")
     # The sampler: oar.sampler.sample, or a vLLM engine in this process that follows the policy (docs/vllm.md)
-    sampler = rollout_backend.make(cfg.rollout_backend, model_source(cfg.model), accelerator=accelerator,
+    sampler = rollout_backend.make(cfg.rollout_backend, source, accelerator=accelerator,
                                    folder=cfg.output_dir, **rollout_backend.engine_settings(cfg))
     own = cfg.rollout_backend == "own"  # the sampler is the policy (gathered when sharded), not a vLLM engine
     if cfg.resume:  # the engine starts from --model's weights: give it the checkpoint's

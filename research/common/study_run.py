@@ -89,13 +89,14 @@ def _run_claimed(args, run, out: Path, lock: int) -> str:
         saved = asdict(Config()) | saved
         wrong = {k: (v, saved.get(k)) for k, v in effective(run["settings"] | {"seed": run["seed"]}).items()
                  if k not in ignore and saved.get(k) != v}
-        built = _timing(out).get("model")
+        timing = _timing(out)
+        built = timing.get("model")
         if None not in (built, model_ident(run["settings"]["model"])) and built != model_ident(run["settings"]["model"]):
             wrong["model build"] = (model_ident(run["settings"]["model"]), built)
         if wrong:
             raise SystemExit(f"study.py: error: {out} is a finished run with other settings {wrong} (wanted, found); "
                              f"use another --root, or delete the folder to rerun it.")
-        if (exit_code := _timing(out).get("exit")) not in (0, None):  # summary.json and the model were written, then it failed
+        if (exit_code := timing.get("exit")) not in (0, None):  # summary.json and the model were written, then it failed
             print(f"[study] note   {out.name}: finished (summary.json), but train.py then exited {exit_code}; "
                   f"its results are kept, see {out / 'train.log'}", flush=True)
         return "done"
