@@ -6,8 +6,8 @@ import time
 
 import torch
 
-def _byte_level_tokenizer():
-    """A small byte-level BPE tokenizer (the kind Qwen and Llama 3 use): a character of several
+def _byte_level_tokenizer(corpus: str = "3 + 4 = 7 so the answer is 7 #### 7 ≥ π 日本語 😀 é", normalizer=None):
+    """A small byte-level BPE tokenizer (the kind Qwen and Llama 3 use) trained on `corpus`: a character of several
     UTF-8 bytes can be split over tokens, and a lone token then decodes to U+FFFD."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -15,10 +15,25 @@ def _byte_level_tokenizer():
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
+    if normalizer is not None:
+        core.normalizer = normalizer
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    core.train_from_iterator(["3 + 4 = 7 so the answer is 7 #### 7 ≥ π 日本語 😀 é"] * 20, trainer)
+    core.train_from_iterator([corpus] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _rollouts(tok, completions: list[list[int]]):
+    """Rollouts of the prompt "Q" whose completions are these token ids (of one length), each ended by EOS."""
+    from oar.rollout import build_rollout
+
+    prompt = torch.tensor([_ids(tok, "Q")] * len(completions))
+    written = torch.tensor([c + [tok.eos_token_id] for c in completions])
+    return build_rollout(tok, prompt, torch.ones_like(prompt), written, {tok.eos_token_id})
 
 
 def _check_offsets(text, offsets, n):
@@ -133,15 +148,10 @@ def test_an_added_special_token_before_the_answer_stays_out_of_it():
     first bytes of a character, but it holds no character of the answer: it keeps its empty span."""
     from tokenizers import AddedToken
 
-    from oar.rollout import build_rollout
-
     tok = _byte_level_tokenizer()
     tok.add_tokens([AddedToken("<|reserved|>", special=True)])
     reserved = tok.convert_tokens_to_ids("<|reserved|>")
-    ids = tok("3 + 4 = 7 so the answer is", add_special_tokens=False)["input_ids"] + [reserved]
-    ids += tok(" 7", add_special_tokens=False)["input_ids"]
-    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
-    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
+    ro = _rollouts(tok, [_ids(tok, "3 + 4 = 7 so the answer is") + [reserved] + _ids(tok, " 7")])
     answer = ro.input_ids[0][ro.answer_mask[0]].tolist()
     assert reserved not in answer and tok.decode(answer).strip() == "7"
 
@@ -149,48 +159,26 @@ def test_an_added_special_token_before_the_answer_stays_out_of_it():
 def test_a_special_token_inside_the_answer_stays_out_of_it():
     """A special token the model writes between two characters of its answer has an empty span strictly inside
     the answer's: it holds none of it, so it is no answer position for the probes (as none of the reasoning)."""
-    from oar.rollout import build_rollout
-
     tok = _byte_level_tokenizer()
     pad = tok.convert_tokens_to_ids("<pad>")
-    ids = tok("3 + 4 = 7 so #### 7", add_special_tokens=False)["input_ids"] + [pad]
-    ids += tok("7", add_special_tokens=False)["input_ids"]
-    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
-    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
+    ro = _rollouts(tok, [_ids(tok, "3 + 4 = 7 so #### 7") + [pad] + _ids(tok, "7")])
     answer = ro.input_ids[0][ro.answer_mask[0]].tolist()
     assert ro.texts[0].endswith("#### 77") and pad not in answer and tok.decode(answer).strip() == "77"
-
-
-def _bpe(corpus: str, normalizer=None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    if normalizer is not None:
-        core.normalizer = normalizer
-    core.train_from_iterator([corpus] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
-                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
 
 def test_the_reference_conclusion_is_tokenized_as_the_model_writes_it():
     """--outcome_source reference appends "#### {gold}": tokenized whole, so a gold that starts with a sign or a word
     keeps the space in its first token (" -", " yes"), as in the model's own text; tokenized in pieces it read
     "####", " ", "-", a context the model never writes. Its answer tokens are those holding the gold's characters."""
-    from oar.rollout import build_rollout, with_reference_answer
+    from oar.rollout import with_reference_answer
 
-    tok = _bpe("2 + 2 = 4 #### -3 #### yes #### 18")
-    whole = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    assert "Ġ-" in tok.convert_ids_to_tokens(whole("#### -3"))  # the space is the sign's
-    reasoning = tok("2 + 2 = 4 ", add_special_tokens=False)["input_ids"]
-    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]] * 2)
-    written = [reasoning + tok("#### 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]] * 2
-    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor(written), {tok.eos_token_id})
+    tok = _byte_level_tokenizer("2 + 2 = 4 #### -3 #### yes #### 18")
+    assert "Ġ-" in tok.convert_ids_to_tokens(_ids(tok, "#### -3"))  # the space is the sign's
+    ro = _rollouts(tok, [_ids(tok, "2 + 2 = 4 ") + _ids(tok, "#### 4")] * 2)
     ids, attention, _, answer = with_reference_answer(ro, tok, ["-3", "yes"], "#### {answer}")
     for row, gold in enumerate(["-3", "yes"]):
         kept = ids[row][attention[row].bool()].tolist()
-        assert kept[-len(whole(f"#### {gold}")):] == whole(f"#### {gold}")
+        assert kept[-len(_ids(tok, f"#### {gold}")):] == _ids(tok, f"#### {gold}")
         assert tok.decode(ids[row][answer[row]]) == f" {gold}"
 
 
@@ -200,15 +188,13 @@ def test_a_reference_conclusion_the_tokenizer_does_not_reproduce_is_tokenized_in
     piece's, where the reasoning stays as it was; the other rows are tokenized whole."""
     from tokenizers import normalizers
 
-    from oar.rollout import build_rollout, with_reference_answer
+    from oar.rollout import with_reference_answer
 
-    tok = _bpe("2 + 2 = 4 #### abc", normalizers.Lowercase())
-    prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]] * 2)
-    written = torch.tensor([tok("2 + 2 = 4 #### 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]] * 2)
-    ro = build_rollout(tok, prompt, torch.ones_like(prompt), written, {tok.eos_token_id})
+    tok = _byte_level_tokenizer("2 + 2 = 4 #### abc", normalizers.Lowercase())
+    ro = _rollouts(tok, [_ids(tok, "2 + 2 = 4 #### 4")] * 2)
     ids, attention, _, answer = with_reference_answer(ro, tok, ["ABC", "abc"], "#### {answer}")
-    piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    pieces = _ids(tok, "#### ") + _ids(tok, "ABC")
     kept = ids[0][attention[0].bool()].tolist()
-    assert kept[-len(piece("#### ") + piece("ABC")):] == piece("#### ") + piece("ABC")
-    assert ids[0][answer[0]].tolist() == piece("ABC") and tok.decode(ids[0][answer[0]]) == "abc"
+    assert kept[-len(pieces):] == pieces
+    assert ids[0][answer[0]].tolist() == _ids(tok, "ABC") and tok.decode(ids[0][answer[0]]) == "abc"
     assert tok.decode(ids[1][answer[1]]).strip() == "abc"  # decoded back: tokenized whole
