@@ -3,7 +3,7 @@ r"""Where the final answer of a completion is: its text and span A_i (the probes
 `find_answer` gives the final answer of a completion and its character span; the reasoning span
 R_i of maths §0 is `text[:marker_start]`. Markers: the last `\boxed{..}` / `\fbox{..}` (nested braces matched,
 `\{ \}` skipped; also `\boxed 5`); the text after the last `####` to the end of its line (GSM8K);
-the text after the last "the (final) answer is" (any case) to the end of its sentence or line.
+the text after the last "the (final) answer is" (any case) to the end of its sentence (a `. ` outside braces) or line.
 For the last two, wrapping `$`, `\(..\)`, `**`, a leading `:` and a trailing `.` are trimmed.
 Which wins: only the last occurrence of each marker counts (an earlier box is a result the model
 went on to revise), and of those the marker that starts LAST wins: the final answer comes last
@@ -32,7 +32,7 @@ class AnswerSpan(NamedTuple):
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _PHRASE = re.compile(r"\bthe\s+(?:final\s+)?answer\s+is\b", re.IGNORECASE)
 _BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.DOTALL)
-_SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
+_SENTENCE_SCAN = re.compile(r"\\.|[{}]|\.(?=\s|$)|\n", re.DOTALL)  # an escape, a brace, or a sentence end
 _CLAUSE = re.compile(r",\s+(?:because|since|as|which|so|given|where|when|while|therefore|thus|hence|that)\b",
                      re.IGNORECASE)
 _ANSWER_LIKE = re.compile(r"[\d\\]")  # a digit or a LaTeX command: what a maths answer after a box holds
@@ -88,11 +88,22 @@ def _boxed(text: str) -> tuple[int, int, int, int] | None:
     return (m.start(), at, bare.end(), bare.end()) if bare and at > m.end() else None
 
 
+def _sentence_end(text: str, after: int) -> int | None:
+    """Where the sentence from `after` ends: a `. ` or a newline outside braces (`34\\text{ sq. units}.`)."""
+    depth = 0
+    for m in _SENTENCE_SCAN.finditer(text, after):
+        token = m.group()
+        if token == "\n" or (token == "." and depth == 0):
+            return m.start()
+        depth = max(0, depth + _DEPTH_STEP.get(token, 0))  # a stray `}` does not hide later sentence ends
+    return None
+
+
 def _to_line_end(text: str, marker_start: int, after: int, sentence: bool) -> tuple[int, int, int, int]:
     """(marker_start, answer_start, answer_end, region_end): to the end of the line, or sentence."""
-    stop = _SENTENCE_END.search(text, after) if sentence else None
+    stop = _sentence_end(text, after) if sentence else None
     newline = text.find("\n", after)
-    end = stop.start() if stop else (newline if newline >= 0 else len(text))
+    end = stop if stop is not None else (newline if newline >= 0 else len(text))
     return marker_start, after, end, end
 
 

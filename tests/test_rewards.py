@@ -148,6 +148,7 @@ FIND_CASES = [
     ("#### $1,000.\nbye", "1,000", 0),
     ("#### 1\n#### 2", "2", 7),  # the last `####`
     ("The answer is 3.5.", "3.5", 0),
+    (r"The answer is 34\text{ sq. units}. Done", r"34\text{ sq. units}", 0),  # a `. ` inside braces goes on
     ("So the final answer is: **42**. Done", "42", 3),
     (r"THE ANSWER IS \(\frac{1}{2}\).", r"\frac{1}{2}", 0),
     # several markers: the one that starts last wins ...
@@ -197,6 +198,7 @@ def test_reward():
     assert reward(r"so \boxed{18}", "18") == 1.0
     assert reward(r"so \boxed{17}", "18") == 0.0
     assert reward("the result is 18", "18") == 0.0  # no marker, no credit
+    assert reward(r"The answer is 34\text{ sq. units}.", "34") == 1.0  # the unit's `. ` does not cut it
     assert reward(r"\boxed{17}", "18", format_bonus=0.1) == 0.1
     assert reward(r"\boxed{18}", "18", format_bonus=0.1) == 1.1
     assert reward("18", "18", format_bonus=0.1) == 0.0
