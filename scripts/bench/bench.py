@@ -191,7 +191,8 @@ def growth_main(args) -> None:
     lengths, windows = [int(x) for x in args.lengths.split(",")], [int(x) for x in args.windows.split(",") if x]
     say(f"machine: {res['machine']['cpu']} / {res['machine'].get('gpu')}, device {device}, torch threads {res['machine']['torch_threads']}, "
         f"load average {res['machine']['load_average_1min']:.1f} (shared machine: read ratios)\nmodel: {source}")
-    say(f"growth with R (1 rollout, prompt 128 + R + answer 8; sampled scorers on {args.sample_k} positions x n_R/k + clean pass):")
+    say(f"growth with R (1 rollout, prompt 128 + R + answer 8; sampled scorers on {args.sample_k} positions, "
+        "window modes on whole forwards of training's size, x n_R/k + clean pass):")
     big = device.type == "cuda"
     res["growth"] = bg.growth(model, pad, bp.synthetic, bp.every_kth, lengths=lengths, prompt=128, answer=8, windows=windows,
                               k=args.sample_k, exact_all_up_to=args.exact_all_up_to, window_all_up_to=args.window_all_up_to,

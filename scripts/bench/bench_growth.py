@@ -5,8 +5,10 @@ Growth (one synthetic rollout per R: prompt P + reasoning R + answer A tokens, a
   exact OAR-P   every position up to `exact_all_up_to`; beyond, the clean pass plus k positions in
                 blocks of 4 spread evenly, x n_R / k (a copy costs its recomputed length, so evenly
                 spread blocks average it), as the sweep of bench_parts.oar_p_sweep does
-  window W      the clean pass plus k evenly spaced positions x n_R / k beyond `window_all_up_to`
-                (every copy recomputes the same W + 1 + K positions, so the sample is its cost)
+  window W      the clean pass plus k' evenly spaced positions x n_R / k' beyond `window_all_up_to`, k'
+                the multiple of training's copies per forward (window_chunk_tokens // (W + 1 + A)) at or
+                above k: a copy attends to all E + c N keys of its forward, so it costs more when more
+                copies share it, and a sample of fewer copies than training packs would flatter the window
   OAR-G         the whole gradient_scores call
   GRPO update   forward + token log-probs + backward over the completion (what every method pays)
 Timings are single runs after one warm-up at the first length (CUDA synchronized around each).
@@ -86,7 +88,9 @@ def growth(model, pad: int, synthetic, every_kth, *, lengths, prompt: int, answe
         for w in windows:
             win = lambda m, c=None, kv=None, w=w: window_perturbation_scores(model, ids, attn, m, ans, window=w, max_chunk_tokens=window_chunk_tokens,
                                                                               clean=c, clean_kv=kv, **kw)
-            fns[f"window{w}"] = (lambda win=win: win(reas)) if n_r <= window_all_up_to else (win, every_kth(reas.cpu(), k).to(device))
+            per = max(1, window_chunk_tokens // (w + 1 + answer))  # copies per forward, as _score_row packs them
+            whole = min(-(-k // per) * per, n_r)  # whole forwards (or every position)
+            fns[f"window{w}"] = (lambda win=win: win(reas)) if n_r <= window_all_up_to else (win, every_kth(reas.cpu(), whole).to(device))
         fns["oar_g"] = lambda: gradient_scores(model, ids, attn, reas, ans, probe="answer_mean", generator=torch.Generator(device=device).manual_seed(0))
 
         def update():
