@@ -1,5 +1,6 @@
 """scripts/bench/bench_growth.py: a sampled window mode is timed on whole forwards of the size training
-packs (window_chunk_tokens // (W + 1 + A) copies), never on fewer copies per forward than training."""
+packs (window_chunk_tokens // (W + 1 + A) copies), never on fewer copies per forward than training;
+bench_parts.oar_p_sweep checks what it times against the naive definition."""
 
 import sys
 from pathlib import Path
@@ -25,3 +26,10 @@ def test_a_sampled_window_mode_is_timed_on_whole_forwards_of_trainings_size():
     assert rows[0]["window4_positions_timed"] == 6  # k = 4 rounded up to two forwards of 3 copies
     assert forwards.count(per * (window + 1 + answer)) >= 2  # the timed forwards are full ones
     assert rows[0]["exact_positions_timed"] == 4 and rows[0]["window4_s"] > 0
+
+
+def test_the_oar_p_sweep_checks_the_fast_scores_against_the_naive_ones():
+    model = tiny_llama(vocab_size=40_000)  # bench_parts.synthetic's ids
+    rows = bp.oar_p_sweep(model, 0, prompt=8, lengths=[8, 24], answer=4, k=8, fast_all_up_to=8)
+    assert [r["fast_positions_timed"] for r in rows] == [8, 8] and [r["naive_positions_timed"] for r in rows] == [8, 8]
+    assert all(r["max_err_rel"] < 1e-4 and r["speedup"] > 0 for r in rows), rows

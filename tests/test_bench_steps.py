@@ -1,4 +1,4 @@
-"""scripts/bench/bench_parts.py's training-step timing: every method runs the same steps in interleaved
+"""scripts/bench/bench_steps.py's training-step timing: every method runs the same steps in interleaved
 rounds, and the CPU ratio is the median over rounds of the paired per-round ratios."""
 
 import statistics
@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
-import bench_parts as bp  # noqa: E402
+import bench_steps as bp  # noqa: E402
 
 
 def test_cpu_ratios_pair_each_round_with_grpos_and_take_the_median(tiny_model):
@@ -18,6 +18,23 @@ def test_cpu_ratios_pair_each_round_with_grpos_and_take_the_median(tiny_model):
     want = [a / b for a, b in zip(cpu["oar-g"], cpu["grpo"])]
     assert rounds == want and st["cpu_ratio_vs_grpo"]["oar-g"] == statistics.median(want)
     assert st["details"]["oar-g"]["completion_length"] == st["details"]["grpo"]["completion_length"]  # the same rollouts
+    assert st["same_rollouts"] and st["rollouts_differ"] == []
+
+
+def test_a_method_that_samples_other_rollouts_is_named(tiny_model, monkeypatch):
+    """The ratios mean something only over the same work: a method whose steps got other rewards or
+    lengths (here: cut at 2 new tokens instead of 8) is named in rollouts_differ."""
+    from oar.training.config import Config
+
+    settings = dict(model=str(tiny_model), prompts_per_step=2, group_size=2, max_new_tokens=8, micro_batch_size=4)
+    real = Config.__init__
+
+    def shorter(self, **kw):
+        real(self, **{**kw, "max_new_tokens": 2 if kw.get("method") == "oar-g" else kw["max_new_tokens"]})
+
+    monkeypatch.setattr(Config, "__init__", shorter)
+    st = bp.train_steps(settings, ["grpo", "oar-g"], steps=2, repeats=1)
+    assert not st["same_rollouts"] and st["rollouts_differ"] == ["oar-g"]
 
 
 def test_the_trl_side_runs_bench_trl_py_with_the_same_settings(tiny_model, tmp_path):

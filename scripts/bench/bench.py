@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_parts as bp  # noqa: E402
+import bench_steps  # noqa: E402
 from oar.tasks.tiny_arith_cache import ensure_tiny_arith  # noqa: E402
 
 # SmolLM2-135M rarely writes an extractable answer to arith problems (0 of 8 with the \boxed{} request in
@@ -114,9 +115,10 @@ def main() -> None:
         res["oar_p_sweep"] = rows
         say(f"   growth with the reasoning length (1 rollout, prompt {size['prompt']} + answer {size['answer']}, timed once; naive on "
             f"{size['sweep_k']} evenly spaced positions x n_R/k, fast on all positions up to n_R={size['sweep_fast_all']}, beyond on "
-            f"{size['sweep_k']} in blocks of 4 x n_R/k plus one clean pass):\n   n_R    naive s    fast s   speedup   fast positions timed")
+            f"{size['sweep_k']} in blocks of 4 x n_R/k plus one clean pass):\n   n_R    naive s    fast s   speedup   fast positions timed   max error (of the largest score)")
         for r in rows:
-            say(f"   {r['reasoning']:4d} {r['naive_s']:10.1f} {r['fast_s']:9.1f} {r['speedup']:8.1f}x   {r['fast_positions_timed']}")
+            say(f"   {r['reasoning']:4d} {r['naive_s']:10.1f} {r['fast_s']:9.1f} {r['speedup']:8.1f}x   {r['fast_positions_timed']:20d}"
+                f"   {r['max_err_rel']:.1e}")
     del model
 
     # 2. (+4.) training steps
@@ -124,7 +126,7 @@ def main() -> None:
     if "steps" not in skip:
         trl = args.trl_python if not args.quick else None
         trl_model = str(ensure_tiny_arith()) if trl else None
-        st = bp.train_steps(size["ta"], methods, steps=size["ta_steps"], repeats=size["ta_repeats"], trl_python=trl, trl_model=trl_model)
+        st = bench_steps.train_steps(size["ta"], methods, steps=size["ta_steps"], repeats=size["ta_repeats"], trl_python=trl, trl_model=trl_model)
         res["steps_tiny_arith"] = st
         _print_steps(say, "tiny-arith (train.py defaults" + (f", {size['ta']})" if size["ta"] else ")"), st)
         if trl:
@@ -135,7 +137,7 @@ def main() -> None:
                 f"   throughput ratio {st['median_step_s']['trl'] / st['median_step_s']['grpo']:.2f}x (target >= 1.2x)")
     if "smollm2_steps" not in skip and folder is not None:
         sm = dict(size["sm"], model=str(folder), instruction=SMOLLM2_INSTRUCTION)
-        st = bp.train_steps(sm, methods, steps=size["sm_steps"], repeats=size["sm_repeats"])
+        st = bench_steps.train_steps(sm, methods, steps=size["sm_steps"], repeats=size["sm_repeats"])
         res["steps_smollm2"] = st
         _print_steps(say, f"SmolLM2-135M ({', '.join(f'{k}={v}' for k, v in size['sm'].items())}, arith, 'The answer is' instruction)", st)
 
@@ -243,6 +245,9 @@ def _print_steps(say, title, st):
         say(f"   every rollout scored (--score_all): OAR-G/GRPO {r['oar-g+all']:.2f}   OAR-P/GRPO {r['oar-p+all']:.2f}   rollouts scored "
             f"{d['oar-g+all']['frac_scored']:.2f}")
     say("   OAR s/rollout of the step: " + ", ".join(f"{m} {d[m]['oar_s_per_rollout']:.4f}" for m in d if m.startswith("oar")))
+    if not st["same_rollouts"]:
+        say(f"   WARNING: {', '.join(st['rollouts_differ'])} sampled other rollouts than {next(iter(st['median_step_s']))}: "
+            "these ratios compare different work")
 
 
 def _headline(res) -> dict:

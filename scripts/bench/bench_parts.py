@@ -1,5 +1,5 @@
-"""The measurements behind scripts/bench/bench.py, one function each (timing, OAR-P, log-prob memory,
-training steps, TRL). Every timing interleaves what it compares (A B A B ..., the order reversed on
+"""The measurements behind scripts/bench/bench.py, one function each (timing, OAR-P, log-prob memory;
+training steps and TRL are in bench_steps.py). Every timing interleaves what it compares (A B A B ..., the order reversed on
 every other repeat so slow drift cancels) after a warm-up, and reports medians.
 
 Also runnable on its own for one log-prob memory measurement in a fresh process:
@@ -16,14 +16,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive  # noqa: E402
@@ -50,7 +48,7 @@ def machine() -> dict:
 
 def interleaved(fns: dict, repeats: int, warmup: dict | None = None) -> dict[str, list[float]]:
     """Seconds of each callable, `repeats` times, interleaved; `warmup` callables run once first."""
-    for f in (warmup or fns).values():
+    for f in (fns if warmup is None else warmup).values():  # {}: no warm-up
         f()
     times = {k: [] for k in fns}
     for r in range(repeats):
@@ -148,7 +146,8 @@ def oar_p_sweep(model, pad: int, *, prompt, lengths, answer, k, fast_all_up_to) 
     Naive: k evenly spaced masked positions, x n_R / k, plus its clean forward once (every copy is one full forward).
     Fast: every position up to `fast_all_up_to`; beyond, the clean pass once plus the copies of k
     positions in blocks of 4 consecutive ones spread evenly, x n_R / k (a copy costs its recomputed
-    length, so evenly spread blocks average it; blocks keep the chunks as full as in a real run)."""
+    length, so evenly spread blocks average it; blocks keep the chunks as full as in a real run).
+    `max_err_rel`: the fast scores at the naive side's positions (computed untimed) against the naive ones."""
     from oar.probes import clean_forward, outcome_from_logits
 
     kw = dict(probe="answer_mean", pad_token_id=pad)
@@ -174,16 +173,19 @@ def oar_p_sweep(model, pad: int, *, prompt, lengths, answer, k, fast_all_up_to) 
             times["clean"] = time.perf_counter() - t0
             perturbation_scores(model, ids, attn, blocks, ans, clean=clean, clean_kv=kv, **kw)
 
-        t = interleaved({"fast": fast, "naive": lambda: perturbation_scores_naive(model, ids, attn, sub, ans, **kw),
+        naive = lambda: times.__setitem__("naive", perturbation_scores_naive(model, ids, attn, sub, ans, **kw))
+        t = interleaved({"fast": fast, "naive": naive,
                          "naive_clean": lambda: perturbation_scores_naive(model, ids, attn, torch.zeros_like(reas), ans, **kw)},
                         1, warmup={})
+        check = perturbation_scores(model, ids, attn, sub, ans, **kw)  # untimed: the fast way at the naive side's positions
         fast_s = t["fast"][0]
         if sampled:
             fast_s = times["clean"] + (fast_s - times["clean"]) * n_r / int(blocks.sum())
         clean = t["naive_clean"][0]  # the one clean forward, counted once, as on the fast side
         naive_s = clean + (t["naive"][0] - clean) * n_r / int(sub.sum())
         rows.append({"reasoning": n_r, "fast_positions_timed": int(blocks.sum()) if sampled else n_r,
-                     "naive_positions_timed": int(sub.sum()), "fast_s": fast_s, "naive_s": naive_s, "speedup": naive_s / fast_s})
+                     "naive_positions_timed": int(sub.sum()), "fast_s": fast_s, "naive_s": naive_s, "speedup": naive_s / fast_s,
+                     "max_err_rel": ((check - times["naive"])[sub].abs().max() / times["naive"][sub].abs().max()).item()})
     return rows
 
 
@@ -246,61 +248,6 @@ def logprob_equality(t: int = 256, v: int = 49152) -> dict:
         out[str(dtype).split(".")[1]] = {"value_max_abs_diff": (ours - ref).abs().max().item(),
                                          "grad_max_abs_diff": (g1.float() - g2.float()).abs().max().item()}
     return out
-
-
-# ------------------------------------------------------------------ 2./4. training steps and TRL
-def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python: str | None = None, trl_model: str | None = None) -> dict:
-    """Per-step seconds of train.main for each method (and of TRL's GRPOTrainer when trl_python is
-    given), runs interleaved in rounds, the first step of every run dropped (warm-up). "oar-g+all" is oar-g
-    with --score_all. Learning rate 1e-12: every method samples the same rollouts at every step, the update
-    still computed. `cpu_ratio_vs_grpo`: the median over rounds of a method's CPU seconds over GRPO's on the
-    same steps in the same round (nearly the same busy neighbours): the steadier figure on a shared machine."""
-    from oar.training.config import Config
-    from tests.tinyrun import train_module  # train.py's main, loaded by its path (train.py is not a library)
-
-    samples = {m: [] for m in methods}
-    cpu = {m: [] for m in methods}
-    extra = {m: {"completion_length": [], "oar_s_per_rollout": [], "frac_no_answer": [], "frac_scored": []} for m in methods}
-    runs = list(methods) + (["trl"] if trl_python else [])
-    if trl_python:
-        samples["trl"], extra["trl"] = [], {"completion_length": []}
-    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        for r in range(repeats):
-            for m in (runs if r % 2 == 0 else runs[::-1]):
-                out = Path(tmp) / f"{m}-{r}"
-                if m == "trl":
-                    same = [f"--{k}={getattr(Config(**settings), k)}" for k in ("prompts_per_step", "group_size", "max_new_tokens", "micro_batch_size")]
-                    cmd = [trl_python, str(HERE / "bench_trl.py"), "--model", trl_model, "--steps", str(steps), *same,
-                           "--json", str(out) + ".json"]
-                    subprocess.run(cmd, check=True, capture_output=True, text=True)
-                    got = json.loads(Path(str(out) + ".json").read_text())
-                    samples["trl"] += got["step_seconds"][1:]
-                    extra["trl"]["completion_length"] += got["completion_length"][1:]
-                    extra["trl"]["version"] = got["trl_version"]
-                    continue
-                method, _, variant = m.partition("+")
-                cfg = Config(**settings, method=method, score_all=variant == "all", steps=steps, output_dir=str(out),
-                                   learning_rate=1e-12, eval_size=1, eval_every=0, save_every=0)
-                with contextlib.redirect_stdout(io.StringIO()):
-                    train_module().main(cfg)
-                lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()][1:]
-                samples[m] += [ln["time/step_s"] for ln in lines]
-                cpu[m] += [ln["time/step_cpu_s"] for ln in lines]
-                extra[m]["completion_length"] += [ln["completion/length"] for ln in lines]
-                extra[m]["oar_s_per_rollout"] += [ln["oar/seconds_per_rollout"] for ln in lines]
-                extra[m]["frac_no_answer"] += [ln["oar/frac_no_answer"] for ln in lines]
-                extra[m]["frac_scored"] += [ln["oar/frac_scored"] for ln in lines]
-    res = {"settings": settings, "steps_per_run": steps, "repeats": repeats, "step_s": samples,
-           "median_step_s": {m: med(s) for m, s in samples.items()}}
-    res["details"] = {m: {k: (med(v) if isinstance(v, list) else v) for k, v in d.items()} for m, d in extra.items()}
-    base = res["median_step_s"]["grpo"]
-    res["ratio_vs_grpo"] = {m: res["median_step_s"][m] / base for m in samples if m != "grpo"}
-    res["step_cpu_s"] = cpu
-    n = steps - 1  # a run's timed steps: cpu[m] holds the rounds one after another
-    res["cpu_ratio_vs_grpo_by_round"] = {m: [sum(cpu[m][i:i + n]) / sum(cpu["grpo"][i:i + n]) for i in range(0, len(cpu["grpo"]), n)]
-                                         for m in methods if m != "grpo"}
-    res["cpu_ratio_vs_grpo"] = {m: med(r) for m, r in res["cpu_ratio_vs_grpo_by_round"].items()}
-    return res
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["logprob-mem"]:

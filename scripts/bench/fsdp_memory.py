@@ -15,6 +15,7 @@ What is measured and what is computed:
     (activations and gathered bf16 layers, which do not depend on N at a fixed per-rank batch).
   * checked, --world N on CPU: N gloo processes shard the model for real; each reports its local
     parameter + AdamW bytes, which must equal the count above.
+  * checked, every run: the DDP and FSDP2 steps' losses agree (to bf16's rounding): the same step.
 Mixed precision as accelerate does it: DDP keeps fp32 parameters and autocasts to bf16; FSDP2
 keeps fp32 sharded parameters (master), gathers and computes in bf16 (MixedPrecisionPolicy), and
 reduce-scatters gradients into fp32 shards. AdamW (torch, foreach) keeps two fp32 moments.
@@ -68,7 +69,7 @@ def one_step(model, vocab_size: int, device: str, batch: int, seq: int, autocast
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return optimizer
+    return optimizer, loss.item()
 
 
 def measure(mode: str, args) -> dict:
@@ -84,9 +85,9 @@ def measure(mode: str, args) -> dict:
         shard(model, torch.bfloat16)
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = one_step(model, SHAPES[args.size]["vocab_size"], args.device, args.batch, args.seq, autocast=mode == "ddp")
+    optimizer, loss = one_step(model, SHAPES[args.size]["vocab_size"], args.device, args.batch, args.seq, autocast=mode == "ddp")
     held = param_optimizer_bytes(model, optimizer)
-    out = {"mode": mode, "world": torch.distributed.get_world_size(), "param_optimizer_bytes": held["local"]}
+    out = {"mode": mode, "world": torch.distributed.get_world_size(), "param_optimizer_bytes": held["local"], "loss": loss}
     if cuda:
         out |= {"peak_bytes": torch.cuda.max_memory_allocated(), "end_bytes": torch.cuda.memory_allocated()}
     del model, optimizer
@@ -155,6 +156,9 @@ def main(argv=None) -> dict:
     # by then), plus AdamW's float32 step counter, one scalar per parameter tensor.
     steps = 4 * len({id(p) for p in model.parameters()})
     assert fsdp["param_optimizer_bytes"] == counted["fsdp_rank_bytes"] // 16 * 12 + steps, (fsdp, counted)
+    # ... and both ran the same step: the same batch through the same model, in bf16 (autocast against
+    # bf16-gathered parameters, so equal to bf16's rounding, not to the bit).
+    assert math.isclose(fsdp["loss"], ddp["loss"], rel_tol=2e-2), (fsdp["loss"], ddp["loss"])
     rows = []
     for n in (1, 2, 4, 8):
         c = shard_bytes(model, n)
