@@ -274,3 +274,23 @@ def test_step_credit_scores_against_the_gold_answer_under_outcome_source_referen
         full[:, :width] = scores[:, :width]
         torch.testing.assert_close(got, bilevel_weights(full, reasoning) * completion, atol=1e-3, rtol=1e-3)
         torch.testing.assert_close((got * completion).sum(1), completion.sum(1))  # each rollout's mass kept
+
+
+def test_a_micro_batchs_seconds_include_its_rollouts_share_of_prepare(tiny_model, monkeypatch):
+    """oar/seconds_per_rollout counts a method's prepare (TEMPO's tree, the random draws) too, spread
+    over the rollouts: a micro-batch of 2 of 8 carries a quarter of it."""
+    import dataclasses
+    import time
+
+    import oar.credit as credit
+
+    model, tok, ro, golds, rewards, adv = tiny_step(tiny_model)
+    tempo = credit.METHODS["tempo"]
+    slow = dataclasses.replace(tempo, prepare=lambda step: (time.sleep(1.0), tempo.prepare(step))[1])
+    monkeypatch.setattr(credit, "credit_methods", lambda module: {"tempo": slow})
+    scored = (adv != 0) & ro.completion_mask.any(1)
+    logits = torch.zeros(2, ro.input_ids.shape[1] - ro.prompt_width + 1, 8)
+    weigh = credit.step_credit(credit.CreditSettings(method="tempo", group_size=4), model, tok, ro, rewards, adv, scored,
+                               list(range(8)), golds, "answer_mean")
+    _, seconds, _ = weigh(slice(0, 2), ro.select(slice(0, 2)), logits)
+    assert 0.25 <= seconds < 1.0  # 2/8 of at least 1 s, and not all of it

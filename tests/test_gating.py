@@ -35,6 +35,14 @@ def test_degenerate_rows():
     assert torch.equal(w[1:], torch.ones(3, 3))
 
 
+def test_a_row_with_an_infinite_score_gets_ones():
+    """+-inf, like NaN, is a broken score, not a very large one: its row keeps GRPO's weights (a NaN
+    reaches every min/max, an inf only some: the check must look at every score)."""
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    w = bilevel_weights(torch.tensor([[1.0, float("inf"), 2.0, 0.5], [1.0, float("-inf"), 2.0, 0.5], [1.0, 3.0, 2.0, 0.5]]), mask)
+    assert torch.equal(w[:2], torch.ones(2, 4)) and not torch.equal(w[2], torch.ones(4))
+
+
 def test_guards_do_not_move_tokens_between_branches():
     # Scores [0, 0, 0, 1]: n = [0, 0, 0, 1]; q = 0.4 -> tau = 0, so every token takes the boost
     # branch: n=0 -> 1 + 2 * 0 = 1, n=1 -> 3 (no division by tau = 0).

@@ -52,6 +52,27 @@ def test_advantages_have_zero_mean_per_group_and_zero_for_ties(case, scale):
     assert (adv[tied] == 0).all()
 
 
+@pytest.mark.parametrize("value, g", [(0.1, 7), (0.3, 6), (1 / 3, 5)])
+def test_a_tied_group_of_any_reward_has_advantage_exactly_zero(value, g):
+    """Centring 7 x 0.1 in float32 leaves ~1e-8, and dividing by std + 1e-4 magnifies it to ~1e-4: a
+    tied group has no signal and must get exactly 0, not rounding (hypothesis rarely draws such ties)."""
+    r = torch.cat([torch.full((g,), value), torch.tensor([0.0] * (g - 1) + [1.0])])
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages(r, g, scale=scale)
+        assert torch.equal(adv[:g], torch.zeros(g)) and adv[g:].abs().sum() > 0, (scale, adv)
+
+
+def test_the_loss_statistics_ignore_padding():
+    """ratio_mean, approx_kl, clip_frac and kl_ref are over the valid tokens: what padding holds moves none."""
+    old, adv, mask = torch.tensor([[-0.5, -0.5, 0.0]]), torch.ones(1, 3), torch.tensor([[True, True, False]])
+    stats = [policy_loss(torch.tensor([[0.0, 0.0, pad]]), old, adv, mask, kl_beta=0.1, ref_logprobs=torch.tensor([[0.0, -1.0, pad]]))[1]
+             for pad in (5.0, -5.0)]
+    assert stats[0] == stats[1]
+    assert math.isclose(stats[0]["ratio_mean"], math.exp(0.5), rel_tol=1e-6) and stats[0]["clip_frac"] == 1.0
+    assert math.isclose(stats[0]["approx_kl"], math.exp(-0.5) + 0.5 - 1, rel_tol=1e-5)
+    assert math.isclose(stats[0]["kl_ref"], (math.exp(-1) + 1 - 1) / 2, rel_tol=1e-5)
+
+
 @settings(max_examples=200, deadline=None)
 @given(groups, st.floats(0.5, 20), st.floats(-100, 100))
 def test_group_scaled_advantages_are_affine_invariant(case, a, b):

@@ -89,11 +89,14 @@ def test_auto_uses_exact_below_the_switch_and_window_above(capsys):
     ids, attn, reas, ans = ragged_batch(seed=4)
     naive = perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0)
     win = window_perturbation_scores(model, ids, attn, reas, ans, window=0, pad_token_id=0)
-    auto = perturbation_scores(model, ids, attn, reas, ans, mode="auto", window=0, auto_length=10, pad_token_id=0)
-    span = torch.tensor([10, 7, 7, 13, 0, 9])  # first reasoning token to last answer token, per layout of ragged_batch
-    for b in range(ids.shape[0]):
-        ref = win[b] if span[b] >= 10 else naive[b]
-        torch.testing.assert_close(auto[b], ref, **_tol(naive))
+    # maths §6: window where a_end - min R >= the switch length. Spans of ragged_batch(4), by its layouts:
+    span = [11, 7, 6, 13, None, 9]  # (row 4 has no answer: exact)
+    for switch in (11, 12):  # row 0 exactly at the switch, then just below it
+        auto = perturbation_scores(model, ids, attn, reas, ans, mode="auto", window=0, auto_length=switch, pad_token_id=0)
+        for b in range(ids.shape[0]):
+            use_window = span[b] is not None and span[b] >= switch
+            torch.testing.assert_close(auto[b], win[b] if use_window else naive[b], **_tol(naive))
+        assert not torch.allclose(win[0], naive[0], **_tol(naive))  # W = 0 differs from exact: the test can tell
     assert "window mode (W=0)" in capsys.readouterr().out
 
 
