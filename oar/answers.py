@@ -32,7 +32,7 @@ class AnswerSpan(NamedTuple):
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _PHRASE = re.compile(r"\bthe\s+(?:final\s+)?answer\s+is\b", re.IGNORECASE)
 _BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.DOTALL)
-_SENTENCE_SCAN = re.compile(r"\\.|[{}]|\.(?=\s|$)|\n", re.DOTALL)  # an escape, a brace, or a sentence end
+_SENTENCE_SCAN = re.compile(r"\n|\\.|[{}]|\.(?=\s|$)")  # a newline, an escape (not of a newline), a brace, a `. `
 _CLAUSE = re.compile(r",\s+(?:because|since|as|which|so|given|where|when|while|therefore|thus|hence|that)\b",
                      re.IGNORECASE)
 _ANSWER_LIKE = re.compile(r"[\d\\]")  # a digit or a LaTeX command: what a maths answer after a box holds
@@ -89,14 +89,18 @@ def _boxed(text: str) -> tuple[int, int, int, int] | None:
 
 
 def _sentence_end(text: str, after: int) -> int | None:
-    """Where the sentence from `after` ends: a `. ` or a newline outside braces (`34\\text{ sq. units}.`)."""
-    depth = 0
+    """Where the sentence from `after` ends: a `. ` outside braces (`34\\text{ sq. units}.` goes on), or
+    the line's end. A brace left open to the line's end hides nothing: the first `. ` after it ends."""
+    depth, inside = 0, None  # inside: the first `. ` within the braces still open
     for m in _SENTENCE_SCAN.finditer(text, after):
         token = m.group()
         if token == "\n" or (token == "." and depth == 0):
-            return m.start()
+            return inside if depth > 0 and inside is not None else m.start()
+        if token == "." and inside is None:
+            inside = m.start()
         depth = max(0, depth + _DEPTH_STEP.get(token, 0))  # a stray `}` does not hide later sentence ends
-    return None
+        inside = None if depth == 0 else inside
+    return inside if depth > 0 else None
 
 
 def _to_line_end(text: str, marker_start: int, after: int, sentence: bool) -> tuple[int, int, int, int]:

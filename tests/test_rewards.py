@@ -149,6 +149,9 @@ FIND_CASES = [
     ("#### 1\n#### 2", "2", 7),  # the last `####`
     ("The answer is 3.5.", "3.5", 0),
     (r"The answer is 34\text{ sq. units}. Done", r"34\text{ sq. units}", 0),  # a `. ` inside braces goes on
+    ("The answer is {5. Then more", "{5", 0),  # ... but a brace never closed hides nothing
+    ("The answer is {5. Then\nmore", "{5", 0),
+    ("The answer is 5\\\nThen we check. Done", "5\\", 0),  # a backslash does not escape the line's end
     ("So the final answer is: **42**. Done", "42", 3),
     (r"THE ANSWER IS \(\frac{1}{2}\).", r"\frac{1}{2}", 0),
     # several markers: the one that starts last wins ...
