@@ -22,6 +22,7 @@ Timings are medians over repeats after a warm-up, with A and B interleaved.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -31,11 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_parts as bp  # noqa: E402
 import bench_steps  # noqa: E402
+from oar.oar_perturb_window import window_perturbation_scores  # noqa: E402
 from oar.tasks.tiny_arith_cache import ensure_tiny_arith  # noqa: E402
 
 # SmolLM2-135M rarely writes an extractable answer to arith problems (0 of 8 with the \boxed{} request in
 # 64 tokens); this wording gets about a quarter. Rollouts without an answer cost OAR nothing (weights 1),
 # so the table prints their fraction next to the SmolLM2 ratios.
+# The window mode's recomputed positions a forward in training: oar_perturb calls it at its default, on any device.
+TRAINING_WINDOW_CHUNK = inspect.signature(window_perturbation_scores).parameters["max_chunk_tokens"].default
 SMOLLM2_INSTRUCTION = "Solve it. Your reply must end with the sentence: The answer is <number>."
 FULL = dict(batch=2, prompt=128, reasoning=128, answer=4, k=16, repeats=3, sweep=(32, 64, 128, 256, 512), sweep_k=16, sweep_fast_all=256,
             ta=dict(), ta_steps=4, ta_repeats=3, sm=dict(prompts_per_step=2, group_size=4, max_new_tokens=64, micro_batch_size=8),
@@ -198,7 +202,7 @@ def growth_main(args) -> None:
     big = device.type == "cuda"
     res["growth"] = bg.growth(model, pad, bp.synthetic, bp.every_kth, lengths=lengths, prompt=128, answer=8, windows=windows,
                               k=args.sample_k, exact_all_up_to=args.exact_all_up_to, window_all_up_to=args.window_all_up_to,
-                              chunk_tokens=65536 if big else 8192, window_chunk_tokens=8192 if big else 2048)
+                              chunk_tokens=65536 if big else 8192, window_chunk_tokens=TRAINING_WINDOW_CHUNK)
     if args.decode:
         p, g, lp, t = (int(x) for x in args.decode.split(","))
         res["decode"] = bg.decode_speed(model, pad, prompts=p, group_size=g, prompt_len=lp, new_tokens=t, synthetic=bp.synthetic)

@@ -15,7 +15,8 @@ What is measured and what is computed:
     (activations and gathered bf16 layers, which do not depend on N at a fixed per-rank batch).
   * checked, --world N on CPU: N gloo processes shard the model for real; each reports its local
     parameter + AdamW bytes, which must equal the count above.
-  * checked, every run: the DDP and FSDP2 steps' losses agree (to bf16's rounding): the same step.
+  Each side's loss is recorded; a random model's loss is about ln V for any batch, so it cannot show
+  that both ran the same step, and it is not checked.
 Mixed precision as accelerate does it: DDP keeps fp32 parameters and autocasts to bf16; FSDP2
 keeps fp32 sharded parameters (master), gathers and computes in bf16 (MixedPrecisionPolicy), and
 reduce-scatters gradients into fp32 shards. AdamW (torch, foreach) keeps two fp32 moments.
@@ -156,9 +157,6 @@ def main(argv=None) -> dict:
     # by then), plus AdamW's float32 step counter, one scalar per parameter tensor.
     steps = 4 * len({id(p) for p in model.parameters()})
     assert fsdp["param_optimizer_bytes"] == counted["fsdp_rank_bytes"] // 16 * 12 + steps, (fsdp, counted)
-    # ... and both ran the same step: the same batch through the same model, in bf16 (autocast against
-    # bf16-gathered parameters, so equal to bf16's rounding, not to the bit).
-    assert math.isclose(fsdp["loss"], ddp["loss"], rel_tol=2e-2), (fsdp["loss"], ddp["loss"])
     rows = []
     for n in (1, 2, 4, 8):
         c = shard_bytes(model, n)
