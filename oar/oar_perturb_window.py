@@ -128,6 +128,12 @@ class _CutRow:
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer (1, heads, E, d)
 
 
+def copies_per_forward(window: int, answer_tokens: int, budget: int) -> int:
+    """Masked copies packed into one forward: each recomputes W + 1 window slots and the K answer-predicting
+    ones, and a forward holds at most `budget` recomputed positions (at least one copy)."""
+    return max(1, budget // (window + 1 + answer_tokens))
+
+
 def _score_row(model, row: _CutRow, js: torch.Tensor, window: int, probe: str, pad: int, budget: int) -> torch.Tensor:
     """Scores (n_js,) of masking each of the row's positions `js` in turn, W = `window`, at most
     `budget` recomputed positions per forward; `pad` replaces the masked token."""
@@ -140,7 +146,7 @@ def _score_row(model, row: _CutRow, js: torch.Tensor, window: int, probe: str, p
         clean = outcome(out.logits, targets[None], valid[None], probe)
         kv = [(layer.keys, layer.values) for layer in returned_cache(out).layers]  # (1, heads, E, d)
     n = window + 1 + k
-    per = max(1, budget // n)
+    per = copies_per_forward(window, k, budget)
     result = []
     for part in js.split(per):
         c = part.shape[0]

@@ -6,7 +6,7 @@ Growth (one synthetic rollout per R: prompt P + reasoning R + answer A tokens, a
                 blocks of 4 spread evenly, x n_R / k (a copy costs its recomputed length, so evenly
                 spread blocks average it), as the sweep of bench_parts.oar_p_sweep does
   window W      the clean pass plus k' evenly spaced positions x n_R / k' beyond `window_all_up_to`, k'
-                the multiple of training's copies per forward (window_chunk_tokens // (W + 1 + A)) at or
+                the multiple of training's copies per forward (`copies_per_forward`) at or
                 above k: a copy attends to all E + c N keys of its forward, so it costs more when more
                 copies share it, and a sample of fewer copies than training packs would flatter the window
   OAR-G         the whole gradient_scores call
@@ -22,7 +22,7 @@ import torch
 from oar.grpo import token_logprobs
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
-from oar.oar_perturb_window import window_perturbation_scores
+from oar.oar_perturb_window import copies_per_forward, window_perturbation_scores
 from oar.probes import clean_forward, outcome_from_logits
 
 QWEN15B_SHAPE = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -88,7 +88,7 @@ def growth(model, pad: int, synthetic, every_kth, *, lengths, prompt: int, answe
         for w in windows:
             win = lambda m, c=None, kv=None, w=w: window_perturbation_scores(model, ids, attn, m, ans, window=w, max_chunk_tokens=window_chunk_tokens,
                                                                               clean=c, clean_kv=kv, **kw)
-            per = max(1, window_chunk_tokens // (w + 1 + answer))  # copies per forward, as _score_row packs them
+            per = copies_per_forward(w, answer, window_chunk_tokens)  # as training packs them
             whole = min(-(-k // per) * per, n_r)  # whole forwards (or every position)
             fns[f"window{w}"] = (lambda win=win: win(reas)) if n_r <= window_all_up_to else (win, every_kth(reas.cpu(), whole).to(device))
         fns["oar_g"] = lambda: gradient_scores(model, ids, attn, reas, ans, probe="answer_mean", generator=torch.Generator(device=device).manual_seed(0))
