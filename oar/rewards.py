@@ -61,7 +61,9 @@ _BARE_FRACTION = re.compile(r"\\frac(?:(?P<n>\d)|\{(?P<n1>[^{}]*)\})(?:(?P<d>\d)
 _APART = re.compile(r"[\d.],?\s+[-+]?[\d.]")  # digits, then spaces (after a comma or not), then digits
 _SPACE_APART = re.compile(r"(?<=[\d.])(,?)\s+(?=[-+]?[\d.])")  # the spaces that keep them apart
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
-_UNITS = re.compile(r"\\(?:text|textnormal|mbox|mathrm)\s*\{[^{}]*\}")
+_UNIT_COMMAND = r"\\(?:text|textnormal|mbox|mathrm)\s*\{[^{}]*\}"  # `\text{ cm}`, `\mbox {feet}`
+_WORDS_AT_END = r"(?:\s+[A-Za-z]{2,}\.?)+\s*$"  # words of two letters or more, to the end
+_UNITS = re.compile(_UNIT_COMMAND)
 # Plain words after a number ("18 eggs", "$4 per hour"): a unit, dropped as a \text{} one is; not a word that
 # changes the value, joins another term or names a symbol ("18 thousand", "3 fourths", "5 or more", "2 pi",
 # "5 below zero"), nor one letter (a variable)
@@ -71,11 +73,11 @@ _SCALING = {"hundred", "thousand", "million", "billion", "trillion", "dozen", "s
             "before", "ago", "bc", "bce", "under", "behind", "off", "percent", "percentage", "per-cent"}
 _SCALING |= {w + "s" for w in _SCALING if w.isalpha()}  # "5 hundreds", "3 dozens"
 _ORDINAL_FRACTION = re.compile(r"(?:fourth|fifth|sixth|seventh|eighth|ninth|tenth|hundredth|thousandth|millionth|billionth)s?")
-_WORD_UNITS = re.compile(r"(?<=[\d.%$])(?:\s+[A-Za-z]{2,}\.?)+\s*$")
+_WORD_UNITS = re.compile(r"(?<=[\d.%$])" + _WORDS_AT_END)
 # Units at the end of an answer that math-verify reads (its own unit stripping is off: it also takes a trailing
 # one-letter variable for a unit, `6m` -> 6): `\text{ cm}^2`, or plain words after a number or a brace (`\sqrt{13} feet`)
-_TRAILING_TEXT_UNITS = re.compile(r"(?:\s*\\(?:text|textnormal|mbox|mathrm)\s*\{[^{}]*\}(?:\^\{?[23]\}?)?)+\s*$")
-_TRAILING_WORD_UNITS = re.compile(r"(?<=[\d.%$}])(?:\s+[A-Za-z]{2,}\.?)+\s*$")
+_TRAILING_TEXT_UNITS = re.compile(r"(?:\s*" + _UNIT_COMMAND + r"(?:\^\{?[23]\}?)?)+\s*$")
+_TRAILING_WORD_UNITS = re.compile(r"(?<=[\d.%$}])" + _WORDS_AT_END)
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textnormal|textbf|textit|textrm|mbox|mathrm|mathbf)\s*\{([^{}]*)\}")
 _NOISE = re.compile(  # dropped from both sides: spacing, sizing, currency, percent and degree signs
     r"\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\[!,;: ]|\s+|\\?\$|\\?%|\^\{?\\circ\}?|°|\\degree"
