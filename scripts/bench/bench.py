@@ -35,11 +35,11 @@ import bench_steps  # noqa: E402
 from oar.oar_perturb_window import window_perturbation_scores  # noqa: E402
 from oar.tasks.tiny_arith_cache import ensure_tiny_arith  # noqa: E402
 
+# The window mode's recomputed positions a forward in training: oar_perturb calls it at its default, on any device.
+TRAINING_WINDOW_CHUNK = inspect.signature(window_perturbation_scores).parameters["max_chunk_tokens"].default
 # SmolLM2-135M rarely writes an extractable answer to arith problems (0 of 8 with the \boxed{} request in
 # 64 tokens); this wording gets about a quarter. Rollouts without an answer cost OAR nothing (weights 1),
 # so the table prints their fraction next to the SmolLM2 ratios.
-# The window mode's recomputed positions a forward in training: oar_perturb calls it at its default, on any device.
-TRAINING_WINDOW_CHUNK = inspect.signature(window_perturbation_scores).parameters["max_chunk_tokens"].default
 SMOLLM2_INSTRUCTION = "Solve it. Your reply must end with the sentence: The answer is <number>."
 FULL = dict(batch=2, prompt=128, reasoning=128, answer=4, k=16, repeats=3, sweep=(32, 64, 128, 256, 512), sweep_k=16, sweep_fast_all=256,
             ta=dict(), ta_steps=4, ta_repeats=3, sm=dict(prompts_per_step=2, group_size=4, max_new_tokens=64, micro_batch_size=8),
@@ -250,7 +250,7 @@ def _print_steps(say, title, st):
             f"{d['oar-g+all']['frac_scored']:.2f}")
     say("   OAR s/rollout of the step: " + ", ".join(f"{m} {d[m]['oar_s_per_rollout']:.4f}" for m in d if m.startswith("oar")))
     if not st["same_rollouts"]:
-        say(f"   WARNING: {', '.join(st['rollouts_differ'])} sampled other rollouts than {next(iter(st['median_step_s']))}: "
+        say(f"   WARNING: {', '.join(st['rollouts_differ'])} sampled other rollouts than grpo: "
             "these ratios compare different work")
 
 

@@ -73,10 +73,11 @@ def main(argv=None) -> dict:
     (work / "data.jsonl").write_text("".join(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
                                              for a in range(11, 19) for b in range(3, 7)))
     settings = {"lora": ["--lora_r", str(args.lora_r), "--lora_alpha", str(2 * args.lora_r)], "full": []}
+    model = args.model or str(gguf())
     runs = []
     for i in range(args.runs):
         order = ["lora", "full"] if i % 2 == 0 else ["full", "lora"]
-        got = {"order": ",".join(order)} | {name: run(name, settings[name], work, args.model or str(gguf())) for name in order}
+        got = {"order": ",".join(order)} | {name: run(name, settings[name], work, model) for name in order}
         assert got["lora"]["step1"] == got["full"]["step1"], ("step 1 sampled other rollouts", got["lora"]["step1"], got["full"]["step1"])
         got["lora_over_full"] = {k: statistics.median(got["lora"][k]) / statistics.median(got["full"][k])
                                  for k in ("step_s", "rollout_s", "update_s")}

@@ -23,7 +23,7 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
     with --score_all. Learning rate 1e-12: every method samples the same rollouts at every step, the update
     still computed. `cpu_ratio_vs_grpo`: the median over rounds of a method's CPU seconds over GRPO's on the
     same steps in the same round (nearly the same busy neighbours): the steadier figure on a shared machine.
-    `same_rollouts`: whether every method's steps had the same rewards and completion lengths, round by
+    `same_rollouts`: whether every method's steps had GRPO's rewards and completion lengths, round by
     round (the check that the ratios compare the same work)."""
     from oar.training.config import Config
     from tests.tinyrun import train_module  # train.py's main, loaded by its path (train.py is not a library)
@@ -63,7 +63,7 @@ def train_steps(settings: dict, methods, *, steps: int, repeats: int, trl_python
                 extra[m]["oar_s_per_rollout"] += [ln["oar/seconds_per_rollout"] for ln in lines]
                 extra[m]["frac_no_answer"] += [ln["oar/frac_no_answer"] for ln in lines]
                 extra[m]["frac_scored"] += [ln["oar/frac_scored"] for ln in lines]
-    differ = sorted({m for m in methods for mine, grpo in zip(seen[m], seen[methods[0]]) if mine != grpo})
+    differ = sorted({m for m in methods for mine, grpo in zip(seen[m], seen["grpo"]) if mine != grpo})
     res = {"settings": settings, "steps_per_run": steps, "repeats": repeats, "step_s": samples,
            "same_rollouts": not differ, "rollouts_differ": differ,
            "median_step_s": {m: med(s) for m, s in samples.items()}}

@@ -15,8 +15,6 @@ What is measured and what is computed:
     (activations and gathered bf16 layers, which do not depend on N at a fixed per-rank batch).
   * checked, --world N on CPU: N gloo processes shard the model for real; each reports its local
     parameter + AdamW bytes, which must equal the count above.
-  Each side's loss is recorded; a random model's loss is about ln V for any batch, so it cannot show
-  that both ran the same step, and it is not checked.
 Mixed precision as accelerate does it: DDP keeps fp32 parameters and autocasts to bf16; FSDP2
 keeps fp32 sharded parameters (master), gathers and computes in bf16 (MixedPrecisionPolicy), and
 reduce-scatters gradients into fp32 shards. AdamW (torch, foreach) keeps two fp32 moments.
@@ -70,7 +68,7 @@ def one_step(model, vocab_size: int, device: str, batch: int, seq: int, autocast
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return optimizer, loss.item()
+    return optimizer
 
 
 def measure(mode: str, args) -> dict:
@@ -86,9 +84,9 @@ def measure(mode: str, args) -> dict:
         shard(model, torch.bfloat16)
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer, loss = one_step(model, SHAPES[args.size]["vocab_size"], args.device, args.batch, args.seq, autocast=mode == "ddp")
+    optimizer = one_step(model, SHAPES[args.size]["vocab_size"], args.device, args.batch, args.seq, autocast=mode == "ddp")
     held = param_optimizer_bytes(model, optimizer)
-    out = {"mode": mode, "world": torch.distributed.get_world_size(), "param_optimizer_bytes": held["local"], "loss": loss}
+    out = {"mode": mode, "world": torch.distributed.get_world_size(), "param_optimizer_bytes": held["local"]}
     if cuda:
         out |= {"peak_bytes": torch.cuda.max_memory_allocated(), "end_bytes": torch.cuda.memory_allocated()}
     del model, optimizer
