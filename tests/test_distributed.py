@@ -10,10 +10,13 @@ almost unchanged; the logged norm is the raw gradient's and catches it.
 """
 
 import math
+import socket
+from pathlib import Path
 
 import pytest
 
-from tinyrun import TINY, assert_same_metrics, check_ok, final_params, initial_params, launch, max_abs_diff, metrics, run_inprocess
+from tinyrun import (TINY, assert_same_metrics, check_ok, final_params, free_port, initial_params, launch, max_abs_diff, metrics,
+                     run_inprocess)
 
 SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR scorers, plain GRPO
     "oar-g/seq_mean": ["--method", "oar-g", "--aggregation", "seq_mean"],
@@ -120,3 +123,17 @@ def test_rollouts_with_zero_advantage_are_skipped_exactly(tiny_model, tmp_path, 
     scored = [(s["oar/frac_scored"], a["oar/frac_scored"]) for s, a in zip(metrics(skip), metrics(every))]
     assert all(a == pytest.approx(1 - m["oar/frac_no_answer"]) for (_, a), m in zip(scored, metrics(every)))
     assert all(s <= a for s, a in scored) and any(s < a for s, a in scored)  # rollouts were skipped
+
+
+def test_launch_port_is_free_and_outside_the_ephemeral_range():
+    """The launches' port is drawn below the kernel's ephemeral range (where a concurrent run's gloo connections
+    could take it before accelerate binds it), differs between draws, and is free to bind."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not ephemeral.is_file():
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range (not Linux)")
+    low = int(ephemeral.read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(10000 <= port < low for port in ports), ports
+    assert len(set(ports)) > 1
+    with socket.socket() as s:
+        s.bind(("", ports[0]))

@@ -15,10 +15,12 @@ import itertools
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -148,9 +150,21 @@ def run_script(script: Path, args: list[str], *, prelude: str = "", timeout: int
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port below the kernel's ephemeral range that nothing holds now. (A port from bind(0) comes from that
+    range, which the gloo connections of a concurrent run draw from too: one of them could take it between
+    this check and accelerate's bind of it.)"""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.is_file() else 32768
+    draw = random.Random(f"{os.getpid()} {time.time_ns()}")
+    for _ in range(200):
+        port = draw.randrange(10000, low) if low > 11000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:  # held, or in TIME_WAIT
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in 10000..{low - 1} after 200 draws")
 
 
 def launch_command(args: list[str], num_processes: int = 2, script: Path = TRAIN) -> list[str]:
