@@ -217,3 +217,26 @@ def test_report_tests_nothing_below_three_seeds_checks_each_arms_own_settings_an
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "top_p"}))  # ran at the default 1.0
     with pytest.raises(SystemExit, match="settings differ .*top_p"):
         report.write(lacking, tmp_path / "oc", "arith-mix")
+
+
+def test_the_committed_page_and_summary_are_the_reports_of_the_committed_ledger():
+    """A run added to the ledger without report.py rerun (or a hand edit of its block) leaves the page stale."""
+    import json
+
+    report, here = _report(), ROOT / "research" / "signal-or-gate"
+    runs = report.collect(here / "ledger", "arith-1op2d")
+    comparisons = {f"{a} - {b}": report.compare(runs, a, b) for a, b in report.COMPARISONS}
+    page = (here / "README.md").read_text()
+    assert f"{report.BEGIN}\n{report.table(runs, comparisons)}\n{report.END}" in page
+    assert json.loads((here / "summary.json").read_text())["comparisons"] == json.loads(json.dumps(comparisons))
+
+
+def test_the_pages_attribution_table_is_the_committed_one():
+    """The ΔV table is copied into the page by hand from the ledger's table.json: it must be that table."""
+    import json
+
+    here = ROOT / "research" / "signal-or-gate"
+    made = here / "ledger" / "delta-v" / "table.json"
+    if not made.is_file():
+        pytest.skip("no ΔV table in the ledger yet (it is committed once the 100 rollouts' values are made)")
+    assert json.loads(made.read_text())["table"] in (here / "README.md").read_text()
