@@ -11,12 +11,11 @@ almost unchanged; the logged norm is the raw gradient's and catches it.
 
 import math
 import socket
-from pathlib import Path
 
 import pytest
 
-from tinyrun import (TINY, assert_same_metrics, check_ok, final_params, free_port, initial_params, launch, max_abs_diff, metrics,
-                     run_inprocess)
+from tinyrun import (PORT_FLOOR, TINY, assert_same_metrics, check_ok, ephemeral_floor, final_params, free_port, initial_params, launch,
+                     max_abs_diff, metrics, run_inprocess)
 
 SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR scorers, plain GRPO
     "oar-g/seq_mean": ["--method", "oar-g", "--aggregation", "seq_mean"],
@@ -128,12 +127,11 @@ def test_rollouts_with_zero_advantage_are_skipped_exactly(tiny_model, tmp_path, 
 def test_launch_port_is_free_and_outside_the_ephemeral_range():
     """The launches' port is drawn below the kernel's ephemeral range (where a concurrent run's gloo connections
     could take it before accelerate binds it), differs between draws, and is free to bind."""
-    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    if not ephemeral.is_file():
+    low = ephemeral_floor()
+    if low is None:
         pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range (not Linux)")
-    low = int(ephemeral.read_text().split()[0])
     ports = [free_port() for _ in range(20)]
-    assert all(10000 <= port < low for port in ports), ports
+    assert all(PORT_FLOOR <= port < low for port in ports), ports
     assert len(set(ports)) > 1
     with socket.socket() as s:
         s.bind(("", ports[0]))

@@ -225,7 +225,7 @@ def test_the_committed_page_and_summary_are_the_reports_of_the_committed_ledger(
 
     report, here = _report(), ROOT / "research" / "signal-or-gate"
     runs = report.collect(here / "ledger", "arith-1op2d")
-    comparisons = {f"{a} - {b}": report.compare(runs, a, b) for a, b in report.COMPARISONS}
+    comparisons = report.compare_all(runs)
     page = (here / "README.md").read_text()
     assert f"{report.BEGIN}\n{report.table(runs, comparisons)}\n{report.END}" in page
     assert json.loads((here / "summary.json").read_text())["comparisons"] == json.loads(json.dumps(comparisons))

@@ -149,22 +149,30 @@ def run_script(script: Path, args: list[str], *, prelude: str = "", timeout: int
     return finish(*spawn(cmd), timeout=timeout)
 
 
+PORT_FLOOR = 10000  # the launches' ports are drawn from PORT_FLOOR up to the kernel's ephemeral range
+
+
+def ephemeral_floor() -> int | None:
+    """The first port of the kernel's ephemeral range (bind(0) and outgoing connections), None where unknown."""
+    ports = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    return int(ports.read_text().split()[0]) if ports.is_file() else None
+
+
 def free_port() -> int:
     """A port below the kernel's ephemeral range that nothing holds now. (A port from bind(0) comes from that
     range, which the gloo connections of a concurrent run draw from too: one of them could take it between
     this check and accelerate's bind of it.)"""
-    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    low = int(ephemeral.read_text().split()[0]) if ephemeral.is_file() else 32768
+    low = ephemeral_floor() or 32768
     draw = random.Random(f"{os.getpid()} {time.time_ns()}")
     for _ in range(200):
-        port = draw.randrange(10000, low) if low > 11000 else 0
+        port = draw.randrange(PORT_FLOOR, low) if low > PORT_FLOOR + 1000 else 0
         with socket.socket() as s:
             try:
                 s.bind(("", port))
             except OSError:  # held, or in TIME_WAIT
                 continue
             return s.getsockname()[1]
-    raise RuntimeError(f"no free port in 10000..{low - 1} after 200 draws")
+    raise RuntimeError(f"no free port in {PORT_FLOOR}..{low - 1} after 200 draws")
 
 
 def launch_command(args: list[str], num_processes: int = 2, script: Path = TRAIN) -> list[str]:

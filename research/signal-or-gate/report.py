@@ -147,6 +147,11 @@ def compare(runs: dict, a: str, b: str) -> dict:
     return out
 
 
+def compare_all(runs: dict) -> dict:
+    """Every pre-registered comparison, by its name ("a - b")."""
+    return {f"{a} - {b}": compare(runs, a, b) for a, b in COMPARISONS}
+
+
 def decide(comparisons: dict) -> dict:
     """The page's decision rule on tests 1 and 2 (None: not enough balanced seeds to test)."""
     def verdict(key):
@@ -254,7 +259,7 @@ def write(ledger: Path, out: Path, task: str) -> dict:
     problems = check_runs(runs, json.loads(build.read_text())["weights_sha256"] if build.is_file() else None)
     if problems:
         raise SystemExit("report.py: error: these runs cannot be compared as one study:\n  " + "\n  ".join(problems))
-    comparisons = {f"{a} - {b}": compare(runs, a, b) for a, b in COMPARISONS}
+    comparisons = compare_all(runs)
     acceptance = Path(ledger) / "acceptance.json"
     summary = {"task": task, "acceptance": json.loads(acceptance.read_text()) if acceptance.is_file() else None,
                "runs": {a: {str(s): {k: v for k, v in r.items() if k not in ("reward", "config", "steps_logged")} for s, r in b.items()}
