@@ -19,11 +19,14 @@ tokens are tied to within rounding (tests/test_static_decode.py: 16 families in 
 
 A model whose cache is not all full-attention layers (a sliding window, chunked or linear attention)
 runs the eager loop instead, said once per process; so does any model under transformers 4.x, whose
-static cache gave other tokens than the eager loop on every family tried (4.57.6; 5.24 gives the same).
+static cache gave other tokens than the eager loop on every family tried (4.57.6; 5.24 gives the same),
+and a model under autocast (accelerate's mixed precision) with a transformers before 5.24, whose static
+cache holds the values in the keys' dtype (an H200 run stopped at its first step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable
 
@@ -60,6 +63,35 @@ def static_cache_or_reason(model, width: int):
     return (cache, None) if not kinds else (None, f"its cache has {', '.join(kinds)} layers")
 
 
+@contextlib.contextmanager
+def autocast_seen(model):
+    """A dict that gets {"dtype": d} when the model's forward, inside, runs under autocast to d: read at its
+    input embeddings, since accelerate's mixed precision enables autocast within the wrapped forward only."""
+    seen: dict = {}
+    device = model.device.type
+
+    def note(module, args):
+        if torch.is_autocast_enabled(device):
+            seen["dtype"] = torch.get_autocast_dtype(device)
+
+    handle = model.get_input_embeddings().register_forward_pre_hook(note)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def keeps_each_dtype(layer_type, keys: torch.dtype, values: torch.dtype) -> bool:
+    """Whether a cache layer of `layer_type` stores keys and values of these dtypes each in its own:
+    transformers before 5.24 allocates the values in the keys' dtype, and a step's values of another
+    dtype then cannot be copied in (a CUDA run under bf16 autocast: float32 keys, bfloat16 values)."""
+    if keys == values:
+        return True
+    probe = layer_type(max_cache_len=1)
+    probe.lazy_initialization(torch.zeros(1, 1, 1, 1, dtype=keys), torch.zeros(1, 1, 1, 1, dtype=values))
+    return probe.values.dtype == values
+
+
 @torch.no_grad()
 def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
                   group_size: int = 1, skip_draws: list[int] | None = None, compiled: bool = False, check_every: int = CHECK_EVERY,
@@ -70,21 +102,29 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
     b = prompt_ids.shape[0] * group_size
     assert len(seeds) == b, (len(seeds), b)
     width = cache_width(prompt_ids.shape[1] + T)
-    cache, why = static_cache_or_reason(model, width)
-    if cache is None:
+
+    def eager_instead(why):
         if why not in _SAID:
             _SAID.add(why)
             print(f"oar.sampler: the fixed-shape decode loop cannot run here ({why}); the eager loop samples instead", file=sys.stderr)
         return decode_eager(model, prompt_ids, prompt_mask, max_new_tokens=T, temperature=temperature, top_p=top_p,
-                      eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, seeds=seeds, group_size=group_size,
-                      skip_draws=skip_draws, on_token=on_token)
+                            eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, seeds=seeds, group_size=group_size,
+                            skip_draws=skip_draws, on_token=on_token)
 
-    uniforms = draw_uniforms(seeds, T, device, skip_draws)
-    eos = torch.tensor(sorted(eos_token_ids), device=device)
-    logits, prompt_cache, pos = prefill(model, prompt_ids, prompt_mask)  # P rows, as the eager loop
+    cache, why = static_cache_or_reason(model, width)
+    if cache is None:
+        return eager_instead(why)
+    with autocast_seen(model) as seen:  # accelerate's mixed precision wraps the forward itself in autocast
+        logits, prompt_cache, pos = prefill(model, prompt_ids, prompt_mask)  # P rows, as the eager loop
+    if not keeps_each_dtype(type(cache.layers[0]), model.dtype, seen.get("dtype", model.dtype)):
+        return eager_instead(f"under autocast to {seen['dtype']} a step's values are {seen['dtype']} and its keys may stay "
+                             f"{model.dtype} (RoPE), and this transformers' static cache keeps both in the keys' dtype (5.24 keeps each its own)")
     for src, dst in zip(prompt_cache.layers, cache.layers):  # each prompt's keys/values to its G rows
         dst.update(src.keys.repeat_interleave(group_size, 0), src.values.repeat_interleave(group_size, 0))
     del prompt_cache
+
+    uniforms = draw_uniforms(seeds, T, device, skip_draws)
+    eos = torch.tensor(sorted(eos_token_ids), device=device)
     ones = torch.ones(prompt_mask.shape[0], width - prompt_mask.shape[1], dtype=prompt_mask.dtype, device=device)
     mask = torch.cat([prompt_mask, ones], 1).repeat_interleave(group_size, 0)  # (B, width): causality hides the unwritten columns
     next_pos = pos[:, -1:].repeat_interleave(group_size, 0) + 1
@@ -99,27 +139,27 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
         logprobs.index_copy_(1, t, logp[:, None])
         done.logical_or_(torch.isin(token, eos))
         t.add_(1)
-        return token
 
     kv = cache_kwargs(cache)  # once, outside the step torch.compile traces
 
-    def step(token):
-        z = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, **kv, use_cache=True).logits[:, -1]
+    def step():  # no inputs, no outputs: a CUDA graph's replay overwrites its outputs, so the state is all it touches
+        last = tokens.index_select(1, t - 1)  # (B, 1): the token the previous step chose
+        z = model(input_ids=last, attention_mask=mask, position_ids=next_pos, **kv, use_cache=True).logits[:, -1]
         next_pos.add_(1)
-        return record(z)
+        record(z)
 
     run = step
     if compiled:  # the state the step mutates keeps its address, so a CUDA graph may capture it (as the cache's)
         for x in (uniforms, mask, next_pos, tokens, logprobs, done, t):
             torch._dynamo.mark_static_address(x)
         run = torch.compile(step, mode="reduce-overhead", dynamic=False)
-    token = record(logits.repeat_interleave(group_size, 0))
+    record(logits.repeat_interleave(group_size, 0))
     tick = on_token or (lambda: None)  # a progress bar's tick, outside the compiled step
     tick()
     for i in range(1, T):
         if i % check_every == 0 and bool(done.all()):
             break
-        token = run(token)
+        run()
         tick()
     # Cut where the eager loop stops: after the step at which the last row ended (T if one never did).
     ended = torch.isin(tokens, eos)

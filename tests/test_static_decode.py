@@ -120,6 +120,63 @@ def test_the_compiled_step_gives_the_same_tokens_on_a_cpu():
         torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
 
 
+def test_the_compiled_step_takes_and_returns_no_tensor(monkeypatch):
+    # A CUDA graph's replay overwrites its outputs in place: on an H200 (2026-11-27) the step that took the
+    # last token and returned the next stopped at its first replay ("accessing tensor output of CUDAGraphs
+    # that has been overwritten by a subsequent run"). The step now reads and writes only the loop's state.
+    steps = []
+
+    def compile_spy(fn, **kwargs):
+        assert kwargs.get("mode") == "reduce-overhead"
+
+        def run(*args):
+            assert not args
+            out = fn()
+            assert out is None
+            steps.append(1)
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_spy)
+    model = build("llama", seed=1)
+    ids, mask = _prompts()
+    kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD, seeds=list(range(6)), group_size=2)
+    eager, compiled = decode(model, ids, mask, **kw), decode(model, ids, mask, loop="compiled", **kw)
+    assert compiled[0].tolist() == eager[0].tolist() and len(steps) == compiled[0].shape[1] - 1
+
+
+def _one_dtype_caches(monkeypatch):
+    """transformers before 5.24: a cache layer allocates its values in its keys' dtype."""
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    for layer in (StaticLayer, DynamicLayer):
+        init = layer.lazy_initialization
+        monkeypatch.setattr(layer, "lazy_initialization", lambda self, k, v, init=init: init(self, k, v.to(k.dtype)))
+
+
+@pytest.mark.parametrize("one_dtype", [False, True])
+def test_under_accelerate_bf16_the_static_loop_gives_the_eager_tokens_or_hands_over(one_dtype, monkeypatch, capsys):
+    # accelerate's mixed precision runs the forward under autocast: RoPE leaves the keys float32 and the values
+    # bfloat16. On an H200 with transformers 5.17 the static loop stopped at its first step (values copied into
+    # a float32 cache); it must now hand over to the eager loop there, and run where the cache keeps both dtypes.
+    import transformers
+    from accelerate import Accelerator
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x: the static cache is refused anyway")
+    if one_dtype:
+        _one_dtype_caches(monkeypatch)
+    model = Accelerator(mixed_precision="bf16", cpu=True).prepare(build("llama", seed=1))
+    ids, mask = _prompts()
+    sd._SAID.clear()
+    kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD, seeds=list(range(6)), group_size=2)
+    eager, static = decode(model, ids, mask, **kw), decode(model, ids, mask, loop="static", **kw)
+    assert static[0].tolist() == eager[0].tolist()
+    said = capsys.readouterr().err
+    keeps_each = sd.keeps_each_dtype(type(sd.static_cache_or_reason(model, 8)[0].layers[0]), torch.float32, torch.bfloat16)
+    assert not (one_dtype and keeps_each)  # the emulation of the older cache holds
+    assert ("under autocast to torch.bfloat16" in said) == (not keeps_each), said
+
+
 def test_train_py_refuses_a_compiled_loop_under_fsdp_and_an_unknown_loop():
     from oar.training.checks import check_config
     from oar.training.config import Config
