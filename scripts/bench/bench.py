@@ -70,6 +70,10 @@ def main() -> None:
                     "order (forward, reversed, ...), the median reported: on a shared machine, load falls on every backend alike")
     ap.add_argument("--peak_gbs", type=float, default=3350.0, help="--rollouts --device cuda: the GPU's peak memory bandwidth, GB/s "
                     "(H100 SXM 3350, H200 4800)")
+    ap.add_argument("--gpu_batches", default="32,128,256", help="--rollouts --device cuda: rollouts a batch, comma-separated")
+    ap.add_argument("--gpu_new_tokens", type=int, default=1024, help="--rollouts --device cuda: new tokens a rollout")
+    ap.add_argument("--gpu_variants", default="", help="--rollouts --device cuda: comma-separated loops to time ('': all, "
+                    "eager,eager_sorted,static,compiled,hf_generate,hf_generate_static_compiled)")
     ap.add_argument("--device", default="cpu", help="--growth, --rollouts: cpu or cuda")
     ap.add_argument("--model", default="smollm2", help="--growth: smollm2 (the GGUF, float32) or qwen1.5b-random (Qwen2.5-1.5B shape, bf16)")
     ap.add_argument("--lengths", default="256,512,1024,2048", help="--growth: reasoning lengths R")
@@ -227,7 +231,8 @@ def rollouts_main(args) -> None:
         res.update({f"rollouts_{k}_smollm2_cpu": v[k] for k in ("vllm_vs_own", "vllm_vs_generate", "own_vs_generate")})
     elif args.device == "cuda":
         res["machine"].update(device="cuda", gpu=torch.cuda.get_device_name())
-        res["gpu"] = br.gpu_cases(args.peak_gbs, say)
+        res["gpu"] = br.gpu_cases(args.peak_gbs, say, batches=tuple(int(b) for b in args.gpu_batches.split(",")),
+                                  new_tokens=args.gpu_new_tokens, variants=tuple(filter(None, args.gpu_variants.split(","))))
     else:
         res["cpu"] = cpu = br.cpu_cases(args.cache_dir, say)
         res.update({k: v for k, v in cpu.items() if k.startswith("rollouts_")})

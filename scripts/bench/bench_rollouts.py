@@ -183,7 +183,7 @@ def cpu_cases(cache_dir, say) -> dict:
     return res
 
 
-def gpu_cases(peak_gbs: float, say, batches=(32, 128, 256), new_tokens: int = 1024, prompt: int = 128) -> dict:
+def gpu_cases(peak_gbs: float, say, batches=(32, 128, 256), new_tokens: int = 1024, prompt: int = 128, variants=()) -> dict:
     """The GPU rows: the Qwen2.5-1.5B shape in bf16 (random weights), synthetic prompts of `prompt` tokens."""
     import bench_growth as bg
 
@@ -191,7 +191,8 @@ def gpu_cases(peak_gbs: float, say, batches=(32, 128, 256), new_tokens: int = 10
     res = {"model": "random Qwen2.5-1.5B-shaped Qwen2 (bf16)", "device": torch.cuda.get_device_name(), "peak_gbs": peak_gbs, "rows": []}
     for b in batches:
         ids = torch.randint(3, 150000, (b // 8, prompt), device="cuda")
-        r = rollout_speeds(model, ids, torch.ones_like(ids), group_size=8, new_tokens=new_tokens, pad=151643, repeats=3)
+        r = rollout_speeds(model, ids, torch.ones_like(ids), group_size=8, new_tokens=new_tokens, pad=151643, repeats=3,
+                           **({"variants": variants} if variants else {}))
         for name, x in r["variants"].items():
             x["bandwidth_fraction"] = bandwidth_fraction(model, rollouts=b, prompt=prompt, new_tokens=new_tokens,
                                                          step_s=x["median_s"] / new_tokens, peak_gbs=peak_gbs)
