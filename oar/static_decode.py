@@ -74,11 +74,15 @@ def autocast_seen(model):
         if torch.is_autocast_enabled(device):
             seen["dtype"] = torch.get_autocast_dtype(device)
 
-    handle = model.get_input_embeddings().register_forward_pre_hook(note)
+    try:
+        handle = model.get_input_embeddings().register_forward_pre_hook(note)
+    except (AttributeError, NotImplementedError):  # no embedding module to watch: nothing seen, as without autocast
+        handle = None
     try:
         yield seen
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
 
 
 def keeps_each_dtype(layer_type, keys: torch.dtype, values: torch.dtype) -> bool:

@@ -177,6 +177,18 @@ def test_under_accelerate_bf16_the_static_loop_gives_the_eager_tokens_or_hands_o
     assert ("under autocast to torch.bfloat16" in said) == (not keeps_each), said
 
 
+def test_a_model_without_an_embedding_module_to_watch_still_samples_with_the_static_loop(monkeypatch):
+    model = build("llama", seed=1)
+
+    def no_embeddings():
+        raise NotImplementedError
+
+    monkeypatch.setattr(model, "get_input_embeddings", no_embeddings)
+    ids, mask = _prompts()
+    kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD, seeds=list(range(6)), group_size=2)
+    assert decode(model, ids, mask, loop="static", **kw)[0].tolist() == decode(model, ids, mask, **kw)[0].tolist()
+
+
 def test_train_py_refuses_a_compiled_loop_under_fsdp_and_an_unknown_loop():
     from oar.training.checks import check_config
     from oar.training.config import Config
