@@ -165,7 +165,15 @@ def test_under_accelerate_bf16_the_static_loop_gives_the_eager_tokens_or_hands_o
         pytest.skip("transformers 4.x: the static cache is refused anyway")
     if one_dtype:
         _one_dtype_caches(monkeypatch)
-    model = Accelerator(mixed_precision="bf16", cpu=True).prepare(build("llama", seed=1))
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # this process's state may be another test's
+    GradientState._reset_state()
+    try:
+        model = Accelerator(mixed_precision="bf16", cpu=True).prepare(build("llama", seed=1))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the wrapped forward keeps its autocast
+        GradientState._reset_state()
     ids, mask = _prompts()
     sd._SAID.clear()
     kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD, seeds=list(range(6)), group_size=2)
