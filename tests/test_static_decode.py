@@ -153,6 +153,7 @@ def _one_dtype_caches(monkeypatch):
         monkeypatch.setattr(layer, "lazy_initialization", lambda self, k, v, init=init: init(self, k, v.to(k.dtype)))
 
 
+@pytest.mark.vllm  # also in the vLLM environment, whose transformers (< 5.20) has the one-dtype cache for real
 @pytest.mark.parametrize("one_dtype", [False, True])
 def test_under_accelerate_bf16_the_static_loop_gives_the_eager_tokens_or_hands_over(one_dtype, monkeypatch, capsys):
     # accelerate's mixed precision runs the forward under autocast: RoPE leaves the keys float32 and the values
