@@ -120,6 +120,9 @@ def test_the_compiled_step_gives_the_same_tokens_on_a_cpu():
         torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
 
 
+SHORT = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD, seeds=list(range(6)), group_size=2)
+
+
 def test_the_compiled_step_takes_and_returns_no_tensor(monkeypatch):
     # A CUDA graph's replay overwrites its outputs in place: on an H200 (2026-11-27) the step that took the
     # last token and returned the next stopped at its first replay ("accessing tensor output of CUDAGraphs
@@ -139,8 +142,7 @@ def test_the_compiled_step_takes_and_returns_no_tensor(monkeypatch):
     monkeypatch.setattr(torch, "compile", compile_spy)
     model = build("llama", seed=1)
     ids, mask = _prompts()
-    kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD, seeds=list(range(6)), group_size=2)
-    eager, compiled = decode(model, ids, mask, **kw), decode(model, ids, mask, loop="compiled", **kw)
+    eager, compiled = decode(model, ids, mask, **SHORT), decode(model, ids, mask, loop="compiled", **SHORT)
     assert compiled[0].tolist() == eager[0].tolist() and len(steps) == compiled[0].shape[1] - 1
 
 
@@ -161,13 +163,12 @@ def test_under_accelerate_bf16_the_static_loop_gives_the_eager_tokens_or_hands_o
     # a float32 cache); it must now hand over to the eager loop there, and run where the cache keeps both dtypes.
     import transformers
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
 
     if int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip("transformers 4.x: the static cache is refused anyway")
     if one_dtype:
         _one_dtype_caches(monkeypatch)
-    from accelerate.state import AcceleratorState, GradientState
-
     AcceleratorState._reset_state(reset_partial_state=True)  # this process's state may be another test's
     GradientState._reset_state()
     try:
@@ -177,8 +178,7 @@ def test_under_accelerate_bf16_the_static_loop_gives_the_eager_tokens_or_hands_o
         GradientState._reset_state()
     ids, mask = _prompts()
     sd._SAID.clear()
-    kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD, seeds=list(range(6)), group_size=2)
-    eager, static = decode(model, ids, mask, **kw), decode(model, ids, mask, loop="static", **kw)
+    eager, static = decode(model, ids, mask, **SHORT), decode(model, ids, mask, loop="static", **SHORT)
     assert static[0].tolist() == eager[0].tolist()
     said = capsys.readouterr().err
     keeps_each = sd.keeps_each_dtype(type(sd.static_cache_or_reason(model, 8)[0].layers[0]), torch.float32, torch.bfloat16)
@@ -194,8 +194,7 @@ def test_a_model_without_an_embedding_module_to_watch_still_samples_with_the_sta
 
     monkeypatch.setattr(model, "get_input_embeddings", no_embeddings)
     ids, mask = _prompts()
-    kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD, seeds=list(range(6)), group_size=2)
-    assert decode(model, ids, mask, loop="static", **kw)[0].tolist() == decode(model, ids, mask, **kw)[0].tolist()
+    assert decode(model, ids, mask, loop="static", **SHORT)[0].tolist() == decode(model, ids, mask, **SHORT)[0].tolist()
 
 
 def test_train_py_refuses_a_compiled_loop_under_fsdp_and_an_unknown_loop():
