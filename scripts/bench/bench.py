@@ -72,8 +72,8 @@ def main() -> None:
                     "(H100 SXM 3350, H200 4800)")
     ap.add_argument("--gpu_batches", default="32,128,256", help="--rollouts --device cuda: rollouts a batch, comma-separated")
     ap.add_argument("--gpu_new_tokens", type=int, default=1024, help="--rollouts --device cuda: new tokens a rollout")
-    ap.add_argument("--gpu_variants", default="", help="--rollouts --device cuda: comma-separated loops to time ('': all, "
-                    "eager,eager_sorted,static,compiled,hf_generate,hf_generate_static_compiled)")
+    ap.add_argument("--gpu_variants", default="", help="--rollouts --device cuda: comma-separated loops to time ('': every one, "
+                    "bench_rollouts.VARIANTS)")
     ap.add_argument("--device", default="cpu", help="--growth, --rollouts: cpu or cuda")
     ap.add_argument("--model", default="smollm2", help="--growth: smollm2 (the GGUF, float32) or qwen1.5b-random (Qwen2.5-1.5B shape, bf16)")
     ap.add_argument("--lengths", default="256,512,1024,2048", help="--growth: reasoning lengths R")
@@ -232,7 +232,7 @@ def rollouts_main(args) -> None:
     elif args.device == "cuda":
         res["machine"].update(device="cuda", gpu=torch.cuda.get_device_name())
         res["gpu"] = br.gpu_cases(args.peak_gbs, say, batches=tuple(int(b) for b in args.gpu_batches.split(",")),
-                                  new_tokens=args.gpu_new_tokens, variants=tuple(filter(None, args.gpu_variants.split(","))))
+                                  new_tokens=args.gpu_new_tokens, variants=tuple(args.gpu_variants.split(",")) if args.gpu_variants else br.VARIANTS)
     else:
         res["cpu"] = cpu = br.cpu_cases(args.cache_dir, say)
         res.update({k: v for k, v in cpu.items() if k.startswith("rollouts_")})

@@ -31,6 +31,7 @@ from oar.sampler import decode
 LOOPS = ("eager", "static", "compiled")
 SORTED = "eager_sorted"
 HF = ("hf_generate", "hf_generate_static_compiled")
+VARIANTS = LOOPS + (SORTED,) + HF  # every variant a row can time
 
 
 def _sync(device):
@@ -39,7 +40,7 @@ def _sync(device):
 
 
 def rollout_speeds(model, ids, attn, *, group_size: int, new_tokens: int, pad: int, repeats: int,
-                   variants=LOOPS + (SORTED,) + HF) -> dict:
+                   variants=VARIANTS) -> dict:
     """Median seconds and tokens/s of each variant on the (P, Lp) prompts ids/attn, P x group_size rollouts."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
@@ -183,7 +184,8 @@ def cpu_cases(cache_dir, say) -> dict:
     return res
 
 
-def gpu_cases(peak_gbs: float, say, batches=(32, 128, 256), new_tokens: int = 1024, prompt: int = 128, variants=()) -> dict:
+def gpu_cases(peak_gbs: float, say, batches=(32, 128, 256), new_tokens: int = 1024, prompt: int = 128,
+              variants=VARIANTS) -> dict:
     """The GPU rows: the Qwen2.5-1.5B shape in bf16 (random weights), synthetic prompts of `prompt` tokens."""
     import bench_growth as bg
 
@@ -192,7 +194,7 @@ def gpu_cases(peak_gbs: float, say, batches=(32, 128, 256), new_tokens: int = 10
     for b in batches:
         ids = torch.randint(3, 150000, (b // 8, prompt), device="cuda")
         r = rollout_speeds(model, ids, torch.ones_like(ids), group_size=8, new_tokens=new_tokens, pad=151643, repeats=3,
-                           **({"variants": variants} if variants else {}))
+                           variants=variants)
         for name, x in r["variants"].items():
             x["bandwidth_fraction"] = bandwidth_fraction(model, rollouts=b, prompt=prompt, new_tokens=new_tokens,
                                                          step_s=x["median_s"] / new_tokens, peak_gbs=peak_gbs)
