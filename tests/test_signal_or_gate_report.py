@@ -240,3 +240,32 @@ def test_the_pages_attribution_table_is_the_committed_one():
     if not made.is_file():
         pytest.skip("no ΔV table in the ledger yet (it is committed once the 100 rollouts' values are made)")
     assert json.loads(made.read_text())["table"] in (here / "README.md").read_text()
+
+
+def test_report_shows_each_seeds_differences_and_each_runs_cost(tmp_path):
+    """The page's seed-by-seed table holds each seed's two differences (blank where an arm lacks the seed), and
+    its run table each run's numbers and time: whole when every invocation was timed, "at least" when one was
+    killed before it could record its time, "not recorded" without study_time.json's seconds."""
+    import json
+    import shutil
+
+    report = _report()
+    ledger = _synthetic_ledger(tmp_path / "l", {"grpo": 0.30, "oar-g-q25": 0.40}, {"oar-g-q25": [0.0, 0.02, 0.01]},
+                               heldout={"grpo": 0.5, "oar-g-q25": 0.45})
+    shutil.rmtree(ledger / "runs" / "arith-mix" / "oar-g-q25-s2")
+    runs = ledger / "runs" / "arith-mix"
+    (runs / "grpo-s0" / "study_time.json").write_text(json.dumps({"seconds": 5400.0, "cpu_seconds": 3000.0, "invocations": 2, "code": ["a"]}))
+    (runs / "grpo-s1" / "study_time.json").write_text(json.dumps({"seconds": 600.0, "cpu_seconds": 300.0, "invocations": 1,
+                                                                 "unmeasured": 1, "code": ["a"]}))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "README.md").write_text(f"{report.BEGIN}\n{report.END}\n")
+    report.write(ledger, tmp_path / "out", "arith-mix")
+    page = (tmp_path / "out" / "README.md").read_text()
+    assert "| paired difference | seed 0 | seed 1 | seed 2 |" in page
+    assert "| oar-g-q25 - grpo | +10.0 / -5.0 | +12.0 / -5.0 |  |" in page
+    assert "| oar-g-q25 - random-gate-q25 |  |  |  |" in page
+    # a run's reward range, held-out first -> last, steps to 50% (never: steps + 1), CPU of its 4 steps of 30 s, its time
+    assert "| grpo-s0 | 30.0% | 30-30% | 8.0% -> 50.0% | not reached (5) | 2 | 90, 50 (2 invocations) |" in page
+    assert "| grpo-s1 | 30.0% | 30-30% | 8.0% -> 50.0% | not reached (5) | 2 | at least 10, 5 |" in page
+    assert "| oar-g-q25-s1 | 42.0% | 42-42% | 8.0% -> 45.0% | not reached (5) | 2 | not recorded |" in page
+    assert page.index("| grpo-s0 |") < page.index("| oar-g-q25-s0 |") < page.index("| grpo-s1 |")  # seed by seed, arms in order
