@@ -68,13 +68,15 @@ def test_report_equal_differences_up_to_rounding_have_no_spread():
     assert report.paired([100 / 768, 200 / 768, 100 / 768])["p"] is not None
 
 def _synthetic_ledger(root: Path, base: dict, wobble: dict = {}, seeds=range(3), heldout: dict = {}, config: dict = {}) -> Path:
-    """A ledger of finished 4-step runs: arm a's seed s has training reward base[a] + wobble[a][s] at every step,
-    held-out avg@2 heldout.get(a, reward) at the end; config.json as study.py would write it (plus `config`)."""
+    """A ledger of finished 4-step runs of the study's settings: arm a's seed s has training reward base[a] +
+    wobble[a][s] at every step, held-out avg@2 heldout.get(a, reward) at the end; config.json as study.py would
+    write it (plus `config`)."""
     import json
 
     from research.common.study_run import effective
 
-    arms = _study().ARMS
+    study = _study()
+    arms = study.ARMS
     for arm, r in base.items():
         for seed in seeds:
             d = root / "runs" / "arith-mix" / f"{arm}-s{seed}"
@@ -87,7 +89,7 @@ def _synthetic_ledger(root: Path, base: dict, wobble: dict = {}, seeds=range(3),
             rows[1] |= {"eval/accuracy": reward / 2, "eval/pass@2": reward}
             (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
             (d / "study_time.json").write_text(json.dumps({"cpu_seconds": 600.0, "code": ["abc" if seed else "def"]}))
-            settings = effective({"steps": 4, "seed": seed, "output_dir": str(d), **arms[arm]}) | config.get(f"{arm}-s{seed}", {})
+            settings = effective(study.SETTINGS | {"steps": 4, "seed": seed, "output_dir": str(d), **arms[arm]}) | config.get(f"{arm}-s{seed}", {})
             (d / "config.json").write_text(json.dumps(settings))
     return root
 
@@ -245,7 +247,8 @@ def test_the_pages_attribution_table_is_the_committed_one():
 def test_report_shows_each_seeds_differences_and_each_runs_cost(tmp_path):
     """The page's seed-by-seed table holds each seed's two differences (blank where an arm lacks the seed), and
     its run table each run's numbers and time: whole when every invocation was timed, "at least" when one was
-    killed before it could record its time, "not recorded" without study_time.json's seconds."""
+    killed before it could record its time, "not recorded" without study_time.json's seconds; a run made with
+    a setting that changes only its rounding (gradient checkpointing) is compared like the others, and named."""
     import json
     import shutil
 
@@ -257,10 +260,13 @@ def test_report_shows_each_seeds_differences_and_each_runs_cost(tmp_path):
     (runs / "grpo-s0" / "study_time.json").write_text(json.dumps({"seconds": 5400.0, "cpu_seconds": 3000.0, "invocations": 2, "code": ["a"]}))
     (runs / "grpo-s1" / "study_time.json").write_text(json.dumps({"seconds": 600.0, "cpu_seconds": 300.0, "invocations": 1,
                                                                  "unmeasured": 1, "code": ["a"]}))
+    config = runs / "oar-g-q25-s0" / "config.json"  # a run made with gradient checkpointing: its rounding only, named
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"gradient_checkpointing": True}))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "README.md").write_text(f"{report.BEGIN}\n{report.END}\n")
     report.write(ledger, tmp_path / "out", "arith-mix")
     page = (tmp_path / "out" / "README.md").read_text()
+    assert "| oar-g-q25-s0 (gradient_checkpointing True) | 40.0% |" in page and "| oar-g-q25-s1 | 42.0% |" in page
     assert "| paired difference | seed 0 | seed 1 | seed 2 |" in page
     assert "| oar-g-q25 - grpo | +10.0 / -5.0 | +12.0 / -5.0 |  |" in page
     assert "| oar-g-q25 - random-gate-q25 |  |  |  |" in page
@@ -268,4 +274,4 @@ def test_report_shows_each_seeds_differences_and_each_runs_cost(tmp_path):
     assert "| grpo-s0 | 30.0% | 30-30% | 8.0% -> 50.0% | not reached (5) | 2 | 90, 50 (2 invocations) |" in page
     assert "| grpo-s1 | 30.0% | 30-30% | 8.0% -> 50.0% | not reached (5) | 2 | at least 10, 5 |" in page
     assert "| oar-g-q25-s1 | 42.0% | 42-42% | 8.0% -> 45.0% | not reached (5) | 2 | not recorded |" in page
-    assert page.index("| grpo-s0 |") < page.index("| oar-g-q25-s0 |") < page.index("| grpo-s1 |")  # seed by seed, arms in order
+    assert page.index("| grpo-s0 |") < page.index("| oar-g-q25-s0 (") < page.index("| grpo-s1 |")  # seed by seed, arms in order

@@ -40,6 +40,7 @@ from research.common.study_run import UNMEASURED  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from study import ARMS as ARM_RUNS  # noqa: E402  (what each arm's runs must have set)
+from study import SETTINGS  # noqa: E402  (what every run is planned with)
 ARMS = ("grpo", "oar-g-q25", "random-gate-q25", "oar-g-q40", "inverted-q25")
 COMPARISONS = (("oar-g-q25", "random-gate-q25"), ("oar-g-q25", "oar-g-q40"), ("oar-g-q25", "grpo"), ("random-gate-q25", "grpo"),
                ("oar-g-q40", "grpo"), ("inverted-q25", "grpo"), ("inverted-q25", "random-gate-q25"))
@@ -50,6 +51,8 @@ ARM_SETTINGS = {"method", "gate_quantile", "gate_boost", "credit_module", "seed"
 FREE_SETTINGS = UNMEASURED | {"model"}
 # The gate's shape per arm (the page: "reported, not decided on"): means over the steps of train.py's diagnostics
 SHAPE = {"oar/ess_ratio": "ESS", "oar/weight_max": "weight max", "oar/frac_boosted": "boosted", "oar/frac_suppressed": "suppressed"}
+# FREE_SETTINGS that change a run's arithmetic, not what it trains: the run table names a run that ran another value than planned
+ROUNDING = ("micro_batch_size", "gradient_checkpointing", "decode_loop")
 BEGIN, END = "<!-- REPORT BEGIN (research/signal-or-gate/report.py) -->", "<!-- REPORT END -->"
 
 
@@ -271,13 +274,17 @@ def seed_table(runs: dict) -> str:
 def run_table(runs: dict) -> str:
     """One row a run, in the plan's order (seed by seed, the arms in order): its own numbers and what it cost."""
     lines = ["Each run (whole run: study_time.json's wall and CPU minutes over its invocations; \"at least\" where an invocation "
-             "was killed before it could record its time):", "",
+             "was killed before it could record its time; in brackets, a setting that changes only the run's rounding, where it "
+             "ran another value than planned):", "",
              "| run | mean training reward | training reward a step, min - max | held-out avg@2, step 0 -> last | steps to 50% "
              "| CPU min in the steps | whole run: wall min, CPU min |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    planned = asdict(Config()) | SETTINGS
     for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
         for arm, by_seed in runs.items():
             if (r := by_seed.get(seed)) is None:
                 continue
+            other = [f"{k} {(r['config'] or {}).get(k)}" for k in ROUNDING if (r["config"] or {}).get(k, planned[k]) != planned[k]]
+            name = f"{arm}-s{seed}" + (f" ({', '.join(other)})" if other else "")
             held = [r["heldout"][s]["avg"] for s in sorted(r["heldout"], key=int)]
             steps_cpu = "not logged" if r["step_cpu_seconds"] is None else f"{r['step_cpu_seconds'] / 60:.0f}"
             reached = r["steps_to_50"] if r["steps_to_50"] <= r["steps"] else f"not reached ({r['steps_to_50']})"
@@ -287,7 +294,7 @@ def run_table(runs: dict) -> str:
                 whole = f"{r['wall_seconds_timed'] / 60:.0f}, {r['cpu_seconds_timed'] / 60:.0f}"
                 whole = whole if r["timed"] else f"at least {whole}"
                 whole += f" ({r['invocations']} invocations)" if (r["invocations"] or 1) > 1 else ""
-            lines.append(f"| {arm}-s{seed} | {100 * r['mean_reward']:.1f}% | {100 * min(r['reward']):.0f}-{100 * max(r['reward']):.0f}% | "
+            lines.append(f"| {name} | {100 * r['mean_reward']:.1f}% | {100 * min(r['reward']):.0f}-{100 * max(r['reward']):.0f}% | "
                          f"{100 * held[0]:.1f}% -> {100 * held[-1]:.1f}% | {reached} | {steps_cpu} | {whole} |")
     return "\n".join(lines)
 
