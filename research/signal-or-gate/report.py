@@ -13,6 +13,8 @@ page's list): the paired difference over the seeds where both arms finished, mea
 metric and for held-out avg@2 and pass@2 at each evaluated step. The decision rule is then applied:
 test 1 (oar-g-q25 - random-gate-q25) and test 2 (oar-g-q25 - oar-g-q40), each at alpha 0.05, on
 balanced pairs (each test on the seeds both its arms finished, recorded), and none on fewer than three.
+The page's block also shows each comparison seed by seed and each run's own numbers and time (descriptive,
+no metric of their own).
 
 Before any number, every run is checked (`check_runs`): all runs ran the same settings but for their
 arm's own (method, gate, credit module) and seed, steps 1..N each, from the model build the ledger
@@ -274,7 +276,7 @@ def seed_table(runs: dict) -> str:
 def run_table(runs: dict) -> str:
     """One row a run, in the plan's order (seed by seed, the arms in order): its own numbers and what it cost."""
     lines = ["Each run (whole run: study_time.json's wall and CPU minutes over its invocations; \"at least\" where an invocation "
-             "was killed before it could record its time; in brackets, a setting that changes only the run's rounding, where it "
+             "was killed before it could record its time; in parentheses, a setting that changes only the run's rounding, where it "
              "ran another value than planned):", "",
              "| run | mean training reward | training reward a step, min - max | held-out avg@2, step 0 -> last | steps to 50% "
              "| CPU min in the steps | whole run: wall min, CPU min |", "| --- | --- | --- | --- | --- | --- | --- |"]
