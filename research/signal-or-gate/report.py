@@ -76,12 +76,13 @@ def run_metrics(path: Path) -> dict | None:
     timing = json.loads((path / "study_time.json").read_text()) if (path / "study_time.json").is_file() else {}
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
     build = json.loads((path / "ledger.json").read_text()).get("weights_sha256") if (path / "ledger.json").is_file() else None
+    timed = fully_timed(timing, config or {})  # every invocation recorded its time
     return {"mean_reward": sum(reward) / len(reward), "reward": reward, "steps_to_50": reached, "final_entropy": rows[-1]["policy/entropy"],
             "heldout": {str(s): {"avg": a, "pass@2": p} for s, (a, p) in sorted(held.items())},
-            "cpu_seconds": timing.get("cpu_seconds") if fully_timed(timing, config or {}) else None,
+            "cpu_seconds": timing.get("cpu_seconds") if timed else None,
             # what study_time.json measured, whole or not (`timed`: every invocation recorded): the table of runs
             "wall_seconds_timed": timing.get("seconds"), "cpu_seconds_timed": timing.get("cpu_seconds"),
-            "invocations": timing.get("invocations"), "timed": fully_timed(timing, config or {}),
+            "invocations": timing.get("invocations"), "timed": timed,
             "resumed": timing.get("invocations", 1) > 1 or bool(timing.get("unmeasured")),
             # the CPU of the training steps alone, each counted once (a resume drops the lines after its checkpoint
             # and logs them again): comparable between runs that stopped and ran straight, unlike cpu_seconds
