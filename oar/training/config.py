@@ -45,7 +45,7 @@ class ModelSettings:
     """Completion budget of every sample, rollouts and evaluation; longer completions are truncated."""
     decode_loop: str = "eager"
     """The sampler's loop: eager | static (fixed shapes, the same samples) | compiled (static through
-    torch.compile, meant as a CUDA graph on a GPU; replay not yet checked there); docs/sampler.md."""
+    torch.compile: CUDA graphs on a GPU, replays measured on an H200); docs/sampler.md."""
     seed: int = 0
     """Seeds every draw: data order, sampling, OAR-G's noise, evaluation samples."""
 
