@@ -77,7 +77,7 @@ from oar.training.console import bars_wanted, quiet_libraries
 from oar.training import rollout_backend
 from oar.training.data import DataError, load_problems
 from oar.training.evaluation import evaluate
-from oar.training.launch import Stopped, end, exit_at_once, lost_process, make_accelerator, release, stop_on_sigterm
+from oar.training.launch import end, make_accelerator, run_entry
 from oar.training.models import ModelError, load_model, resolve_model
 from oar.sampler import resolve_instruction
 from oar.tasks.tiny_arith_cache import model_source
@@ -123,19 +123,5 @@ def main(cfg: EvalConfig) -> dict:
     return summary
 
 
-if __name__ == "__main__":
-    stop_on_sigterm("eval.py", AGAIN)  # the launcher's way to stop this process when another one died
-    try:
-        main(CONFIG)
-    except Stopped as stop:  # a teardown could hang once a peer is lost (launch.exit_at_once)
-        exit_at_once(stop.code)
-    except SystemExit as stop:  # a flag given by its old name is named as typed
-        if not isinstance(stop.code, str):
-            raise
-        raise SystemExit(parser().as_typed(stop.code, sys.argv[1:])) from None
-    except RuntimeError as err:  # the gather (or the group's start) whose peer died or stalled: a message, not a traceback
-        if (message := lost_process(err, "eval.py", CONFIG.collective_timeout, AGAIN)) is None:
-            raise
-        exit_at_once(message)
-    finally:
-        release()  # after an error: the process group ends before the interpreter does
+if __name__ == "__main__":  # each way it ends says something; the process group ends first (launch.run_entry)
+    run_entry(main, CONFIG, "eval.py", lambda message: parser().as_typed(message, sys.argv[1:]), AGAIN)

@@ -23,19 +23,9 @@ Departures from the paper and the authors' code (each also stated where it lives
     do not depend on micro-batching.
   * Sampling is our own KV-cache loop with a seeded generator per rollout (oar/sampler.py), so the
     rollouts of a step are identical for any number of processes and after a resume.
-  * Rollout reuse, --num_iterations mu (TRL's name and meaning; verl's ppo_epochs): mu passes over
-    each batch of rollouts, each pass one optimizer step over the whole batch (every micro-batch of
-    every process, accumulated). pi_old is the sampling policy: its log-probs are taken, detached,
-    from the first pass's own forward (the parameters have not moved yet, so no extra forward and a
-    ratio of exactly 1 on that pass); later passes clip against them. OAR weights (and the KL
-    reference's log-probs) are computed once per batch, on the first pass, from the sampling policy,
-    and reused by every pass. Rollouts are not shuffled between passes: each pass's gradient is a
-    sum over the whole batch, which no order of micro-batches changes (TRL shuffles because it can
-    split a batch into several optimizer steps). --steps and the LR schedule count batches of
-    rollouts (RL steps), so the LR is the same for the mu updates of a batch and a checkpoint is only
-    ever taken between batches; metrics are logged once per RL step, of the first pass, with
-    iter<k>/ metrics (k = 2..mu) for the later passes. mu = 1 is the same code path as before (the
-    ratio is 1 in value, pi_old = pi_theta.detach()).
+  * Rollout reuse, --num_iterations mu (TRL's name; verl's ppo_epochs): mu optimizer steps on each batch
+    of rollouts, clipped against the sampling policy; scores, weights and --steps are per batch
+    (oar/training/update.py says how).
 
 LoRA (--lora_r > 0, oar/training/lora.py, docs/lora.md): peft adapters on a frozen base; the optimizer
 holds only the adapters; the KL reference is the policy with its adapters off; final/ is the merged
@@ -80,13 +70,12 @@ from oar.tasks.tiny_arith_cache import model_source
 from oar.training import checkpoint as ckpt
 from oar.training import lora, rollout_backend, sharding
 from oar.training.checks import check_config, check_launch
-from oar.training.config import Config, micro_batch, parse_args
+from oar.training.config import Config, micro_batch, parse_args, parser
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
 from oar.training.data import DataError, problems_digest, run_problems, seen_in_training, step_prompts
 from oar.training.evaluation import evaluate
-from oar.training.launch import (Stopped, end, exit_at_once, gather_ragged, lost_process, make_accelerator,
-                                 release, stop_on_sigterm)
+from oar.training.launch import end, gather_ragged, make_accelerator, run_entry
 from oar.training.learner import build_learner
 from oar.training.models import ModelError, load_model, model_digest, resolve_model
 from oar.training.resume import check_model, check_resume
@@ -289,26 +278,6 @@ def main(cfg: Config) -> dict:
     return summary
 
 
-if __name__ == "__main__":
-    stop_on_sigterm("train.py")  # the launcher's way to stop this process when another one died
-    try:
-        main(CONFIG)
-    except Stopped as stop:  # the launcher's, once another process died: a teardown could hang (exit_at_once)
-        exit_at_once(stop.code)
-    except SystemExit as stop:  # a flag the user spelled another library's way is named as they typed it
-        if not isinstance(stop.code, str):
-            raise
-        from oar.training.config import parser
-
-        raise SystemExit(parser().as_typed(stop.code, sys.argv[1:])) from None
-    except KeyboardInterrupt:
-        raise SystemExit("train.py: interrupted. Run the same command with --resume to continue from the "
-                         "last checkpoint.") from None
-    except RewardError as err:  # a --reward_module function that raised or returned a non-finite value
-        raise SystemExit(f"train.py: error: {err}") from None
-    except RuntimeError as err:  # a collective whose peer died or stalled: a message, not a traceback
-        if (message := lost_process(err, "train.py", CONFIG.collective_timeout)) is None:
-            raise
-        exit_at_once(message)
-    finally:
-        release()  # after an error: the process group ends before the interpreter does
+if __name__ == "__main__":  # each way it ends says something; the process group ends first (launch.run_entry)
+    typed_as = lambda message: parser().as_typed(message, sys.argv[1:])  # noqa: E731
+    run_entry(main, CONFIG, "train.py", typed_as, errors=(RewardError,))  # a --reward_module's error: a line

@@ -153,3 +153,34 @@ def test_a_long_collective_error_is_cut_between_words_and_says_so(monkeypatch):
     quoted = message.split("failed: ", 1)[1].split("; --collective_timeout", 1)[0]
     assert quoted.startswith("Connection closed by peer word0") and quoted.endswith(" ...") and len(quoted) <= 204
     assert words.split("] ", 1)[1].startswith(quoted[:-4] + " ")  # whole words only
+
+
+def test_each_way_an_entry_point_ends_says_something(monkeypatch):
+    """launch.run_entry (train.py's and eval.py's __main__): Ctrl-C says what to do next, the script's own
+    errors and a flag typed another library's way end in one line, an exit code passes through, any other
+    error keeps its traceback, and the process group is released whichever way it ended."""
+    import signal
+    from types import SimpleNamespace
+
+    from oar.training import launch
+
+    released = []
+    monkeypatch.setattr(launch, "release", lambda: released.append(1))
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # stop_on_sigterm's handler stays out of pytest
+    cfg = SimpleNamespace(collective_timeout=600)
+
+    def ending(exc):
+        def main(_):
+            raise exc
+        try:
+            launch.run_entry(main, cfg, "eval.py", lambda m: f"typed: {m}", "Start again.", errors=(KeyError,))
+        except BaseException as out:  # noqa: BLE001 (what the script would end with)
+            return out
+
+    assert ending(KeyboardInterrupt()).code == "eval.py: interrupted. Start again."
+    assert ending(KeyError("no such reward")).code == "eval.py: error: 'no such reward'"
+    assert ending(SystemExit("bad flag")).code == "typed: bad flag"
+    assert ending(SystemExit(3)).code == 3
+    assert isinstance(ending(ValueError("a bug")), ValueError)
+    assert isinstance(ending(RuntimeError("not a collective")), RuntimeError)  # lost_process: None
+    assert len(released) == 6

@@ -90,6 +90,32 @@ def exit_at_once(message: str) -> None:
     os._exit(1)
 
 
+def run_entry(main, cfg, script: str, typed_as, hint: str = RESUME_HINT, errors: tuple = ()) -> None:
+    """Run an entry point's `main(cfg)` so that every way it ends says something: SIGTERM (`stop_on_sigterm`)
+    and a lost peer (`lost_process`) end in one line and at once, Ctrl-C says what to do next (`hint`), a
+    flag the user spelled another library's way is named as typed (`typed_as(message)`), the script's own
+    user-facing `errors` become `script: error: ...`, and the process group ends before the interpreter."""
+    stop_on_sigterm(script, hint)
+    try:
+        main(cfg)
+    except Stopped as stop:  # the launcher's, once another process died: a teardown could hang (exit_at_once)
+        exit_at_once(stop.code)
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        raise SystemExit(typed_as(stop.code)) from None
+    except KeyboardInterrupt:
+        raise SystemExit(f"{script}: interrupted. {hint}") from None
+    except errors as err:
+        raise SystemExit(f"{script}: error: {err}") from None
+    except RuntimeError as err:  # a collective (or the group's start) whose peer died or stalled
+        if (message := lost_process(err, script, cfg.collective_timeout, hint)) is None:
+            raise
+        exit_at_once(message)
+    finally:
+        release()  # after an error too: the process group ends before the interpreter does
+
+
 def tracker_problem(name: str) -> str | None:
     """Why `--log_with name` cannot log, or None. Accelerate raises a bare ValueError on an unknown name
     and only warns, then trains with no tracker, when the tracker's package is missing: a run that

@@ -21,6 +21,20 @@ Then the optimizer step, unless the loss or the gradient norm is not finite (`op
 Credit weights: a method returns weights over the rollouts' layout (b, L) (the --credit_module protocol,
 oar/credit_protocol.py, which user methods implement); the loss reads their completion columns, cut in
 one place (where the token advantages are formed); the step's log keeps the layout (oar/training/runlog.py).
+
+Rollout reuse, --num_iterations mu (TRL's name and meaning; verl's ppo_epochs): mu passes over each
+batch of rollouts, each pass one optimizer step over the whole batch (every micro-batch of
+every process, accumulated). pi_old is the sampling policy: its log-probs are taken, detached,
+from the first pass's own forward (the parameters have not moved yet, so no extra forward and a
+ratio of exactly 1 on that pass); later passes clip against them. OAR weights (and the KL
+reference's log-probs) are computed once per batch, on the first pass, from the sampling policy,
+and reused by every pass. Rollouts are not shuffled between passes: each pass's gradient is a
+sum over the whole batch, which no order of micro-batches changes (TRL shuffles because it can
+split a batch into several optimizer steps). --steps and the LR schedule count batches of
+rollouts (RL steps), so the LR is the same for the mu updates of a batch and a checkpoint is only
+ever taken between batches; metrics are logged once per RL step, of the first pass, with
+iter<k>/ metrics (k = 2..mu) for the later passes. mu = 1 is the same code path as before (the
+ratio is 1 in value, pi_old = pi_theta.detach()).
 """
 
 from __future__ import annotations
@@ -76,7 +90,7 @@ def update(cfg, learner: Learner, accelerator, ro: Rollout, advantages: torch.Te
     is_cap = cfg.vllm_importance_sampling_cap if cfg.rollout_backend == "vllm" else 0.0  # another sampler
     out = Update()
     learner.model.train()
-    for it in range(cfg.num_iterations):  # mu passes over the same rollouts (train.py: rollout reuse)
+    for it in range(cfg.num_iterations):  # mu passes over the same rollouts (rollout reuse, above)
         stats, bad_loss = [], 0
         label = "credit + update" if it == 0 and method.scores else "update"
         shown = log.progress(n_micro, label, unit="micro-batch")
