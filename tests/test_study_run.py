@@ -136,3 +136,26 @@ def test_a_runs_code_version_covers_its_credit_module_file():
     from research.common.study_run import code_version
 
     assert code_version("research/signal-or-gate/inverted.py") != code_version() == code_version("some.module")
+
+
+def test_each_invocation_records_the_machine_once(tmp_path, monkeypatch):
+    """study_time.json names the machines a run's invocations ran on (processor, vector instructions,
+    library versions): two invocations on one machine name it once, a second machine is added."""
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    import research.common.study_run as sr
+
+    run = {"name": "grpo", "seed": 0, "settings": {"model": "some/model", "method": "grpo"}}
+    monkeypatch.setattr(sr, "command", lambda *a: [sys.executable, "-c", "raise SystemExit(1)"])
+    monkeypatch.setattr(sr, "latest_checkpoint", lambda out: out / "checkpoint-4")  # each invocation resumes the folder
+    args = SimpleNamespace(root=tmp_path, threads=1)
+    for _ in range(2):
+        assert sr.run_one(args, run) == "failed"
+    timing = json.loads((tmp_path / "grpo-s0" / "study_time.json").read_text())
+    assert timing["invocations"] == 2 and timing["machines"] == [sr.machine()]
+    assert {"cpu", "simd", "cores", "python", "torch"} <= set(timing["machines"][0])
+    monkeypatch.setattr(sr, "machine", lambda: {"cpu": "another"})
+    assert sr.run_one(args, run) == "failed"
+    assert [m["cpu"] for m in json.loads((tmp_path / "grpo-s0" / "study_time.json").read_text())["machines"]][1:] == ["another"]

@@ -2,9 +2,9 @@
 
 `run_one` brings a run folder to completion: a folder with summary.json is done (and must hold the
 settings and starting model asked for), one with a checkpoint resumes with --resume, one with neither
-starts again. Each invocation adds its wall-clock and CPU seconds and the code's hash to the folder's
-study_time.json, and records its starting model and exit code there (the last invocation's) (one killed before it could adds to its count of unmeasured
-invocations). A run is held by one study process at a time (`claimed`), so a second process over the
+starts again. Each invocation adds its wall-clock and CPU seconds, the code's hash and the machine it ran on
+(`machine`) to the folder's study_time.json, and records its starting model and exit code there (the last
+invocation's) (one killed before it could adds to its count of unmeasured invocations). A run is held by one study process at a time (`claimed`), so a second process over the
 same --root takes the next free run instead. Used by research/signal-or-gate/study.py (issue 30), research/testbeds_v5/study_v5.py (issue 14) and research/real_smollm2/study_real.py (issue 21); the issue-6 study's script is retired (its results: research/arith_v4/).
 """
 
@@ -121,7 +121,8 @@ def _run_claimed(args, run, out: Path, lock: int) -> str:
         write_json_atomic(out / "study_time.json", {
             "seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
             "invocations": before.get("invocations", 0) + 1, "unmeasured": unmeasured, "model": model_ident(run["settings"]["model"]),
-            "code": sorted(set(before.get("code", [])) | {version}), "exit": code})  # None: the study was stopped
+            "code": sorted(set(before.get("code", [])) | {version}), "exit": code,  # None: the study was stopped
+            "machines": before.get("machines", []) + [m for m in [machine()] if m not in before.get("machines", [])]})
     if code != 0:
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail), flush=True)
@@ -140,6 +141,33 @@ def code_version(credit_module: str = "") -> str:
     --credit_module file if it names one: the report warns when the runs it compares were made by
     different code (the tree may change during a study)."""
     return run_code_version(credit_module, base=ROOT)  # a relative path is train.py's, which runs in ROOT
+
+
+def machine() -> dict:
+    """Where an invocation ran: the processor, its widest vector instructions, the cores, and the versions of
+    the libraries that do the arithmetic. One seed can sample differently on two machines or builds (the
+    signal-or-gate study found a pre-training evaluation of 32 against 33 of 400), so runs made on two
+    machines pair by prompts and seeds, not by arithmetic; this says which runs those are."""
+    import platform
+    from importlib import metadata
+
+    cpu, flags = platform.processor() or platform.machine(), set()
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    simd = next((name for name in ("avx512f", "avx2", "neon", "asimd") if name in flags), None)
+    versions = {}
+    for name in ("torch", "transformers", "accelerate", "numpy"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"cpu": cpu, "simd": simd, "cores": os.cpu_count(), "python": platform.python_version(), **versions}
 
 
 def _child_cpu() -> float:
