@@ -33,12 +33,13 @@ def small_llama(device: str):
     return LlamaForCausalLM(config).to(device).eval()
 
 
-def launches(run) -> dict:
-    """CUDA graph and kernel launches the host issued while `run()` ran."""
+def launches(run):
+    """`run()`'s value, and the CUDA graph and kernel launches the host issued while it ran."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        run()
+        value = run()
     names = [e.name for e in prof.events()]
-    return {"graph_launches": sum("GraphLaunch" in n for n in names), "kernel_launches": sum("LaunchKernel" in n for n in names)}
+    return value, {"graph_launches": sum("GraphLaunch" in n for n in names),
+                   "kernel_launches": sum("LaunchKernel" in n for n in names)}
 
 
 def replays(device: str, calls: int, new_tokens: int) -> dict:
@@ -63,12 +64,11 @@ def replays(device: str, calls: int, new_tokens: int) -> dict:
     eager, _ = timed("eager")
     rows = []
     for i in range(calls):
-        box = {}
-        run = lambda: box.update(zip(("out", "s"), timed("compiled")))  # noqa: E731
-        profiled = launches(run) if i in (3, calls - 2) else {}
-        if not profiled:
-            run()
-        rows.append({"call": i, "s": box["s"], "same_tokens": box["out"][0].tolist() == eager[0].tolist(),
+        if i in (3, calls - 2):
+            (out, seconds), profiled = launches(lambda: timed("compiled"))
+        else:
+            (out, seconds), profiled = timed("compiled"), {}
+        rows.append({"call": i, "s": seconds, "same_tokens": out[0].tolist() == eager[0].tolist(),
                      "graphs": counters["stats"]["unique_graphs"],
                      "inductor": {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}, **profiled})
     eager_s = statistics.median(timed("eager")[1] for _ in range(5))
