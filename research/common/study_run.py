@@ -122,7 +122,7 @@ def _run_claimed(args, run, out: Path, lock: int) -> str:
             "seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
             "invocations": before.get("invocations", 0) + 1, "unmeasured": unmeasured, "model": model_ident(run["settings"]["model"]),
             "code": sorted(set(before.get("code", [])) | {version}), "exit": code,  # None: the study was stopped
-            "machines": before.get("machines", []) + [m for m in [machine()] if m not in before.get("machines", [])]})
+            "machines": (seen := before.get("machines", [])) + [here for here in [machine()] if here not in seen]})
     if code != 0:
         tail = (out / "train.log").read_text().splitlines()[-15:]
         print(f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail), flush=True)
