@@ -124,4 +124,4 @@ def main(cfg: EvalConfig) -> dict:
 
 
 if __name__ == "__main__":  # each way it ends says something; the process group ends first (launch.run_entry)
-    run_entry(main, CONFIG, "eval.py", lambda message: parser().as_typed(message, sys.argv[1:]), AGAIN)
+    run_entry(main, CONFIG, "eval.py", parser, AGAIN)

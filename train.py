@@ -279,5 +279,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":  # each way it ends says something; the process group ends first (launch.run_entry)
-    typed_as = lambda message: parser().as_typed(message, sys.argv[1:])  # noqa: E731
-    run_entry(main, CONFIG, "train.py", typed_as, errors=(RewardError,))  # a --reward_module's error: a line
+    run_entry(main, CONFIG, "train.py", parser, errors=(RewardError,))  # a --reward_module's error: a line

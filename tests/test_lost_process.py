@@ -168,12 +168,13 @@ def test_each_way_an_entry_point_ends_says_something(monkeypatch):
     monkeypatch.setattr(launch, "release", lambda: released.append(1))
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # stop_on_sigterm's handler stays out of pytest
     cfg = SimpleNamespace(collective_timeout=600)
+    parser = lambda: SimpleNamespace(as_typed=lambda message, argv: f"typed: {message}")  # noqa: E731
 
     def ending(exc):
         def main(_):
             raise exc
         try:
-            launch.run_entry(main, cfg, "eval.py", lambda m: f"typed: {m}", "Start again.", errors=(KeyError,))
+            launch.run_entry(main, cfg, "eval.py", parser, "Start again.", errors=(KeyError,))
         except BaseException as out:  # noqa: BLE001 (what the script would end with)
             return out
 

@@ -90,10 +90,10 @@ def exit_at_once(message: str) -> None:
     os._exit(1)
 
 
-def run_entry(main, cfg, script: str, typed_as, hint: str = RESUME_HINT, errors: tuple = ()) -> None:
+def run_entry(main, cfg, script: str, parser, hint: str = RESUME_HINT, errors: tuple = ()) -> None:
     """Run an entry point's `main(cfg)` so that every way it ends says something: SIGTERM (`stop_on_sigterm`)
     and a lost peer (`lost_process`) end in one line and at once, Ctrl-C says what to do next (`hint`), a
-    flag the user spelled another library's way is named as typed (`typed_as(message)`), the script's own
+    flag the user spelled another library's way is named as typed (`parser()`'s `as_typed`), the script's own
     user-facing `errors` become `script: error: ...`, and the process group ends before the interpreter."""
     stop_on_sigterm(script, hint)
     try:
@@ -103,7 +103,7 @@ def run_entry(main, cfg, script: str, typed_as, hint: str = RESUME_HINT, errors:
     except SystemExit as stop:
         if not isinstance(stop.code, str):
             raise
-        raise SystemExit(typed_as(stop.code)) from None
+        raise SystemExit(parser().as_typed(stop.code, sys.argv[1:])) from None
     except KeyboardInterrupt:
         raise SystemExit(f"{script}: interrupted. {hint}") from None
     except errors as err:
