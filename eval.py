@@ -17,8 +17,13 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 
-from oar.training.checks import (check_backend_settings, check_eval_settings, check_model_settings, check_output_dir,
-                                 check_process_settings)
+from oar.training.checks import (
+    check_backend_settings,
+    check_eval_settings,
+    check_model_settings,
+    check_output_dir,
+    check_process_settings,
+)
 from oar.training.config import BACKEND_FLAGS, BackendSettings, EvalSettings, ModelSettings, ProcessSettings
 from oar.training.flags import Alias, FlagParser
 
@@ -38,11 +43,20 @@ class EvalConfig(ModelSettings, EvalSettings, BackendSettings, ProcessSettings):
     """Nucleus sampling mass of the samples (train.py's evaluations sample with 1.0)."""
 
 
-GROUPS = {"what to evaluate": ("model", "dataset", "split", "output_dir", "instruction", "dtype", "seed"),
-          "sampling": ("eval_size", "eval_samples", "eval_temperature", "eval_top_p", "max_new_tokens", "eval_batch_size",
-                       "decode_loop"),
-          "vLLM rollouts": BACKEND_FLAGS,
-          "distributed": ("collective_timeout",)}
+GROUPS = {
+    "what to evaluate": ("model", "dataset", "split", "output_dir", "instruction", "dtype", "seed"),
+    "sampling": (
+        "eval_size",
+        "eval_samples",
+        "eval_temperature",
+        "eval_top_p",
+        "max_new_tokens",
+        "eval_batch_size",
+        "decode_loop",
+    ),
+    "vLLM rollouts": BACKEND_FLAGS,
+    "distributed": ("collective_timeout",),
+}
 ALIASES = (  # eval.py's names before they became train.py's
     Alias("limit", "eval_size", origin="its old name"),
     Alias("num_samples", "eval_samples", origin="its old name"),
@@ -62,8 +76,14 @@ def parser() -> FlagParser:
 def check(cfg: EvalConfig) -> list[str]:
     """Every impossible setting of an evaluation: train.py's checks of the same settings, and top_p's."""
     top_p = [] if 0 < cfg.eval_top_p <= 1 else [f"--eval_top_p {cfg.eval_top_p}: must lie in (0, 1]."]
-    return (check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg) + check_process_settings(cfg) + top_p
-            + check_output_dir(cfg.output_dir))
+    return (
+        check_model_settings(cfg)
+        + check_eval_settings(cfg)
+        + check_backend_settings(cfg)
+        + check_process_settings(cfg)
+        + top_p
+        + check_output_dir(cfg.output_dir)
+    )
 
 
 if __name__ == "__main__":  # --help and a bad flag answer here, before torch and transformers load
@@ -95,17 +115,39 @@ def main(cfg: EvalConfig) -> dict:
         resolve_model(cfg.model)
         problems = load_problems(cfg.dataset, split=cfg.split, limit=cfg.eval_size or None)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
-        rollout_backend.check(cfg.rollout_backend, model_source(cfg.model), top_p=cfg.eval_top_p, training=False)  # vllm: can serve it
-        model, tokenizer = load_model(model_source(cfg.model), dtype=cfg.dtype)  # the tokenizer is checked before the weights load
+        rollout_backend.check(
+            cfg.rollout_backend, model_source(cfg.model), top_p=cfg.eval_top_p, training=False
+        )  # vllm: can serve it
+        model, tokenizer = load_model(
+            model_source(cfg.model), dtype=cfg.dtype
+        )  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"eval.py: error: {err}") from None
     model = model.to(accelerator.device).eval()
-    sampler = rollout_backend.make(cfg.rollout_backend, model_source(cfg.model), accelerator=accelerator, folder=cfg.output_dir,
-                                   training=False, **rollout_backend.engine_settings(cfg))
-    records, summary = evaluate(model, tokenizer, problems, accelerator=accelerator, instruction=instruction,
-                                batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens, num_samples=cfg.eval_samples,
-                                temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, seed=cfg.seed, loop=cfg.decode_loop,
-                                progress=bars_wanted(accelerator.is_main_process), sampler=sampler)
+    sampler = rollout_backend.make(
+        cfg.rollout_backend,
+        model_source(cfg.model),
+        accelerator=accelerator,
+        folder=cfg.output_dir,
+        training=False,
+        **rollout_backend.engine_settings(cfg),
+    )
+    records, summary = evaluate(
+        model,
+        tokenizer,
+        problems,
+        accelerator=accelerator,
+        instruction=instruction,
+        batch_size=cfg.eval_batch_size,
+        max_new_tokens=cfg.max_new_tokens,
+        num_samples=cfg.eval_samples,
+        temperature=cfg.eval_temperature,
+        top_p=cfg.eval_top_p,
+        seed=cfg.seed,
+        loop=cfg.decode_loop,
+        progress=bars_wanted(accelerator.is_main_process),
+        sampler=sampler,
+    )
     summary = {"model": cfg.model, "dataset": cfg.dataset, "instruction": instruction, **summary}
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)
@@ -115,9 +157,12 @@ def main(cfg: EvalConfig) -> dict:
         tmp.replace(out / "eval.jsonl")
         write_json_atomic(out / "eval_summary.json", {"config": asdict(cfg), **summary})
         passes = " ".join(f"{k} {v:.3f}" for k, v in summary.items() if k.startswith("pass@"))
-        print(f"{cfg.model} on {cfg.dataset}: accuracy {summary['accuracy']:.3f} over {summary['problems']} problems"
-              f" (k={cfg.eval_samples}) | {passes} | no answer {summary['frac_no_answer']:.3f}"
-              f" | truncated {summary['frac_truncated']:.3f} -> {out / 'eval.jsonl'}", flush=True)
+        print(
+            f"{cfg.model} on {cfg.dataset}: accuracy {summary['accuracy']:.3f} over {summary['problems']} problems"
+            f" (k={cfg.eval_samples}) | {passes} | no answer {summary['frac_no_answer']:.3f}"
+            f" | truncated {summary['frac_truncated']:.3f} -> {out / 'eval.jsonl'}",
+            flush=True,
+        )
     rollout_backend.close(sampler)  # vllm: the engine ends before the process group does
     end(accelerator)
     return summary

@@ -79,8 +79,15 @@ from oar.training.launch import end, gather_ragged, make_accelerator, run_entry
 from oar.training.learner import build_learner
 from oar.training.models import ModelError, load_model, model_digest, resolve_model
 from oar.training.resume import check_model, check_resume
-from oar.training.runlog import (RunLog, as_logged, mean_over_processes, pass_metrics, reward_term_metrics,
-                                 sampler_gap_metrics, step_metrics)
+from oar.training.runlog import (
+    RunLog,
+    as_logged,
+    mean_over_processes,
+    pass_metrics,
+    reward_term_metrics,
+    sampler_gap_metrics,
+    step_metrics,
+)
 from oar.training.update import count_bad_steps, update
 
 
@@ -98,11 +105,14 @@ def main(cfg: Config) -> dict:
         method = credit_methods(cfg.credit_module)[cfg.method]  # a broken --credit_module has stopped the run
         terms = reward_terms(cfg.reward, cfg.reward_module)  # checked likewise
         resolve_model(cfg.model)
-        train_set, eval_set = run_problems(cfg.dataset, cfg.eval_dataset, train_size=cfg.train_size,
-                                           eval_size=cfg.eval_size, seed=cfg.seed)
+        train_set, eval_set = run_problems(
+            cfg.dataset, cfg.eval_dataset, train_size=cfg.train_size, eval_size=cfg.eval_size, seed=cfg.seed
+        )
         resume_from = ckpt.resume_point(cfg.output_dir, cfg.resume)
-        facts = {"train_data": problems_digest(train_set),  # a resume must find them as its checkpoint did
-                 "mixed_precision": str(accelerator.mixed_precision)}  # (in the history it records)
+        facts = {
+            "train_data": problems_digest(train_set),  # a resume must find them as its checkpoint did
+            "mixed_precision": str(accelerator.mixed_precision),
+        }  # (in the history it records)
         if cfg.resume:
             check_resume(cfg, ckpt.read_state(resume_from), resume_from, facts)
         instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
@@ -123,39 +133,74 @@ def main(cfg: Config) -> dict:
     policy, gather = learner.policy, (lambda x: gather_ragged(accelerator, x))
     try:  # the method's trial on a synthetic step: a broken one stops here, before any evaluation or file
         with learner.gathered(), learner.autocast():
-            try_credit(cfg.credit(), policy, tokenizer, train_set[0].problem, train_set[0].answer,
-                       instruction=instruction, probe="last" if cfg.probe_warmup else cfg.probe,
-                       device=accelerator.device, keep_cache=not cfg.gradient_checkpointing, gather=gather)
+            try_credit(
+                cfg.credit(),
+                policy,
+                tokenizer,
+                train_set[0].problem,
+                train_set[0].answer,
+                instruction=instruction,
+                probe="last" if cfg.probe_warmup else cfg.probe,
+                device=accelerator.device,
+                keep_cache=not cfg.gradient_checkpointing,
+                gather=gather,
+            )
     except CreditError as err:
         raise SystemExit(f"train.py: error: {err}") from None
 
     start_step, history = 0, {"step_seconds": [], "bad_steps": 0, **facts}
     if cfg.resume:
-        state = ckpt.load_checkpoint(accelerator, resume_from, sharded=learner.sharded,
-                                     frozen_skipped=learner.adapters_only)
+        state = ckpt.load_checkpoint(
+            accelerator, resume_from, sharded=learner.sharded, frozen_skipped=learner.adapters_only
+        )
         start_step, history = state["step"], facts | state["history"]  # an old checkpoint gains the facts
         accelerator.step = 0  # accumulation counter: restored by load_state, but a step always ends a cycle
-    log = RunLog(accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps,
-                 start_step=start_step, progress=cfg.progress)
+    log = RunLog(
+        accelerator,
+        cfg.output_dir,
+        asdict(cfg),
+        resume=cfg.resume,
+        total_steps=cfg.steps,
+        start_step=start_step,
+        progress=cfg.progress,
+    )
     code = ckpt.run_code_version(cfg.credit_module, cfg.reward_module)  # recorded in every checkpoint
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
         if state.get("code", code) != code:  # allowed (a fix may be why it resumes), but said: two versions
-            log.say(f"the checkpoint was written by other code (train.py, oar/ and the modules "
-                    f"{state['code']}, now {code}): the steps after it run this version")
+            log.say(
+                f"the checkpoint was written by other code (train.py, oar/ and the modules "
+                f"{state['code']}, now {code}): the steps after it run this version"
+            )
     # The sampler: oar.sampler.sample, or a vLLM engine in this process that follows the policy (docs/vllm.md)
-    sampler = rollout_backend.make(cfg.rollout_backend, source, accelerator=accelerator,
-                                   folder=cfg.output_dir, **rollout_backend.engine_settings(cfg))
+    sampler = rollout_backend.make(
+        cfg.rollout_backend,
+        source,
+        accelerator=accelerator,
+        folder=cfg.output_dir,
+        **rollout_backend.engine_settings(cfg),
+    )
     own = cfg.rollout_backend == "own"  # the sampler is the policy (gathered when sharded), not a vLLM engine
     if cfg.resume:  # the engine starts from --model's weights: give it the checkpoint's
         rollout_backend.follow(sampler, policy, learner.peft)
 
     def held_out():  # (records, accuracy and pass@k) on the held-out set; avg@k when --eval_samples k > 1
         with learner.gathered(own):
-            return evaluate(policy, tokenizer, eval_set, accelerator=accelerator, instruction=instruction,
-                            batch_size=cfg.eval_batch_size, max_new_tokens=cfg.max_new_tokens,
-                            num_samples=cfg.eval_samples, temperature=cfg.eval_temperature, seed=cfg.seed,
-                            loop=cfg.decode_loop, progress=log.bars, sampler=sampler)
+            return evaluate(
+                policy,
+                tokenizer,
+                eval_set,
+                accelerator=accelerator,
+                instruction=instruction,
+                batch_size=cfg.eval_batch_size,
+                max_new_tokens=cfg.max_new_tokens,
+                num_samples=cfg.eval_samples,
+                temperature=cfg.eval_temperature,
+                seed=cfg.seed,
+                loop=cfg.decode_loop,
+                progress=log.bars,
+                sampler=sampler,
+            )
 
     pass_at = lambda result: {k: v for k, v in result.items() if k.startswith("pass@")}  # noqa: E731
     on_line = lambda r: {f"eval/{k}": v for k, v in r.items() if k == "accuracy" or k.startswith("pass@")}  # noqa: E731
@@ -166,13 +211,18 @@ def main(cfg: Config) -> dict:
             history.pop(key, None)
         log.say("the held-out set is not the one measured before training: no accuracy before it is reported")
     if seen := seen_in_training(train_set, eval_set):  # allowed (a smoke test may), never silent
-        log.say(f"{seen} of the {len(eval_set)} held-out problems are also training problems: their accuracy "
-                f"is not held out (a .jsonl file has no splits; pass a folder with train.jsonl and "
-                f"test.jsonl, or two files)")
+        log.say(
+            f"{seen} of the {len(eval_set)} held-out problems are also training problems: their accuracy "
+            f"is not held out (a .jsonl file has no splits; pass a folder with train.jsonl and "
+            f"test.jsonl, or two files)"
+        )
     if eval_set and start_step == 0:  # "before training" exists only before the first step
         before = held_out()[1]
-        history |= {"eval_before": before["accuracy"], "eval_before_pass": pass_at(before),
-                    "eval_before_set": held_out_set}
+        history |= {
+            "eval_before": before["accuracy"],
+            "eval_before_pass": pass_at(before),
+            "eval_before_set": held_out_set,
+        }
         log.say(f"held-out accuracy before training: {before['accuracy']:.3f} on {len(eval_set)} problems")
 
     if start_step < cfg.steps and "last_metrics" in history:  # a longer resume: the old last line first
@@ -180,16 +230,29 @@ def main(cfg: Config) -> dict:
     for step in range(start_step, cfg.steps):
         t0, cpu0 = time.perf_counter(), time.process_time()  # wall, and this process's CPU (steadier)
         # 1. sample: this process's slice of the step's prompts, G rollouts each (a group on one process)
-        idx, seeds = step_prompts(step, rank, local_prompts, len(train_set), cfg.prompts_per_step,
-                                  cfg.group_size, cfg.seed)
+        idx, seeds = step_prompts(
+            step, rank, local_prompts, len(train_set), cfg.prompts_per_step, cfg.group_size, cfg.seed
+        )
         prompts = [format_prompt(tokenizer, train_set[i].problem, instruction) for i in idx]
         golds = [train_set[i].answer for i in idx for _ in range(cfg.group_size)]
         chunks = local_prompts // cfg.rollout_batch_size if cfg.rollout_batch_size else 1
-        with (learner.gathered(own),  # the own sampler reads the whole policy; a vLLM engine its own weights
-              log.progress(chunks * cfg.max_new_tokens, "rollouts", unit="token") as shown):
-            ro = sampler(policy, tokenizer, prompts, group_size=cfg.group_size, seeds=seeds,
-                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                         chunk=cfg.rollout_batch_size, loop=cfg.decode_loop, on_token=shown.update)
+        with (
+            learner.gathered(own),  # the own sampler reads the whole policy; a vLLM engine its own weights
+            log.progress(chunks * cfg.max_new_tokens, "rollouts", unit="token") as shown,
+        ):
+            ro = sampler(
+                policy,
+                tokenizer,
+                prompts,
+                group_size=cfg.group_size,
+                seeds=seeds,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                chunk=cfg.rollout_batch_size,
+                loop=cfg.decode_loop,
+                on_token=shown.update,
+            )
         t_rollout = time.perf_counter() - t0
 
         # 2. reward: --reward's weighted terms (oar/reward_table.py; by default answer correctness alone)
@@ -210,12 +273,25 @@ def main(cfg: Config) -> dict:
         scored = ((advantages != 0) & has_tokens | cfg.score_all) & method.scores  # (B,)
         probe = "last" if step < cfg.probe_warmup else cfg.probe
         with learner.autocast():  # the update forward's context (none under FSDP2)
-            credit = step_credit(cfg.credit(), policy, tokenizer, ro, rewards, advantages, scored, seeds,
-                                 golds, probe, gather=gather)
+            credit = step_credit(
+                cfg.credit(), policy, tokenizer, ro, rewards, advantages, scored, seeds, golds, probe, gather=gather
+            )
 
         # 5. update: --num_iterations passes by micro-batch, each one optimizer step (oar/training/update.py)
-        done = update(cfg, learner, accelerator, ro, advantages, credit, method, micro=micro, probe=probe,
-                      log=log, step=step, bad_steps=history["bad_steps"])
+        done = update(
+            cfg,
+            learner,
+            accelerator,
+            ro,
+            advantages,
+            credit,
+            method,
+            micro=micro,
+            probe=probe,
+            log=log,
+            step=step,
+            bad_steps=history["bad_steps"],
+        )
         if (stop := count_bad_steps(history, done.skipped, cfg.max_bad_steps)) is not None:
             raise SystemExit(stop)
         lr = learner.schedule.get_last_lr()[0]  # the rate this step trained with (logged)
@@ -226,17 +302,33 @@ def main(cfg: Config) -> dict:
 
         # 6. log, evaluate, checkpoint. The step's diagnostics are the same on every process and for any
         # number of them (oar/training/runlog.py); the timings are each process's own, averaged.
-        metrics = step_metrics(ro, rewards, scored, cfg.group_size, done.passes[0], done.weights,
-                               done.grad_norms[0], lr, accelerator, nonfinite=done.nonfinite)
+        metrics = step_metrics(
+            ro,
+            rewards,
+            scored,
+            cfg.group_size,
+            done.passes[0],
+            done.weights,
+            done.grad_norms[0],
+            lr,
+            accelerator,
+            nonfinite=done.nonfinite,
+        )
         metrics |= pass_metrics(done.passes[1:], done.grad_norms[1:], accelerator)  # none for mu = 1
         metrics |= sampler_gap_metrics(done.gaps, accelerator)
         metrics |= reward_term_metrics(reward_parts, accelerator)
-        timings = {"time/step_s": history["step_seconds"][-1], "time/step_cpu_s": step_cpu,
-                   "time/rollout_s": t_rollout, "oar/seconds_per_rollout": done.credit_seconds / len(ro)}
+        timings = {
+            "time/step_s": history["step_seconds"][-1],
+            "time/step_cpu_s": step_cpu,
+            "time/rollout_s": t_rollout,
+            "oar/seconds_per_rollout": done.credit_seconds / len(ro),
+        }
         metrics = as_logged(metrics | mean_over_processes(timings, accelerator))
         if nonfinite := round(metrics["oar/frac_nonfinite_scores"] * len(ro) * n_proc):  # every process's
-            log.say(f"warning: step {step + 1}: {nonfinite} rollouts had non-finite OAR scores; "
-                    f"they got plain GRPO weights")
+            log.say(
+                f"warning: step {step + 1}: {nonfinite} rollouts had non-finite OAR scores; "
+                f"they got plain GRPO weights"
+            )
         if eval_set and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             metrics |= on_line(held_out()[1])
         if step + 1 < cfg.steps:
@@ -245,20 +337,30 @@ def main(cfg: Config) -> dict:
             history["last_metrics"] = metrics
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             record = {"history": history, "config": asdict(cfg), "code": code}
-            ckpt.save_checkpoint(accelerator, cfg.output_dir, step + 1, record, cfg.keep_checkpoints,
-                                 sharded=learner.sharded)
+            ckpt.save_checkpoint(
+                accelerator, cfg.output_dir, step + 1, record, cfg.keep_checkpoints, sharded=learner.sharded
+            )
 
     seconds = history["step_seconds"]
-    summary = {"method": cfg.method, "model": cfg.model, "steps": cfg.steps, "processes": n_proc,
-               "seconds_per_step": float(np.median(seconds)) if seconds else None,
-               "skipped_steps": history["bad_steps"]}
+    summary = {
+        "method": cfg.method,
+        "model": cfg.model,
+        "steps": cfg.steps,
+        "processes": n_proc,
+        "seconds_per_step": float(np.median(seconds)) if seconds else None,
+        "skipped_steps": history["bad_steps"],
+    }
     final_line = {}
     if eval_set:
         records, final = held_out()
-        summary |= {"eval_problems": len(eval_set), "eval_problems_seen_in_training": seen,
-                    "accuracy_before": history.get("eval_before"),
-                    "accuracy_after": final["accuracy"], "pass_before": history.get("eval_before_pass"),
-                    "pass_after": pass_at(final)}
+        summary |= {
+            "eval_problems": len(eval_set),
+            "eval_problems_seen_in_training": seen,
+            "accuracy_before": history.get("eval_before"),
+            "accuracy_after": final["accuracy"],
+            "pass_before": history.get("eval_before_pass"),
+            "pass_after": pass_at(final),
+        }
         log.records("eval_final.jsonl", records)
         final_line = on_line(final)  # unrounded, as the evaluations during the run are logged
     log.last_step(cfg.steps, history.get("last_metrics"), final_line)

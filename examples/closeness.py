@@ -22,7 +22,9 @@ def closeness(completion: str, gold: str, problem: str) -> float:
     except (AttributeError, ValueError):  # no final answer (None), or not a plain number
         return 0.0
     distance = abs(a - g)
-    return 1.0 / (1.0 + distance) if math.isfinite(distance) else 0.0  # "nan", "inf", 1e400: no credit, never a NaN reward
+    return (
+        1.0 / (1.0 + distance) if math.isfinite(distance) else 0.0
+    )  # "nan", "inf", 1e400: no credit, never a NaN reward
 
 
 REWARD_FUNCTIONS = {"closeness": closeness}

@@ -25,7 +25,9 @@ def weigh(step: Step, state: None, micro: MicroBatch) -> torch.Tensor:
     reasoning = micro.rollouts.reasoning_mask & step.scored[micro.rows, None]  # (b, L)
     k = reasoning.cumsum(1) - 1  # (b, L): each reasoning token's place in its rollout's span
     decay = torch.where(reasoning, DECAY ** k.float(), 0.0)
-    w = decay * reasoning.sum(1, keepdim=True) / decay.sum(1, keepdim=True).clamp(min=1e-30)  # a row without R: 0 / tiny
+    w = (
+        decay * reasoning.sum(1, keepdim=True) / decay.sum(1, keepdim=True).clamp(min=1e-30)
+    )  # a row without R: 0 / tiny
     return torch.where(reasoning, w, 1.0)
 
 

@@ -10,7 +10,8 @@ went on to revise), and of those the marker that starts LAST wins: the final ans
 ("\boxed{74} + 4 = 88. The answer is 88." gives 88). But after a box, a phrase or `####` whose
 answer holds no digit and no LaTeX command is words, not an answer, and the box stands: "\boxed{5}.
 I hope the answer is correct.", a markdown heading "#### Verification". A phrase's answer ends at a
-comma that opens a clause ("The answer is 5, because ..." gives 5). A marker that gives no answer (`\boxed{}`, an unclosed `\boxed{12`, a bare `####`) is ignored, and
+comma that opens a clause ("The answer is 5, because ..." gives 5). A marker that gives no answer (`\boxed{}`, an
+unclosed `\boxed{12`, a bare `####`) is ignored, and
 there is no "last number" fallback: no marker, no answer. When the winner sits inside an earlier
 marker's answer ("The answer is $\boxed{5}$"), the answer is the inner `5` but `marker_start` is
 where the OUTER marker starts: "The answer is $" is marker, not reasoning. Scanning is linear.
@@ -33,8 +34,9 @@ _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _PHRASE = re.compile(r"\bthe\s+(?:final\s+)?answer\s+is\b", re.IGNORECASE)
 _BRACE_OR_ESCAPE = re.compile(r"\\.|[{}]", re.DOTALL)
 _SENTENCE_SCAN = re.compile(r"\n|\\.|[{}]|\.(?=\s|$)")  # a newline, an escape (not of a newline), a brace, a `. `
-_CLAUSE = re.compile(r",\s+(?:because|since|as|which|so|given|where|when|while|therefore|thus|hence|that)\b",
-                     re.IGNORECASE)
+_CLAUSE = re.compile(
+    r",\s+(?:because|since|as|which|so|given|where|when|while|therefore|thus|hence|that)\b", re.IGNORECASE
+)
 _ANSWER_LIKE = re.compile(r"[\d\\]")  # a digit or a LaTeX command: what a maths answer after a box holds
 _SPACES = re.compile(r"\s*")
 _BARE_TOKEN = re.compile(r"[^\s${}]+")
@@ -145,7 +147,7 @@ def boxed_answer(text: str) -> str | None:
     reference solution (MATH's) marks its answer, whatever remark follows it ("Is it a coincidence that
     the answer is 24?" after `\\boxed{24}`). Completions are read by `find_answer`, where the last marker wins."""
     box = _boxed(text) if isinstance(text, str) else None
-    return (text[box[1]:box[2]].strip() or None) if box is not None else None
+    return (text[box[1] : box[2]].strip() or None) if box is not None else None
 
 
 def extract_answer(text: str) -> str | None:

@@ -46,8 +46,17 @@ from typing import Callable
 
 import torch
 
-from oar.credit_adapters import (entropy_gate, entropy_mask_prepare, oar_g_plus_tempo, oar_scorer, ones, precomputed,
-                                 random_gate, random_gate_prepare, tempo_prepare)
+from oar.credit_adapters import (
+    entropy_gate,
+    entropy_mask_prepare,
+    oar_g_plus_tempo,
+    oar_scorer,
+    ones,
+    precomputed,
+    random_gate,
+    random_gate_prepare,
+    tempo_prepare,
+)
 from oar.credit_modules import module_methods
 from oar.credit_protocol import CreditError, CreditMethod, CreditSettings, MicroBatch, Step, protocol_problem
 from oar.rollout import Rollout
@@ -63,18 +72,34 @@ def credit_methods(module: str = "") -> MappingProxyType:
     return MappingProxyType({**METHODS, **{m.name: m for m in module_methods(module, tuple(METHODS))}})
 
 
-def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards: torch.Tensor, advantages: torch.Tensor,
-                scored: torch.Tensor, seeds: list[int], golds: list[str], probe: str, *,
-                gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+def step_credit(
+    settings: CreditSettings,
+    model,
+    tokenizer,
+    ro: Rollout,
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    scored: torch.Tensor,
+    seeds: list[int],
+    golds: list[str],
+    probe: str,
+    *,
+    gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+):
     """Credit for one step: runs the method's prepare and returns `weigh(rows, mb, logits, clean=None,
-    clean_kv=None) -> (weights (b, L), 0 outside the completion; seconds; non-finite rows)` for the micro-batch `mb = ro.select(rows)`,
+    clean_kv=None) -> (weights (b, L), 0 outside the completion; seconds; non-finite rows)` for the micro-batch `mb =
+    ro.select(rows)`,
     whose `logits` (b, T + 1, V) are the update forward's from column Lp - 1 (as train.py keeps them).
     Seconds: the micro-batch's weigh plus its rollouts' share of prepare.
 
     rewards, advantages, scored (B,): this process's; `scored` marks the rollouts whose weights
     matter (advantage != 0 and a valid token): the others get 1 from the scoring methods (their loss
     is 0 whatever w). `gather(x)`: all processes' 1-D `x` concatenated (identity on one process)."""
-    assert rewards.shape == advantages.shape == scored.shape == (len(ro),), (rewards.shape, advantages.shape, scored.shape)
+    assert rewards.shape == advantages.shape == scored.shape == (len(ro),), (
+        rewards.shape,
+        advantages.shape,
+        scored.shape,
+    )
     table = credit_methods(settings.credit_module)
     if settings.method not in table:
         raise CreditError(f"method {settings.method!r}: choose one of {', '.join(table)}.")
@@ -89,35 +114,53 @@ def step_credit(settings: CreditSettings, model, tokenizer, ro: Rollout, rewards
         out = method.weigh(step, state, MicroBatch(rows, mb, logits, clean, clean_kv))
         weights, nonfinite = out if isinstance(out, tuple) else (out, 0)
         # what the loss relies on, checked for every method: one finite float weight per position
-        if not (isinstance(weights, torch.Tensor) and weights.is_floating_point() and weights.shape == mb.input_ids.shape):
-            got = f"{weights.dtype} of shape {tuple(weights.shape)}" if isinstance(weights, torch.Tensor) else f"a {type(weights).__name__}"
-            raise CreditError(f"credit method {method.name!r}: weigh returned {got}; it must return float weights of "
-                              f"the micro-batch's shape {tuple(mb.input_ids.shape)} (b, L).")
+        if not (
+            isinstance(weights, torch.Tensor) and weights.is_floating_point() and weights.shape == mb.input_ids.shape
+        ):
+            got = (
+                f"{weights.dtype} of shape {tuple(weights.shape)}"
+                if isinstance(weights, torch.Tensor)
+                else f"a {type(weights).__name__}"
+            )
+            raise CreditError(
+                f"credit method {method.name!r}: weigh returned {got}; it must return float weights of "
+                f"the micro-batch's shape {tuple(mb.input_ids.shape)} (b, L)."
+            )
         if not torch.isfinite(weights).all():
-            raise CreditError(f"credit method {method.name!r}: weigh returned non-finite weights for rows {rows}; give a "
-                              f"rollout whose scores are not finite weights 1 and count it (the (w, n) return).")
+            raise CreditError(
+                f"credit method {method.name!r}: weigh returned non-finite weights for rows {rows}; give a "
+                f"rollout whose scores are not finite weights 1 and count it (the (w, n) return)."
+            )
         # maths §5: the completion keeps its weights, padding (and the prompt) gets 0; weights are constants of the
         # loss (a method that read the model with a graph, e.g. a plugin without no_grad, must not add a gradient)
         weights = weights.detach() * mb.completion_mask
         if not method.scores and not torch.equal(weights, mb.completion_mask.to(weights.dtype)):
-            raise CreditError(f"credit method {method.name!r}: scores=False promises weights 1 (nothing is scored, gathered "
-                              f"or logged for it), but weigh returned others; declare scores=True.")
+            raise CreditError(
+                f"credit method {method.name!r}: scores=False promises weights 1 (nothing is scored, gathered "
+                f"or logged for it), but weigh returned others; declare scores=True."
+            )
         return weights, time.perf_counter() - start + per_rollout * len(mb), int(nonfinite)
+
     return weigh
 
 
 # -- the built-ins (their functions: oar/credit_adapters.py) --------------------------------------
 
-METHODS = MappingProxyType({m.name: m for m in (  # the order of the study's tables
-    CreditMethod("grpo", ones, scores=False),
-    CreditMethod("oar-g", oar_scorer("gradient"), uses_clean=True),
-    CreditMethod("oar-p", oar_scorer("perturbation"), uses_clean=True),
-    CreditMethod("entropy", entropy_gate),
-    CreditMethod("entropy-mask", precomputed, prepare=entropy_mask_prepare),
-    CreditMethod("tempo", precomputed, prepare=tempo_prepare),
-    CreditMethod("oar-g+tempo", oar_g_plus_tempo, prepare=tempo_prepare, uses_clean=True),
-    CreditMethod("random-gate", random_gate, prepare=random_gate_prepare),
-)})
+METHODS = MappingProxyType(
+    {
+        m.name: m
+        for m in (  # the order of the study's tables
+            CreditMethod("grpo", ones, scores=False),
+            CreditMethod("oar-g", oar_scorer("gradient"), uses_clean=True),
+            CreditMethod("oar-p", oar_scorer("perturbation"), uses_clean=True),
+            CreditMethod("entropy", entropy_gate),
+            CreditMethod("entropy-mask", precomputed, prepare=entropy_mask_prepare),
+            CreditMethod("tempo", precomputed, prepare=tempo_prepare),
+            CreditMethod("oar-g+tempo", oar_g_plus_tempo, prepare=tempo_prepare, uses_clean=True),
+            CreditMethod("random-gate", random_gate, prepare=random_gate_prepare),
+        )
+    }
+)
 
 
 assert not any(map(protocol_problem, METHODS.values())) and set(COMPARED) <= set(METHODS)

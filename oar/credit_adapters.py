@@ -34,8 +34,14 @@ from oar.tempo import tempo_weights
 
 def gate(s: CreditSettings, scores: torch.Tensor, reasoning: torch.Tensor) -> torch.Tensor:
     """The bi-level gate with the run's settings: scores (b, L) over `reasoning` (b, L) -> weights (b, L)."""
-    return bilevel_weights(scores, reasoning, quantile=s.gate_quantile, boost=s.gate_boost,
-                           floor=s.gate_floor, preserve_mass=s.preserve_mass)
+    return bilevel_weights(
+        scores,
+        reasoning,
+        quantile=s.gate_quantile,
+        boost=s.gate_boost,
+        floor=s.gate_floor,
+        preserve_mass=s.preserve_mass,
+    )
 
 
 def ones(step: Step, state, micro: MicroBatch) -> torch.Tensor:
@@ -50,10 +56,13 @@ def precomputed(step: Step, state: torch.Tensor, micro: MicroBatch) -> torch.Ten
 
 # -- OAR-G and OAR-P -------------------------------------------------------------------------------
 
+
 def oar_scorer(scorer: str) -> Callable[[Step, Any, MicroBatch], tuple[torch.Tensor, int]]:
     """OAR-G ('gradient') or OAR-P ('perturbation') as a weigh function."""
+
     def weigh(step: Step, state, micro: MicroBatch) -> tuple[torch.Tensor, int]:
         return oar_weights(step, micro, scorer)
+
     return weigh
 
 
@@ -79,12 +88,35 @@ def oar_weights(step: Step, micro: MicroBatch, scorer: str) -> tuple[torch.Tenso
         reas = reas & scored[:, None]
         clean = clean_kv = None
     if scorer == "gradient":
-        scores = gradient_scores(step.model, ids, attn, reas, ans, probe=step.probe, noise_std=s.noise_std,
-                                 seeds=step.seeds[micro.rows], clean=clean, clean_kv=clean_kv)
+        scores = gradient_scores(
+            step.model,
+            ids,
+            attn,
+            reas,
+            ans,
+            probe=step.probe,
+            noise_std=s.noise_std,
+            seeds=step.seeds[micro.rows],
+            clean=clean,
+            clean_kv=clean_kv,
+        )
     else:
-        scores = perturbation_scores(step.model, ids, attn, reas, ans, probe=step.probe, pad_token_id=step.tokenizer.pad_token_id,
-                                     mode=s.perturb_mode, window=s.perturb_window, auto_length=s.perturb_auto_length,
-                                     span=s.perturb_span, max_chunk_tokens=s.perturb_chunk_tokens, clean=clean, clean_kv=clean_kv)
+        scores = perturbation_scores(
+            step.model,
+            ids,
+            attn,
+            reas,
+            ans,
+            probe=step.probe,
+            pad_token_id=step.tokenizer.pad_token_id,
+            mode=s.perturb_mode,
+            window=s.perturb_window,
+            auto_length=s.perturb_auto_length,
+            span=s.perturb_span,
+            max_chunk_tokens=s.perturb_chunk_tokens,
+            clean=clean,
+            clean_kv=clean_kv,
+        )
     width = min(scores.shape[1], mb.input_ids.shape[1])  # reasoning positions lie before both ends
     full = torch.zeros(mb.input_ids.shape, device=scores.device)
     full[:, :width] = scores[:, :width]
@@ -94,6 +126,7 @@ def oar_weights(step: Step, micro: MicroBatch, scorer: str) -> tuple[torch.Tenso
 
 
 # -- entropy and entropy-mask ----------------------------------------------------------------------
+
 
 @torch.no_grad()
 def step_entropies(model, ro: Rollout, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
@@ -105,7 +138,7 @@ def step_entropies(model, ro: Rollout, micro_batch_size: int, temperature: float
     for start in range(0, len(ro), micro_batch_size):
         mb = ro.select(slice(start, start + micro_batch_size))
         logits = forward_logits(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - lp + 1)
-        out[start:start + len(mb), lp:] = token_entropy(logits[:, :-1] / temperature)
+        out[start : start + len(mb), lp:] = token_entropy(logits[:, :-1] / temperature)
     return out
 
 
@@ -114,7 +147,9 @@ def entropy_mask_prepare(step: Step) -> torch.Tensor:
     process (the loss's tokens), so every entropy first."""
     s = step.settings
     ent = step_entropies(step.model, step.rollouts, s.micro_batch_size, s.temperature)  # (B, L)
-    return top_entropy_mask(ent, step.rollouts.loss_tokens(s.mask_truncated), top=s.entropy_top, gather=step.gather).float()
+    return top_entropy_mask(
+        ent, step.rollouts.loss_tokens(s.mask_truncated), top=s.entropy_top, gather=step.gather
+    ).float()
 
 
 def entropy_gate(step: Step, state, micro: MicroBatch) -> torch.Tensor:
@@ -129,19 +164,25 @@ def entropy_gate(step: Step, state, micro: MicroBatch) -> torch.Tensor:
 
 # -- tempo -----------------------------------------------------------------------------------------
 
+
 def tempo_prepare(step: Step) -> torch.Tensor:
     """TEMPO's weights (B, L) for the step's rollouts, 1 on the prompt columns."""
     ro, lp = step.rollouts, step.rollouts.prompt_width
-    full = tempo_weights(ro.input_ids[:, lp:], ro.completion_mask[:, lp:], step.rewards, group_size=step.settings.group_size)
+    full = tempo_weights(
+        ro.input_ids[:, lp:], ro.completion_mask[:, lp:], step.rewards, group_size=step.settings.group_size
+    )
     return torch.cat([torch.ones_like(ro.input_ids[:, :lp], dtype=full.dtype), full], dim=1)
 
 
 # -- random-gate (BEYOND THE PAPER: the gate's control) --------------------------------------------
 
+
 def random_gate_prepare(step: Step) -> int:
     """The step's widest prompt over every process: random_gate reads each rollout's stream at the
     columns the step would have on one process, so the draws do not depend on the process count."""
-    return int(step.gather(torch.tensor([float(step.rollouts.prompt_width)], device=step.rollouts.input_ids.device)).max())
+    return int(
+        step.gather(torch.tensor([float(step.rollouts.prompt_width)], device=step.rollouts.input_ids.device)).max()
+    )
 
 
 def random_gate(step: Step, width: int, micro: MicroBatch) -> torch.Tensor:
@@ -152,6 +193,10 @@ def random_gate(step: Step, width: int, micro: MicroBatch) -> torch.Tensor:
     mb, lp = micro.rollouts, step.rollouts.prompt_width
     T = mb.input_ids.shape[1] - lp
     full = torch.zeros(mb.input_ids.shape, device=mb.input_ids.device)
-    full[:, lp:] = torch.stack([torch.rand(width + T, generator=torch.Generator().manual_seed(seed + 104_729))[width:]
-                                for seed in step.seeds[micro.rows]]).to(full.device)
+    full[:, lp:] = torch.stack(
+        [
+            torch.rand(width + T, generator=torch.Generator().manual_seed(seed + 104_729))[width:]
+            for seed in step.seeds[micro.rows]
+        ]
+    ).to(full.device)
     return gate(step.settings, full, mb.reasoning_mask & step.scored[micro.rows, None])

@@ -73,7 +73,9 @@ class CreditMethod:
     name: str  # what --method selects
     weigh: Callable[[Step, Any, MicroBatch], Any]
     prepare: Callable[[Step], Any] = _nothing
-    scores: bool = True  # False: w = 1 whatever the step (GRPO): no rollout counts as scored, a sharded model is not gathered
+    scores: bool = (
+        True  # False: w = 1 whatever the step (GRPO): no rollout counts as scored, a sharded model is not gathered
+    )
     uses_clean: bool = False  # weigh reads micro.clean / clean_kv (OAR's): train.py keeps them from the update forward
 
 

@@ -19,8 +19,12 @@ from typing import ClassVar
 GATE_FLOOR = 0.1  # a suppressed token's smallest weight before the mass rescale (maths §5; 1.0: boost only)
 ENTROPY_TOP = 0.2  # entropy-mask's rho: share of the step's tokens, the highest-entropy ones, that carry the advantage
 PERTURB_SPAN = 1  # OAR-P: tokens masked together (1 = the definition, exact)
-PERTURB_AUTO_LENGTH = 512  # OAR-P auto mode: reasoning-to-answer positions from which the window is used (docs/long-reasoning.md)
-PERTURB_CHUNK_TOKENS = 8192  # OAR-P: recomputed tokens per batch of masked copies (a memory bound, not a number changer)
+PERTURB_AUTO_LENGTH = (
+    512  # OAR-P auto mode: reasoning-to-answer positions from which the window is used (docs/long-reasoning.md)
+)
+PERTURB_CHUNK_TOKENS = (
+    8192  # OAR-P: recomputed tokens per batch of masked copies (a memory bound, not a number changer)
+)
 REFERENCE_TEMPLATE = "#### {answer}"  # the conclusion appended after the reasoning for --outcome_source reference
 
 

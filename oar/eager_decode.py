@@ -22,9 +22,21 @@ from oar.lm import cache_kwargs, position_ids
 
 
 @torch.no_grad()
-def decode_eager(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-                 group_size: int = 1, skip_draws: list[int] | None = None,
-                 on_token: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_eager(
+    model,
+    prompt_ids,
+    prompt_mask,
+    *,
+    max_new_tokens,
+    temperature,
+    top_p,
+    eos_token_ids,
+    pad_token_id,
+    seeds,
+    group_size: int = 1,
+    skip_draws: list[int] | None = None,
+    on_token: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache (`oar.sampler.decode`'s default loop). (P, Lp) prompts ->
     ((B, T) completion ids, (B, T) float32 log-probs of them), B = P x group_size (a prompt's rollouts
     contiguous), ids padded with `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens.
@@ -50,8 +62,9 @@ def decode_eager(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature,
         if bool(done.all()):
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, **cache_kwargs(cache),
-                       use_cache=True).logits[:, -1]
+        logits = model(
+            input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, **cache_kwargs(cache), use_cache=True
+        ).logits[:, -1]
         next_pos = next_pos + 1
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
@@ -62,7 +75,9 @@ def draw_uniforms(seeds: list[int], length: int, device, skip: list[int] | None 
     continues a j-token prefix with the numbers a rollout of that seed would use at the same positions."""
     skip = skip or [0] * len(seeds)
     assert len(skip) == len(seeds) and min(skip, default=0) >= 0, (len(skip), len(seeds))
-    return torch.stack([torch.rand(j + length, generator=torch.Generator().manual_seed(int(s)))[j:] for s, j in zip(seeds, skip)]).to(device)
+    return torch.stack(
+        [torch.rand(j + length, generator=torch.Generator().manual_seed(int(s)))[j:] for s, j in zip(seeds, skip)]
+    ).to(device)
 
 
 def prefill(model, prompt_ids, prompt_mask):
@@ -71,8 +86,14 @@ def prefill(model, prompt_ids, prompt_mask):
 
     pos = position_ids(prompt_mask)
     cache = DynamicCache()
-    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, **cache_kwargs(cache),
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=pos,
+        **cache_kwargs(cache),
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
     return logits, cache, pos
 
 

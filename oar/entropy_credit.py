@@ -30,8 +30,13 @@ from typing import Callable
 import torch
 
 
-def top_entropy_mask(entropies: torch.Tensor, valid: torch.Tensor, *, top: float = 0.2,
-                     gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> torch.Tensor:
+def top_entropy_mask(
+    entropies: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    top: float = 0.2,
+    gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+) -> torch.Tensor:
     """The forking tokens: entropies (B, L) float, valid (B, L) bool -> (B, L) bool, True where a valid
     token's entropy is at least the (1 - top)-quantile of the valid entropies of every process
     (`gather` concatenates a 1-D tensor over processes; identity on one). No valid token anywhere:

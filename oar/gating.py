@@ -85,7 +85,9 @@ def _masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torc
     return torch.where(count > 0, tau, torch.zeros_like(tau))
 
 
-def weight_stats(weights: torch.Tensor, reasoning_mask: torch.Tensor, *, all_sum=None, all_max=None) -> dict[str, float]:
+def weight_stats(
+    weights: torch.Tensor, reasoning_mask: torch.Tensor, *, all_sum=None, all_max=None
+) -> dict[str, float]:
     """maths §6 diagnostics over reasoning tokens: mean/max weight, boosted/suppressed fractions and
     the ESS ratio (sum w)^2 / (n_R sum w^2), averaged over rollouts that have reasoning tokens.
 
@@ -98,13 +100,26 @@ def weight_stats(weights: torch.Tensor, reasoning_mask: torch.Tensor, *, all_sum
     n_r = mask.sum(dim=1).float()
     rows = n_r > 0
     ess = w.sum(1) ** 2 / (n_r * (w**2).sum(1)).clamp(min=1e-12)
-    sums = torch.stack([w.sum(), ((weights > 1.0) & mask).sum().float(), ((weights < 1.0) & mask).sum().float(),
-                        n_r.sum(), ess[rows].sum(), rows.sum().float()])
+    sums = torch.stack(
+        [
+            w.sum(),
+            ((weights > 1.0) & mask).sum().float(),
+            ((weights < 1.0) & mask).sum().float(),
+            n_r.sum(),
+            ess[rows].sum(),
+            rows.sum().float(),
+        ]
+    )
     most = w.masked_fill(~mask, float("-inf")).max().view(1) if w.numel() else torch.full((1,), float("-inf"))
     if all_sum is not None:
         sums, most = all_sum(sums), all_max(most)
     w_sum, boosted, suppressed, n, ess_sum, n_rows = sums.tolist()
     if n == 0:
         return {"weight_mean": 1.0, "weight_max": 1.0, "frac_boosted": 0.0, "frac_suppressed": 0.0, "ess_ratio": 1.0}
-    return {"weight_mean": w_sum / n, "weight_max": float(most.max()), "frac_boosted": boosted / n,
-            "frac_suppressed": suppressed / n, "ess_ratio": ess_sum / n_rows}
+    return {
+        "weight_mean": w_sum / n,
+        "weight_max": float(most.max()),
+        "frac_boosted": boosted / n,
+        "frac_suppressed": suppressed / n,
+        "ess_ratio": ess_sum / n_rows,
+    }

@@ -30,8 +30,9 @@ import torch
 ADVANTAGE_EPS = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
-                     batch_rewards: torch.Tensor | None = None) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str = "group", batch_rewards: torch.Tensor | None = None
+) -> torch.Tensor:
     """Group-relative advantages A_i (maths §1.1). `rewards` (B,) -> (B,).
 
     scale="group": divide by each group's unbiased std + 1e-4 (GRPO, the default);
@@ -70,7 +71,9 @@ def _chunks(shape: torch.Size, chunk_rows: int):
             yield slice(i, i + rows), slice(j, j + cols)
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 4, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 4, temperature: float = 1.0
+) -> torch.Tensor:
     """log softmax(logits / temperature)[labels] for every position. logits (B, T, V), labels (B, T) -> (B, T) float32.
 
     `temperature` is the sampler's: the loss then scores the distribution the rollouts came from
@@ -122,7 +125,9 @@ def token_entropy(logits: torch.Tensor, chunk_rows: int = 4) -> torch.Tensor:
     out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     for r, c in _chunks(logits.shape, chunk_rows):
         logp = torch.log_softmax(logits[r, c].float(), dim=-1)
-        out[r, c] = -(logp.exp() * logp.clamp(min=torch.finfo(torch.float32).min)).sum(-1)  # 0 log 0 = 0 (a -inf logit)
+        out[r, c] = -(logp.exp() * logp.clamp(min=torch.finfo(torch.float32).min)).sum(
+            -1
+        )  # 0 log 0 = 0 (a -inf logit)
     return out
 
 
@@ -159,7 +164,11 @@ def policy_loss(
     when a reference is given, and is_weight_mean when importance weights are.
     """
     assert logprobs.shape == old_logprobs.shape == advantages.shape == completion_mask.shape, (
-        logprobs.shape, old_logprobs.shape, advantages.shape, completion_mask.shape)
+        logprobs.shape,
+        old_logprobs.shape,
+        advantages.shape,
+        completion_mask.shape,
+    )
     valid = completion_mask.bool()
     mask = valid.to(logprobs.dtype)
     # Padding may hold anything (even inf): select, never multiply, so it cannot leak a NaN.
@@ -201,8 +210,9 @@ def policy_loss(
     return loss, stats
 
 
-def truncated_is_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor,
-                         cap: float) -> torch.Tensor:
+def truncated_is_weights(
+    trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
     """Truncated importance sampling (Yao et al. 2025; TRL's vllm_importance_sampling_correction), all (B, T):
     w_it = min(exp(logpi_trainer - logpi_sampler), cap) on valid tokens, 1 elsewhere, detached.
 
@@ -212,7 +222,10 @@ def truncated_is_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch
     as exp(min(log ratio, log cap)): no overflow, and padding (whose log-probs may hold anything)
     never leaks an inf into the product."""
     assert trainer_logprobs.shape == sampler_logprobs.shape == completion_mask.shape, (
-        trainer_logprobs.shape, sampler_logprobs.shape, completion_mask.shape)
+        trainer_logprobs.shape,
+        sampler_logprobs.shape,
+        completion_mask.shape,
+    )
     assert cap > 0, cap
     log_ratio = (trainer_logprobs.detach() - sampler_logprobs.detach()).float().clamp(max=math.log(cap))
     return torch.where(completion_mask.bool(), torch.exp(log_ratio), 1.0)

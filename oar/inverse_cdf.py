@@ -36,8 +36,14 @@ HEAD = 64  # the most likely tokens `head_choice` searches before it falls back 
 def choice(probs: torch.Tensor, top_p: float, u: torch.Tensor) -> torch.Tensor:
     """One token per row of `probs` (B, V) for its uniform u (B,): `sorted_choice`'s token, found
     without the sort where `head_choice` can prove it is the same."""
-    fast = (probs.device.type == "cpu" and probs.dtype == torch.float32 and top_p >= 1.0 and probs.shape[-1] > 4 * HEAD
-            and not torch.compiler.is_compiling() and cumsum_adds_in_float64())
+    fast = (
+        probs.device.type == "cpu"
+        and probs.dtype == torch.float32
+        and top_p >= 1.0
+        and probs.shape[-1] > 4 * HEAD
+        and not torch.compiler.is_compiling()
+        and cumsum_adds_in_float64()
+    )
     if not fast:
         return sorted_choice(probs, top_p, u)
     token, sure = head_choice(probs, u)
@@ -66,10 +72,13 @@ def head_choice(probs: torch.Tensor, u: torch.Tensor, k: int = HEAD) -> tuple[to
     total = exact.float()
     above, below = (torch.nextafter(total, torch.full_like(total, end)) for end in (float("inf"), 0.0))
     midpoints = [(total.double() + x.double()) / 2 for x in (below, above)]
-    # twice the two orders' combined rounding bound, V x 2**-52 x sum |p|; probabilities are >= 0, so sum |p| is the total
+    # twice the two orders' combined rounding bound, V x 2**-52 x sum |p|; probabilities are >= 0, so sum |p| is the
+    # total
     # (a NaN makes every comparison below False: the row is sorted)
-    slack = probs.shape[-1] * 2.0 ** -51 * exact
-    total_sure = (exact - midpoints[0] > slack) & (midpoints[1] - exact > slack) & above.isfinite()  # the largest float32 rounds to inf above
+    slack = probs.shape[-1] * 2.0**-51 * exact
+    total_sure = (
+        (exact - midpoints[0] > slack) & (midpoints[1] - exact > slack) & above.isfinite()
+    )  # the largest float32 rounds to inf above
     cdf = vals[:, :k].cumsum(-1)
     position = torch.searchsorted(cdf, (u * total).unsqueeze(-1), right=True).squeeze(-1)
     inside = position < k
@@ -84,9 +93,10 @@ def cumsum_adds_in_float64() -> bool:
     """Whether this torch's CPU cumsum adds a float32 row in order in a float64 accumulator: a prefix's
     cumsum equals the whole row's first entries, and 1 + 64 x 2**-25 is reached (a float32 accumulator
     stays at 1)."""
-    row = torch.cat([torch.ones(1), torch.full((64,), 2.0 ** -25)])
-    if float(row.cumsum(0)[-1]) != 1.0 + 2.0 ** -19:
+    row = torch.cat([torch.ones(1), torch.full((64,), 2.0**-25)])
+    if float(row.cumsum(0)[-1]) != 1.0 + 2.0**-19:
         return False
     x = torch.rand(4, 5000, generator=torch.Generator().manual_seed(0)) ** 8
     return torch.equal(x.cumsum(-1)[:, :100], x[:, :100].cumsum(-1)) and torch.equal(
-        x.cumsum(-1)[:, -1], x.double().cumsum(-1)[:, -1].float())
+        x.cumsum(-1)[:, -1], x.double().cumsum(-1)[:, -1].float()
+    )

@@ -23,7 +23,9 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def forward_logits(model, input_ids=None, attention_mask=None, *, inputs_embeds=None, logits_to_keep: int = 0) -> torch.Tensor:
+def forward_logits(
+    model, input_ids=None, attention_mask=None, *, inputs_embeds=None, logits_to_keep: int = 0
+) -> torch.Tensor:
     """Logits (B, L, V) of a causal LM (the last `logits_to_keep` positions when > 0), no cache."""
     out = model(
         input_ids=input_ids,

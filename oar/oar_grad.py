@@ -71,16 +71,23 @@ def gradient_scores(
     check_probe(probe)
     assert noise_std >= 0.0, f"noise_std must be >= 0, got {noise_std}"
     if noise_std == 0.0 and probe != "answer_joint":  # maths §4, "why the noise"
-        warnings.warn(f"OAR-G with probe {probe!r} and noise_std 0: at the clean point the KL is at its minimum, so its "
-                      f"gradient is 0 and the scores are float rounding. Use noise_std > 0 or probe 'answer_joint'.",
-                      stacklevel=2)
-    low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(input_ids.device.type)
+        warnings.warn(
+            f"OAR-G with probe {probe!r} and noise_std 0: at the clean point the KL is at its minimum, so its "
+            f"gradient is 0 and the scores are float rounding. Use noise_std > 0 or probe 'answer_joint'.",
+            stacklevel=2,
+        )
+    low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(
+        input_ids.device.type
+    )
     if low and probe != "answer_joint" and noise_std < 0.1:
         # Measured on SmolLM2-135M (docs/model-families.md): at noise 1e-3 the KL moves less than
         # bfloat16 rounds the logits, and the scores' rank correlation with float32's is about 0.
-        warnings.warn(f"OAR-G in half precision with probe {probe!r} and noise_std {noise_std}: the perturbation is below "
-                      f"the rounding of the logits, so the scores are mostly rounding noise. Use --probe answer_joint, "
-                      f"--noise_std 0.1, float32 weights without mixed precision, or --method oar-p.", stacklevel=2)
+        warnings.warn(
+            f"OAR-G in half precision with probe {probe!r} and noise_std {noise_std}: the perturbation is below "
+            f"the rounding of the logits, so the scores are mostly rounding noise. Use --probe answer_joint, "
+            f"--noise_std 0.1, float32 weights without mixed precision, or --method oar-p.",
+            stacklevel=2,
+        )
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     hidden = model.get_input_embeddings().embedding_dim
@@ -88,8 +95,11 @@ def gradient_scores(
     if seeds is not None:
         noise = seeded_noise(seeds, reasoning_mask, hidden).to(input_ids.device)
     if noise is None:
-        noise = torch.randn((*input_ids.shape, hidden), generator=generator,
-                            device=input_ids.device if generator is None else generator.device)
+        noise = torch.randn(
+            (*input_ids.shape, hidden),
+            generator=generator,
+            device=input_ids.device if generator is None else generator.device,
+        )
     assert noise.shape == (*input_ids.shape, hidden), (noise.shape, input_ids.shape, hidden)
     # Each row's columns: from the first that the noise or the probe touches through its last answer
     # token, rounded up to a multiple of GRAIN; rows with the same columns are scored together. A row's
@@ -107,9 +117,16 @@ def gradient_scores(
         groups.setdefault((int(first[b]), int(end[b])), []).append(b)
     for (lo, hi), rows in groups.items():
         run = torch.tensor(rows + rows[:1] * (min_rows(len(rows), hi - lo) - len(rows)), device=input_ids.device)
-        group = _Group(input_ids[run, :hi], attention_mask[run, :hi], noisy[run, :hi], answer_mask[run, :hi], noise[run, :hi], lo,
-                       None if clean is None else clean[run],
-                       None if clean_kv is None else [(k[run, :, :lo], v[run, :, :lo]) for k, v in clean_kv])
+        group = _Group(
+            input_ids[run, :hi],
+            attention_mask[run, :hi],
+            noisy[run, :hi],
+            answer_mask[run, :hi],
+            noise[run, :hi],
+            lo,
+            None if clean is None else clean[run],
+            None if clean_kv is None else [(k[run, :, :lo], v[run, :, :lo]) for k, v in clean_kv],
+        )
         scores[run[: len(rows)], lo:hi] = _scores(model, group, probe, noise_std)[: len(rows)]
     return scores
 
@@ -145,13 +162,20 @@ class _Group:
     noise: torch.Tensor  # (B', L', H) standard-normal draws
     first: int
     clean: torch.Tensor | None  # the rows' clean outcome, or None: computed here
-    clean_kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # keys/values of columns < first, or None: one forward here
+    clean_kv: (
+        list[tuple[torch.Tensor, torch.Tensor]] | None
+    )  # keys/values of columns < first, or None: one forward here
 
 
 def _scores(model, group: _Group, probe: str, noise_std: float) -> torch.Tensor:
     """Scores (B', L' - first) of the group's columns first .. L'-1. Columns before `first` come from
     `clean_kv` or one forward without a graph."""
-    input_ids, attention_mask, noisy, answer_mask = group.input_ids, group.attention_mask, group.noisy, group.answer_mask
+    input_ids, attention_mask, noisy, answer_mask = (
+        group.input_ids,
+        group.attention_mask,
+        group.noisy,
+        group.answer_mask,
+    )
     noise, first, clean, clean_kv = group.noise, group.first, group.clean, group.clean_kv
     end = input_ids.shape[1]
     pos, valid = answer_positions(answer_mask)  # (B, K) positions of the logits that predict answers
@@ -165,14 +189,29 @@ def _scores(model, group: _Group, probe: str, noise_std: float) -> torch.Tensor:
         if first > 0 and clean_kv is not None:  # the noise-free columns, as the caller's clean forward left them
             prefix = [(k[:, :, :first].detach(), v[:, :, :first].detach()) for k, v in clean_kv]
         elif first > 0:  # the noise-free columns: once, without a graph
-            out = model(inputs_embeds=e[:, :first], attention_mask=attention_mask[:, :first], position_ids=pos_ids[:, :first],
-                        **cache_kwargs(full_cache()), use_cache=True, logits_to_keep=1)
+            out = model(
+                inputs_embeds=e[:, :first],
+                attention_mask=attention_mask[:, :first],
+                position_ids=pos_ids[:, :first],
+                **cache_kwargs(full_cache()),
+                use_cache=True,
+                logits_to_keep=1,
+            )
             prefix = [(layer.keys, layer.values) for layer in returned_cache(out).layers]
 
     def probe_of(embeds: torch.Tensor) -> torch.Tensor:  # embeds (B, L' - first, H) -> outcome
-        logits, _ = logits_at(model, at, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=pos_ids[:, first:],
-                              **cache_kwargs(None if prefix is None else full_cache(prefix)), use_cache=prefix is not None)
-        return outcome(logits, targets, valid, probe)  # the model's own head (logit scaling, soft-caps) at the K positions
+        logits, _ = logits_at(
+            model,
+            at,
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            position_ids=pos_ids[:, first:],
+            **cache_kwargs(None if prefix is None else full_cache(prefix)),
+            use_cache=prefix is not None,
+        )
+        return outcome(
+            logits, targets, valid, probe
+        )  # the model's own head (logit scaling, soft-caps) at the K positions
 
     if clean is None:
         with torch.no_grad():

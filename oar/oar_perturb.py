@@ -73,9 +73,19 @@ def perturbation_scores(
     assert span >= 1 and max_chunk_tokens >= 1
     # span > 1 is the exact mode's approximation; a window row masks one token, and would ignore it silently
     assert span == 1 or mode == "exact", f"span={span} needs mode='exact' (the window mode masks one token at a time)"
-    exact = lambda reasoning: exact_perturbation_scores(model, input_ids, attention_mask, reasoning, answer_mask, probe=probe,
-                                                        pad_token_id=pad_token_id, max_chunk_tokens=max_chunk_tokens, span=span,
-                                                        clean=clean, clean_kv=clean_kv)
+    exact = lambda reasoning: exact_perturbation_scores(
+        model,
+        input_ids,
+        attention_mask,
+        reasoning,
+        answer_mask,
+        probe=probe,
+        pad_token_id=pad_token_id,
+        max_chunk_tokens=max_chunk_tokens,
+        span=span,
+        clean=clean,
+        clean_kv=clean_kv,
+    )
     if mode == "exact":
         return exact(reasoning_mask)
     first = torch.where(reasoning_mask.any(1), reasoning_mask.float().argmax(1), input_ids.shape[1])  # (B,)
@@ -96,11 +106,24 @@ def perturbation_scores(
         if not (reasoning_mask & rows[:, None]).any():
             continue
         if use_window and mode == "auto":
-            _say_once(f"OAR-P: rows with >= {auto_length} positions from reasoning to answer use the window mode (W={window})")
+            _say_once(
+                f"OAR-P: rows with >= {auto_length} positions from reasoning to answer use the window mode "
+                f"(W={window})"
+            )
         reas = reasoning_mask & rows[:, None]
         if use_window:
-            scores += window_perturbation_scores(model, input_ids, attention_mask, reas, answer_mask, window=window, probe=probe,
-                                                 pad_token_id=pad_token_id, clean=clean, clean_kv=clean_kv)
+            scores += window_perturbation_scores(
+                model,
+                input_ids,
+                attention_mask,
+                reas,
+                answer_mask,
+                window=window,
+                probe=probe,
+                pad_token_id=pad_token_id,
+                clean=clean,
+                clean_kv=clean_kv,
+            )
         else:
             scores += exact(reas)
     return scores

@@ -139,10 +139,20 @@ def _score_block(model, block: list[_Row], batch: _Batch, scores: torch.Tensor, 
     if clean_kv is not None:  # the caller's clean forward (e.g. the update's): nothing to recompute
         clean, kv = clean[idx], [(k[idx].detach(), v[idx].detach()) for k, v in clean_kv]
     else:  # keys/values of the block; the head runs on one column only (ragged answers would need L x V logits)
-        run = torch.cat([torch.arange(len(block)), torch.zeros(min_rows(len(block), width) - len(block), dtype=torch.long)])
-        out = model(input_ids=ids[run], attention_mask=mask[run], position_ids=pos[run], **cache_kwargs(full_cache()),
-                    use_cache=True, logits_to_keep=1)
-        kv = [(layer.keys[: len(block)], layer.values[: len(block)]) for layer in returned_cache(out).layers]  # (n, heads, L, d)
+        run = torch.cat(
+            [torch.arange(len(block)), torch.zeros(min_rows(len(block), width) - len(block), dtype=torch.long)]
+        )
+        out = model(
+            input_ids=ids[run],
+            attention_mask=mask[run],
+            position_ids=pos[run],
+            **cache_kwargs(full_cache()),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv = [
+            (layer.keys[: len(block)], layer.values[: len(block)]) for layer in returned_cache(out).layers
+        ]  # (n, heads, L, d)
     keys = width + GRAIN - 1  # cached + recomputed positions of every copy
 
     def outcomes(chunk):
@@ -168,11 +178,25 @@ def _score_block(model, block: list[_Row], batch: _Batch, scores: torch.Tensor, 
         # queries by the same s - start columns, so index-space sliding windows still see the same tokens.
         cache = None
         if s > 0:
-            cache = full_cache([(key[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2),
-                                 value[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2)) for key, value in kv])
+            cache = full_cache(
+                [
+                    (
+                        key[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2),
+                        value[n_of[:, None], :, src.clamp(min=0)].transpose(1, 2),
+                    )
+                    for key, value in kv
+                ]
+            )
         at = (keep[n_of] - start[:, None]).clamp(min=0)  # (c, K) answer-predicting positions in the chunk
-        answer_logits, _ = logits_at(model, at, input_ids=q_ids, attention_mask=torch.cat([cache_mask.long(), q_mask.long()], 1),
-                                     position_ids=q_pos, **cache_kwargs(cache), use_cache=cache is not None)  # (c, K, V)
+        answer_logits, _ = logits_at(
+            model,
+            at,
+            input_ids=q_ids,
+            attention_mask=torch.cat([cache_mask.long(), q_mask.long()], 1),
+            position_ids=q_pos,
+            **cache_kwargs(cache),
+            use_cache=cache is not None,
+        )  # (c, K, V)
         return n_of, outcome(answer_logits, targets[n_of], valid[n_of], probe)
 
     def packed(copies):
@@ -180,14 +204,18 @@ def _score_block(model, block: list[_Row], batch: _Batch, scores: torch.Tensor, 
         copies = sorted(copies, key=lambda c: c.length, reverse=True)
         for chunk in _chunks(copies, max(1, budget // keys)):
             n_real = len(chunk)
-            chunk = chunk + [chunk[0]] * (min_rows(n_real, chunk[0].length) - n_real)  # duplicates keep the matmuls' kernels fixed
+            chunk = chunk + [chunk[0]] * (
+                min_rows(n_real, chunk[0].length) - n_real
+            )  # duplicates keep the matmuls' kernels fixed
             n_of, probes = outcomes(chunk)
             yield chunk[:n_real], n_of[:n_real], probes[:n_real]
 
     if clean_kv is None:  # the clean probe: an unmasked copy of each row (from a0 - 1), as exact as the masked ones
         none = torch.zeros(0, dtype=torch.long, device=idx.device)
         rows_clean = {}
-        for chunk, _, probes in packed([_Copy(n, none, r.a0 - 1, _rounded(r.end - (r.a0 - 1))) for n, r in enumerate(block)]):
+        for chunk, _, probes in packed(
+            [_Copy(n, none, r.a0 - 1, _rounded(r.end - (r.a0 - 1))) for n, r in enumerate(block)]
+        ):
             rows_clean.update({c.row: probes[m] for m, c in enumerate(chunk)})
         clean = torch.stack([rows_clean[n] for n in range(len(block))])  # (n, V) or (n,)
 

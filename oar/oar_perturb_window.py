@@ -49,7 +49,8 @@ def window_supported(config, length: int) -> str | None:
         return f"attention implementation {impl!r} takes no custom 4D mask (sdpa and eager do)"
     window = getattr(config, "sliding_window", None)
     sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or (
-        window is not None and getattr(config, "use_sliding_window", True) and not hasattr(config, "layer_types"))
+        window is not None and getattr(config, "use_sliding_window", True) and not hasattr(config, "layer_types")
+    )
     if sliding and window is not None and window < length:
         return f"sliding-window attention ({window} positions) shorter than the row ({length})"
     return None
@@ -93,8 +94,9 @@ def window_perturbation_scores(
     extents = row_extents(attention_mask, answer_mask)
     for b in reasoning_mask.any(1).nonzero().flatten().tolist():
         if (reason := window_supported(model.config, int(extents[b]))) is not None:
-            raise ValueError(f"window OAR-P cannot run on this model: {reason}. Use perturb_mode exact "
-                             f"(or auto, which falls back).")
+            raise ValueError(
+                f"window OAR-P cannot run on this model: {reason}. Use perturb_mode exact (or auto, which falls back)."
+            )
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     pos_all = position_ids(attention_mask)
     with eval_mode(model):
@@ -106,10 +108,20 @@ def window_perturbation_scores(
             js = reasoning_mask[b].nonzero().flatten()
             js = js[js < end]  # a token at or after `end` cannot move the answer
             if js.numel():
-                kv = None if clean_kv is None else [(k[b : b + 1, :, :end], v[b : b + 1, :, :end]) for k, v in clean_kv]
+                kv = (
+                    None if clean_kv is None else [(k[b : b + 1, :, :end], v[b : b + 1, :, :end]) for k, v in clean_kv]
+                )
                 c_out = None if clean_kv is None else clean[b : b + 1]
-                row = _CutRow(input_ids[b, :end], attention_mask[b, :end], pos_all[b, :end], input_ids[b, a0 : end + 1],
-                              answer_mask[b, a0 : end + 1], a0, c_out, kv)
+                row = _CutRow(
+                    input_ids[b, :end],
+                    attention_mask[b, :end],
+                    pos_all[b, :end],
+                    input_ids[b, a0 : end + 1],
+                    answer_mask[b, a0 : end + 1],
+                    a0,
+                    c_out,
+                    kv,
+                )
                 scores[b, js] = _score_row(model, row, js, window, probe, pad_token_id, max_chunk_tokens)
     return scores
 
@@ -137,12 +149,26 @@ def copies_per_forward(window: int, answer_tokens: int, budget: int) -> int:
 def _score_row(model, row: _CutRow, js: torch.Tensor, window: int, probe: str, pad: int, budget: int) -> torch.Tensor:
     """Scores (n_js,) of masking each of the row's positions `js` in turn, W = `window`, at most
     `budget` recomputed positions per forward; `pad` replaces the masked token."""
-    ids, mask, pos, targets, valid, a0, clean, kv = row.ids, row.mask, row.pos, row.targets, row.valid, row.a0, row.clean, row.kv
+    ids, mask, pos, targets, valid, a0, clean, kv = (
+        row.ids,
+        row.mask,
+        row.pos,
+        row.targets,
+        row.valid,
+        row.a0,
+        row.clean,
+        row.kv,
+    )
     dev, end, k = ids.device, ids.shape[0], targets.shape[0]
     answer_slots = torch.arange(a0 - 1, end, device=dev)  # (K,)
     if kv is None:  # the clean pass: keys/values of positions 0 .. E-1 and the clean outcome
-        out = model(input_ids=ids[None], attention_mask=mask[None], position_ids=pos[None], use_cache=True,
-                    logits_to_keep=answer_slots)
+        out = model(
+            input_ids=ids[None],
+            attention_mask=mask[None],
+            position_ids=pos[None],
+            use_cache=True,
+            logits_to_keep=answer_slots,
+        )
         clean = outcome(out.logits, targets[None], valid[None], probe)
         kv = [(layer.keys, layer.values) for layer in returned_cache(out).layers]  # (1, heads, E, d)
     n = window + 1 + k
@@ -162,8 +188,11 @@ def _score_row(model, row: _CutRow, js: torch.Tensor, window: int, probe: str, p
         recomputed.scatter_(1, slot_pos.masked_fill(filler, end), True)
         recomputed = recomputed[:, :end]  # (c, E)
         # Keys from the clean cache: real tokens before the query's position that this copy does not recompute.
-        to_cache = (mask.bool()[None, None] & ~recomputed[:, None]
-                    & (torch.arange(end, device=dev)[None, None] < slot_pos[:, :, None]))  # (c, N, E)
+        to_cache = (
+            mask.bool()[None, None]
+            & ~recomputed[:, None]
+            & (torch.arange(end, device=dev)[None, None] < slot_pos[:, :, None])
+        )  # (c, N, E)
         # Keys among the copy's own slots: causal by position, never a filler; a filler sees itself.
         own = (slot_pos[:, None, :] <= slot_pos[:, :, None]) & ~filler[:, None, :] & mask.bool()[slot_pos][:, None, :]
         own = own | (filler[:, :, None] & torch.eye(n, dtype=torch.bool, device=dev)[None])  # (c, N, N)
@@ -173,8 +202,14 @@ def _score_row(model, row: _CutRow, js: torch.Tensor, window: int, probe: str, p
         bias = _attention_bias(allowed, model, kv[0][0].dtype)
         cache = full_cache(kv)  # the clean keys/values of positions 0 .. E-1, every layer in full
         keep = (torch.arange(c, device=dev)[:, None] * n + window + 1 + torch.arange(k, device=dev)[None]).flatten()
-        logits = model(input_ids=q_ids.reshape(1, -1), attention_mask=bias[None, None], position_ids=pos[slot_pos].reshape(1, -1),
-                       **cache_kwargs(cache), use_cache=True, logits_to_keep=keep).logits  # (1, c K, V)
+        logits = model(
+            input_ids=q_ids.reshape(1, -1),
+            attention_mask=bias[None, None],
+            position_ids=pos[slot_pos].reshape(1, -1),
+            **cache_kwargs(cache),
+            use_cache=True,
+            logits_to_keep=keep,
+        ).logits  # (1, c K, V)
         masked = outcome(logits.view(c, k, -1), targets[None].expand(c, k), valid[None].expand(c, k), probe)
         result.append(divergence(clean.expand(c, *clean.shape[1:]), masked, probe).float())
     return torch.cat(result)
@@ -184,5 +219,7 @@ def _attention_bias(allowed: torch.Tensor, model, dtype) -> torch.Tensor:
     """The 4D mask as each attention implementation takes it: sdpa a boolean (True = attend; no
     dtype to match the queries', which autocast may change), eager an additive float (0 / min)."""
     if model.config._attn_implementation == "eager":
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )
     return allowed

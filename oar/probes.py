@@ -60,16 +60,23 @@ def outcome(answer_logits: torch.Tensor, answer_tokens: torch.Tensor, valid: tor
     return torch.where(valid, token_logp, 0.0).sum(dim=1) / count
 
 
-def clean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int = 0,
-                  keep_cache: bool = False):
+def clean_forward(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, logits_to_keep: int = 0, keep_cache: bool = False
+):
     """One forward (the update's, with its graph) that can also hand OAR its clean pass. (B, L) inputs
     -> (logits (B, L', V), kv): kv is each layer's (keys, values), detached, (B, heads, L, head_dim),
     when `keep_cache` and the model kept a cache (checkpointed layers drop it in training mode), else
     None. OAR-G reads its noise-free prefix from kv and OAR-P its clean keys/values, instead of
     running the clean sequence again; the logits give the clean probe (`outcome_from_logits`)."""
     # A cache of every position (lm.full_cache): a sliding-window model's own cache keeps only its window.
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                **cache_kwargs(full_cache() if keep_cache else None), use_cache=keep_cache, logits_to_keep=logits_to_keep)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+        **cache_kwargs(full_cache() if keep_cache else None),
+        use_cache=keep_cache,
+        logits_to_keep=logits_to_keep,
+    )
     cache = returned_cache(out) if keep_cache else None
     kv = [(layer.keys.detach(), layer.values.detach()) for layer in cache.layers] if cache is not None else None
     return out.logits, kv
@@ -104,7 +111,9 @@ def logits_at(model, at: torch.Tensor, **inputs):
     return out.logits[rows, at - (width - keep)], out
 
 
-def outcome_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, answer_mask: torch.Tensor, probe: str) -> torch.Tensor:
+def outcome_from_logits(
+    logits: torch.Tensor, input_ids: torch.Tensor, answer_mask: torch.Tensor, probe: str
+) -> torch.Tensor:
     """`outcome` for full-sequence logits (B, L, V), input_ids (B, L), answer_mask (B, L)."""
     pos, valid = answer_positions(answer_mask)
     rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)

@@ -85,9 +85,13 @@ def reward_terms(spec: str = DEFAULT, module: str = "") -> tuple[RewardTerm, ...
         name, colon, weight = part.strip().partition(":")
         name = name.strip()
         if not name:
-            raise RewardError(f"--reward {spec}: an empty term; write comma-separated name or name:weight, e.g. correct,format:0.1.")
+            raise RewardError(
+                f"--reward {spec}: an empty term; write comma-separated name or name:weight, e.g. correct,format:0.1."
+            )
         if name not in table:
-            where = f"with --reward_module {module}" if module else "or name a module that defines it with --reward_module"
+            where = (
+                f"with --reward_module {module}" if module else "or name a module that defines it with --reward_module"
+            )
             raise RewardError(f"--reward {spec}: unknown reward {name!r}; choose from {', '.join(table)} ({where}).")
         if name in seen:
             raise RewardError(f"--reward {spec}: {name!r} is named twice; give each reward once, with its weight.")
@@ -96,17 +100,24 @@ def reward_terms(spec: str = DEFAULT, module: str = "") -> tuple[RewardTerm, ...
         except ValueError:
             c = math.nan
         if not math.isfinite(c):
-            raise RewardError(f"--reward {spec}: the weight of {name!r} must be a finite number, as in {name}:0.5, got {weight.strip()!r}.")
+            raise RewardError(
+                f"--reward {spec}: the weight of {name!r} must be a finite number, as in {name}:0.5, got "
+                f"{weight.strip()!r}."
+            )
         seen.add(name)
         terms.append(RewardTerm(name, c, table[name], name in BUILTIN))
     return tuple(terms)
 
 
-def score(terms: tuple[RewardTerm, ...], completions: list[str], golds: list[str], problems: list[str]) -> tuple[list[float], dict]:
+def score(
+    terms: tuple[RewardTerm, ...], completions: list[str], golds: list[str], problems: list[str]
+) -> tuple[list[float], dict]:
     """(r_i for each rollout, {name: [f_k(rollout i)]}): the weighted sums and each term's own values.
     The sum starts at 0.0 and adds the terms in --reward's order (the default's r_i is `reward`'s value)."""
     assert len(completions) == len(golds) == len(problems), (len(completions), len(golds), len(problems))
-    parts = {t.name: [_value(t, i, c, g, p) for i, (c, g, p) in enumerate(zip(completions, golds, problems))] for t in terms}
+    parts = {
+        t.name: [_value(t, i, c, g, p) for i, (c, g, p) in enumerate(zip(completions, golds, problems))] for t in terms
+    }
     totals = []
     for i in range(len(completions)):
         total = 0.0
@@ -122,12 +133,16 @@ def _value(term: RewardTerm, i: int, completion: str, gold: str, problem: str) -
     try:
         value = term.fn(completion, gold, problem)
     except Exception as err:  # the user's function: its error is the user's to fix, and named
-        raise RewardError(f"--reward {term.name}: raised on rollout {i} ({type(err).__name__}: {err}); "
-                          f"problem {problem[:60]!r}, completion {completion[:60]!r}.") from None
+        raise RewardError(
+            f"--reward {term.name}: raised on rollout {i} ({type(err).__name__}: {err}); "
+            f"problem {problem[:60]!r}, completion {completion[:60]!r}."
+        ) from None
     problem_text = _not_finite(value)
     if problem_text:
-        raise RewardError(f"--reward {term.name}: returned {problem_text} on rollout {i} (problem {problem[:60]!r}, "
-                          f"completion {completion[:60]!r}); a reward must be a finite number.")
+        raise RewardError(
+            f"--reward {term.name}: returned {problem_text} on rollout {i} (problem {problem[:60]!r}, "
+            f"completion {completion[:60]!r}); a reward must be a finite number."
+        )
     return float(value)
 
 
@@ -145,12 +160,16 @@ def module_rewards(module: str) -> MappingProxyType:
     mod = _import(module, where)
     listed = getattr(mod, "REWARD_FUNCTIONS", None)
     if not isinstance(listed, dict) or not listed:
-        raise RewardError(f"{where}: defines no REWARD_FUNCTIONS, a non-empty dict of name -> function(completion, gold, "
-                          f"problem) -> float (docs/rewards.md).")
+        raise RewardError(
+            f"{where}: defines no REWARD_FUNCTIONS, a non-empty dict of name -> function(completion, gold, "
+            f"problem) -> float (docs/rewards.md)."
+        )
     for name, fn in listed.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise RewardError(f"{where}: reward name {name!r} must be letters, digits, '_' or '-' (it is written in --reward "
-                              f"and logged as reward/<name>).")
+            raise RewardError(
+                f"{where}: reward name {name!r} must be letters, digits, '_' or '-' (it is written in --reward "
+                f"and logged as reward/<name>)."
+            )
         if name in BUILTIN or name in RESERVED:
             what = "the built-in reward" if name in BUILTIN else "the metric reward/" + name
             raise RewardError(f"{where}: reward {name!r} clashes with {what} of that name; give it another name.")
@@ -159,18 +178,24 @@ def module_rewards(module: str) -> MappingProxyType:
         try:
             inspect.signature(fn).bind(*EXAMPLE)
         except TypeError:
-            raise RewardError(f"{where}: reward {name!r}{inspect.signature(fn)} must take (completion, gold, problem).") from None
+            raise RewardError(
+                f"{where}: reward {name!r}{inspect.signature(fn)} must take (completion, gold, problem)."
+            ) from None
         except ValueError:  # no signature to read (a builtin): the call below checks it
             pass
         try:
             value = fn(*EXAMPLE)
         except Exception as err:
-            raise RewardError(f"{where}: reward {name!r} raised on the example (completion, gold, problem) = {EXAMPLE} "
-                              f"({type(err).__name__}: {err}).") from None
+            raise RewardError(
+                f"{where}: reward {name!r} raised on the example (completion, gold, problem) = {EXAMPLE} "
+                f"({type(err).__name__}: {err})."
+            ) from None
         problem = _not_finite(value)
         if problem:
-            raise RewardError(f"{where}: reward {name!r} returned {problem} on the example (completion, gold, problem) = "
-                              f"{EXAMPLE}; a reward must be a finite number.")
+            raise RewardError(
+                f"{where}: reward {name!r} returned {problem} on the example (completion, gold, problem) = "
+                f"{EXAMPLE}; a reward must be a finite number."
+            )
     return MappingProxyType(dict(listed))
 
 
@@ -180,7 +205,9 @@ def _import(module: str, where: str):
         if module.endswith(".py"):
             path = Path(module).resolve()
             if not path.is_file():
-                raise RewardError(f"{where}: no such file; pass a path to a .py file or a dotted module name on the Python path.")
+                raise RewardError(
+                    f"{where}: no such file; pass a path to a .py file or a dotted module name on the Python path."
+                )
             spec = importlib.util.spec_from_file_location(f"oar_reward_module_{path.stem}", path)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = mod  # pickling and dataclasses look their module up here
@@ -194,5 +221,7 @@ def _import(module: str, where: str):
     except RewardError:
         raise
     except Exception as err:  # the user's module: any error in it is the user's to fix, and named
-        raise RewardError(f"{where}: could not import it ({type(err).__name__}: {err}); pass a path to a .py "
-                          f"file or a dotted module name on the Python path (PYTHONPATH).") from None
+        raise RewardError(
+            f"{where}: could not import it ({type(err).__name__}: {err}); pass a path to a .py "
+            f"file or a dotted module name on the Python path (PYTHONPATH)."
+        ) from None

@@ -54,10 +54,10 @@ MAX_SYMBOLIC_POWER = 100  # larger powers of an expression with letters are not 
 _SPACES = re.compile(r"\s*")
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
 _SCIENTIFIC = re.compile(rf"(?P<m>{_NUM})(?:(?:[eE]|\\times10\^|\\cdot10\^)\{{?(?P<e>[-+]?\d{{1,4}})\}}?)?")
-_FRACTION = re.compile(
-    rf"(?P<sign>[-+]?)\\frac\{{(?P<n>{_NUM})\}}\{{(?P<d>{_NUM})\}}|(?P<n2>{_NUM})/(?P<d2>{_NUM})"
-)
-_BARE_FRACTION = re.compile(r"\\frac(?:(?P<n>\d)|\{(?P<n1>[^{}]*)\})(?:(?P<d>\d)|\{(?P<d1>[^{}]*)\})")  # one digit may go unbraced
+_FRACTION = re.compile(rf"(?P<sign>[-+]?)\\frac\{{(?P<n>{_NUM})\}}\{{(?P<d>{_NUM})\}}|(?P<n2>{_NUM})/(?P<d2>{_NUM})")
+_BARE_FRACTION = re.compile(
+    r"\\frac(?:(?P<n>\d)|\{(?P<n1>[^{}]*)\})(?:(?P<d>\d)|\{(?P<d1>[^{}]*)\})"
+)  # one digit may go unbraced
 _APART = re.compile(r"[\d.],?\s+[-+]?[\d.]")  # digits, then spaces (after a comma or not), then digits
 _SPACE_APART = re.compile(r"(?<=[\d.])(,?)\s+(?=[-+]?[\d.])")  # the spaces that keep them apart
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
@@ -67,15 +67,64 @@ _UNITS = re.compile(_UNIT_COMMAND)
 # Plain words after a number ("18 eggs", "$4 per hour"): a unit, dropped as a \text{} one is; not a word that
 # changes the value, joins another term or names a symbol ("18 thousand", "3 fourths", "5 or more", "2 pi",
 # "5 below zero"), nor one letter (a variable)
-_SCALING = {"hundred", "thousand", "million", "billion", "trillion", "dozen", "score", "gross", "half", "halves", "third",
-            "thirds", "quarter", "quarters", "squared", "cubed", "times", "or", "and", "to", "plus", "minus", "over", "by",
-            "pi", "ln", "log", "sin", "cos", "tan", "exp", "sqrt", "mod", "below", "negative", "less", "fewer", "more",
-            "before", "ago", "bc", "bce", "under", "behind", "off", "percent", "percentage", "per-cent"}
+_SCALING = {
+    "hundred",
+    "thousand",
+    "million",
+    "billion",
+    "trillion",
+    "dozen",
+    "score",
+    "gross",
+    "half",
+    "halves",
+    "third",
+    "thirds",
+    "quarter",
+    "quarters",
+    "squared",
+    "cubed",
+    "times",
+    "or",
+    "and",
+    "to",
+    "plus",
+    "minus",
+    "over",
+    "by",
+    "pi",
+    "ln",
+    "log",
+    "sin",
+    "cos",
+    "tan",
+    "exp",
+    "sqrt",
+    "mod",
+    "below",
+    "negative",
+    "less",
+    "fewer",
+    "more",
+    "before",
+    "ago",
+    "bc",
+    "bce",
+    "under",
+    "behind",
+    "off",
+    "percent",
+    "percentage",
+    "per-cent",
+}
 _SCALING |= {w + "s" for w in _SCALING if w.isalpha()}  # "5 hundreds", "3 dozens"
-_ORDINAL_FRACTION = re.compile(r"(?:fourth|fifth|sixth|seventh|eighth|ninth|tenth|hundredth|thousandth|millionth|billionth)s?")
+_ORDINAL_FRACTION = re.compile(
+    r"(?:fourth|fifth|sixth|seventh|eighth|ninth|tenth|hundredth|thousandth|millionth|billionth)s?"
+)
 _WORD_UNITS = re.compile(r"(?<=[\d.%$])" + _WORDS_AT_END)
 # Units at the end of an answer that math-verify reads (its own unit stripping is off: it also takes a trailing
-# one-letter variable for a unit, `6m` -> 6): `\text{ cm}^2`, or plain words after a number or a brace (`\sqrt{13} feet`)
+# one-letter variable for a unit, `6m` -> 6): `\text{ cm}^2`, or plain words after a number or a brace (`\sqrt{13}
+# feet`)
 _TRAILING_TEXT_UNITS = re.compile(r"(?:\s*" + _UNIT_COMMAND + r"(?:\^\{?[23]\}?)?)+\s*$")
 _TRAILING_WORD_UNITS = re.compile(r"(?<=[\d.%$}])" + _WORDS_AT_END)
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textnormal|textbf|textit|textrm|mbox|mathrm|mathbf)\s*\{([^{}]*)\}")
@@ -199,8 +248,11 @@ def _math_verify():
     # Its first parse builds the grammar and its first verify loads sympy's simplification: ~0.5-0.9 s
     # together, which the first answer's 1 s deadline must not pay (it did: a right answer scored 0)
     latex = (math_verify.LatexExtractionConfig(boxed_match_priority=0),)
-    math_verify.verify(math_verify.parse("\\boxed{2x+2}", latex, parsing_timeout=None),
-                       math_verify.parse("\\boxed{2(x+1)}", latex, parsing_timeout=None), timeout_seconds=None)
+    math_verify.verify(
+        math_verify.parse("\\boxed{2x+2}", latex, parsing_timeout=None),
+        math_verify.parse("\\boxed{2(x+1)}", latex, parsing_timeout=None),
+        timeout_seconds=None,
+    )
     return math_verify
 
 
@@ -218,7 +270,9 @@ def _latex_only() -> tuple:
     from latex2sympy2_extended.math_normalization import NormalizationConfig
 
     math_verify = _math_verify()
-    keep = NormalizationConfig(basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="all", equations=False)
+    keep = NormalizationConfig(
+        basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="all", equations=False
+    )
     return (math_verify.LatexExtractionConfig(boxed_match_priority=0, normalization_config=keep),)
 
 
@@ -245,7 +299,12 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
         if str(_TIMEOUTS[0]).strip("0") == "1":  # 1, 10, 100, ...
             logging.getLogger(__name__).warning(
                 "math-verify ran past its %.0f s deadline %d time(s) in this process (last: %r against gold %r); "
-                "those answers scored 0, right or wrong", MV_SECONDS, _TIMEOUTS[0], pred[:80], gold[:80])
+                "those answers scored 0, right or wrong",
+                MV_SECONDS,
+                _TIMEOUTS[0],
+                pred[:80],
+                gold[:80],
+            )
         return False
     except Exception:  # a checker failure is a wrong answer, never a crashed run
         return False

@@ -36,21 +36,30 @@ class Rollout:
     truncated: torch.Tensor  # (B,) bool: no EOS within max_new_tokens
     texts: list[str]  # completion texts, special tokens removed
     prompt_width: int  # Lp: completions start at this column
-    sample_logprobs: torch.Tensor | None = None  # (B, L) float32: the sampler's log-prob of each completion token, 0 elsewhere
+    sample_logprobs: torch.Tensor | None = (
+        None  # (B, L) float32: the sampler's log-prob of each completion token, 0 elsewhere
+    )
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def loss_tokens(self, mask_truncated: bool) -> torch.Tensor:
-        """(B, L) bool: the tokens the loss counts, the completion's, less truncated rollouts' under --mask_truncated."""
+        """(B, L) bool: the tokens the loss counts: the completion's, less truncated rollouts' under
+        --mask_truncated."""
         return self.completion_mask & ~self.truncated[:, None] if mask_truncated else self.completion_mask
 
     def select(self, rows: slice) -> "Rollout":
         """The rollouts `rows` (a micro-batch), same layout."""
         return Rollout(
-            self.input_ids[rows], self.attention_mask[rows], self.completion_mask[rows],
-            self.reasoning_mask[rows], self.answer_mask[rows], self.truncated[rows], self.texts[rows],
-            self.prompt_width, None if self.sample_logprobs is None else self.sample_logprobs[rows],
+            self.input_ids[rows],
+            self.attention_mask[rows],
+            self.completion_mask[rows],
+            self.reasoning_mask[rows],
+            self.answer_mask[rows],
+            self.truncated[rows],
+            self.texts[rows],
+            self.prompt_width,
+            None if self.sample_logprobs is None else self.sample_logprobs[rows],
         )
 
 
@@ -60,7 +69,9 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids,
     b, width = prompt_ids.shape
     eos = torch.tensor(sorted(eos_token_ids), device=completion.device)
     is_eos = torch.isin(completion, eos)
-    first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(is_eos[:, 0], completion.shape[1], dtype=torch.long))
+    first_eos = torch.where(
+        is_eos.any(1), is_eos.float().argmax(1), torch.full_like(is_eos[:, 0], completion.shape[1], dtype=torch.long)
+    )
     cols = torch.arange(completion.shape[1], device=completion.device)
     gen_mask = cols[None] <= first_eos[:, None]  # through EOS (or everything, when truncated)
     truncated = ~is_eos.any(1)
@@ -91,8 +102,11 @@ def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids,
         truncated=truncated,
         texts=texts,
         prompt_width=width,
-        sample_logprobs=None if logprobs is None else torch.cat([torch.zeros_like(prompt_mask, dtype=torch.float32),
-                                                                 logprobs.float().masked_fill(~gen_mask, 0.0)], dim=1),
+        sample_logprobs=None
+        if logprobs is None
+        else torch.cat(
+            [torch.zeros_like(prompt_mask, dtype=torch.float32), logprobs.float().masked_fill(~gen_mask, 0.0)], dim=1
+        ),
     )
 
 
@@ -163,13 +177,21 @@ def with_reference_answer(rollout: Rollout, tokenizer, golds: list[str], templat
         conclusion = encode(text)
         decoded, offsets = char_offsets(tokenizer, conclusion)
         if decoded == text:
-            answer = [s < start + len(gold) and e > start and e > s for s, e in held_spans(offsets, [False] * len(conclusion))]
+            answer = [
+                s < start + len(gold) and e > start and e > s
+                for s, e in held_spans(offsets, [False] * len(conclusion))
+            ]
         else:
-            before, middle, after = encode(text[:start]), encode(gold), encode(text[start + len(gold):])
-            conclusion, answer = before + middle + after, [False] * len(before) + [True] * len(middle) + [False] * len(after)
+            before, middle, after = encode(text[:start]), encode(gold), encode(text[start + len(gold) :])
+            conclusion, answer = (
+                before + middle + after,
+                [False] * len(before) + [True] * len(middle) + [False] * len(after),
+            )
         reasoning = rollout.reasoning_mask[i].nonzero().flatten()
         cut = int(reasoning[-1]) + 1 if reasoning.numel() else rollout.prompt_width
-        rows.append((rollout.input_ids[i, :cut].tolist(), rollout.attention_mask[i, :cut].tolist(), conclusion, answer))
+        rows.append(
+            (rollout.input_ids[i, :cut].tolist(), rollout.attention_mask[i, :cut].tolist(), conclusion, answer)
+        )
     width = max(len(ids) + len(c) for ids, _, c, _ in rows)
     device = rollout.input_ids.device
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -196,10 +218,24 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     t = max(r.input_ids.shape[1] - r.prompt_width for r in parts)
 
     def cat(get, value):  # each part's (b, L_r) padded to (b, lp + t): left by lp - Lp_r, right by its shortfall
-        return torch.cat([torch.nn.functional.pad(get(r), (lp - r.prompt_width, t - (get(r).shape[1] - r.prompt_width)), value=value)
-                          for r in parts])
+        return torch.cat(
+            [
+                torch.nn.functional.pad(
+                    get(r), (lp - r.prompt_width, t - (get(r).shape[1] - r.prompt_width)), value=value
+                )
+                for r in parts
+            ]
+        )
 
     logprobs = None if any(r.sample_logprobs is None for r in parts) else cat(lambda r: r.sample_logprobs, 0.0)
-    return Rollout(cat(lambda r: r.input_ids, pad_token_id), cat(lambda r: r.attention_mask, 0), cat(lambda r: r.completion_mask, False),
-                   cat(lambda r: r.reasoning_mask, False), cat(lambda r: r.answer_mask, False), torch.cat([r.truncated for r in parts]),
-                   [s for r in parts for s in r.texts], lp, logprobs)
+    return Rollout(
+        cat(lambda r: r.input_ids, pad_token_id),
+        cat(lambda r: r.attention_mask, 0),
+        cat(lambda r: r.completion_mask, False),
+        cat(lambda r: r.reasoning_mask, False),
+        cat(lambda r: r.answer_mask, False),
+        torch.cat([r.truncated for r in parts]),
+        [s for r in parts for s in r.texts],
+        lp,
+        logprobs,
+    )

@@ -36,7 +36,11 @@ from oar.rollout import Rollout, build_rollout, concat_rollouts
 from oar.static_decode import decode_static
 
 
-DECODE_LOOPS = ("eager", "static", "compiled")  # decode(loop=...): the same rollouts in fixed shapes, for a GPU to replay
+DECODE_LOOPS = (
+    "eager",
+    "static",
+    "compiled",
+)  # decode(loop=...): the same rollouts in fixed shapes, for a GPU to replay
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -51,19 +55,26 @@ def resolve_instruction(instruction: str, dataset: str, model: str = "") -> str:
     if saved is not None and saved.is_file():  # eval.py on a trained model prompts as its training did
         return json.loads(saved.read_text())["instruction"]
     built = Path(model) / "build_info.json" if model else None  # a tiny-arith folder (shipped or built) records it
-    tiny = model == "tiny-arith" or (built is not None and built.is_file()
-                                     and str(json.loads(built.read_text()).get("builder", "")).startswith("tiny-arith"))
+    tiny = model == "tiny-arith" or (
+        built is not None
+        and built.is_file()
+        and str(json.loads(built.read_text()).get("builder", "")).startswith("tiny-arith")
+    )
     return "" if dataset == "arith" or tiny else BOXED_INSTRUCTION
 
 
-TRAINED_INSTRUCTION = "oar_instruction.json"  # in a trained model's folder: {"instruction": the text its training used}
+TRAINED_INSTRUCTION = (
+    "oar_instruction.json"  # in a trained model's folder: {"instruction": the text its training used}
+)
 
 
 def format_prompt(tokenizer, problem: str, instruction: str = "") -> str:
     """The prompt text: the tokenizer's chat template when it has one, the plain problem otherwise."""
     content = f"{problem}\n{instruction}".strip() if instruction else problem
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
     return content + "\n"
 
 
@@ -71,7 +82,9 @@ def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor,
     """Left-padded prompt ids and attention mask, (N, Lp). A chat-templated prompt already holds its
     special tokens, so none are added a second time."""
     templated = bool(getattr(tokenizer, "chat_template", None))
-    ids, mask = left_pad([tokenizer(p, add_special_tokens=not templated)["input_ids"] for p in prompts], tokenizer.pad_token_id)
+    ids, mask = left_pad(
+        [tokenizer(p, add_special_tokens=not templated)["input_ids"] for p in prompts], tokenizer.pad_token_id
+    )
     return ids.to(device), mask.to(device)
 
 
@@ -81,8 +94,8 @@ def left_pad(seqs: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, to
     ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -110,16 +123,39 @@ def sample(
     assert len(seeds) == len(prompts) * group_size, (len(seeds), len(prompts), group_size)
     if 0 < chunk < len(prompts):
         assert len(prompts) % chunk == 0, f"chunk {chunk} must divide the {len(prompts)} prompts"
-        parts = [sample(model, tokenizer, prompts[k:k + chunk], group_size=group_size, seeds=seeds[k * group_size:(k + chunk) * group_size],
-                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, loop=loop, on_token=on_token)
-                 for k in range(0, len(prompts), chunk)]
+        parts = [
+            sample(
+                model,
+                tokenizer,
+                prompts[k : k + chunk],
+                group_size=group_size,
+                seeds=seeds[k * group_size : (k + chunk) * group_size],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                loop=loop,
+                on_token=on_token,
+            )
+            for k in range(0, len(prompts), chunk)
+        ]
         return concat_rollouts(parts, tokenizer.pad_token_id)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)  # (P, Lp)
     stop = stop_token_ids(model, tokenizer)
-    completion, logprobs = decode(model, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                  eos_token_ids=stop, pad_token_id=tokenizer.pad_token_id, seeds=seeds, group_size=group_size, loop=loop,
-                                  on_token=on_token)
+    completion, logprobs = decode(
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_token_ids=stop,
+        pad_token_id=tokenizer.pad_token_id,
+        seeds=seeds,
+        group_size=group_size,
+        loop=loop,
+        on_token=on_token,
+    )
     prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, Lp), groups contiguous
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     return build_rollout(tokenizer, prompt_ids, prompt_mask, completion, stop, logprobs)
@@ -131,9 +167,22 @@ def generate(model, prompt_ids, prompt_mask, **kwargs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decode(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-           group_size: int = 1, skip_draws: list[int] | None = None, loop: str = "eager",
-           on_token: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(
+    model,
+    prompt_ids,
+    prompt_mask,
+    *,
+    max_new_tokens,
+    temperature,
+    top_p,
+    eos_token_ids,
+    pad_token_id,
+    seeds,
+    group_size: int = 1,
+    skip_draws: list[int] | None = None,
+    loop: str = "eager",
+    on_token: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache. (P, Lp) prompts -> ((B, T) completion ids, (B, T) float32
     log-probs of them), B = P x group_size (a prompt's rollouts contiguous), ids padded with
     `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens. Each prompt is prefilled
@@ -145,8 +194,17 @@ def decode(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p
     back after): a model the update left in training mode would sample with dropout, and its
     checkpointed layers drop the KV cache (transformers < 5.24), so each token would see itself alone."""
     assert loop in DECODE_LOOPS, loop
-    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_ids=eos_token_ids,
-                  pad_token_id=pad_token_id, seeds=seeds, group_size=group_size, skip_draws=skip_draws, on_token=on_token)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id,
+        seeds=seeds,
+        group_size=group_size,
+        skip_draws=skip_draws,
+        on_token=on_token,
+    )
     with eval_mode(model):
         if loop == "eager":
             return decode_eager(model, prompt_ids, prompt_mask, **kwargs)

@@ -97,9 +97,23 @@ def keeps_each_dtype(layer_type, keys: torch.dtype, values: torch.dtype) -> bool
 
 
 @torch.no_grad()
-def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, top_p, eos_token_ids, pad_token_id, seeds,
-                  group_size: int = 1, skip_draws: list[int] | None = None, compiled: bool = False, check_every: int = CHECK_EVERY,
-                  on_token: Callable[[], None] | None = None):
+def decode_static(
+    model,
+    prompt_ids,
+    prompt_mask,
+    *,
+    max_new_tokens,
+    temperature,
+    top_p,
+    eos_token_ids,
+    pad_token_id,
+    seeds,
+    group_size: int = 1,
+    skip_draws: list[int] | None = None,
+    compiled: bool = False,
+    check_every: int = CHECK_EVERY,
+    on_token: Callable[[], None] | None = None,
+):
     """`oar.sampler.decode` in fixed shapes (same arguments and outputs); `compiled`: the step through
     torch.compile (a CUDA graph on a GPU)."""
     device, T = prompt_ids.device, max_new_tokens
@@ -110,10 +124,24 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
     def eager_instead(why):
         if why not in _SAID:
             _SAID.add(why)
-            print(f"oar.sampler: the fixed-shape decode loop cannot run here ({why}); the eager loop samples instead", file=sys.stderr)
-        return decode_eager(model, prompt_ids, prompt_mask, max_new_tokens=T, temperature=temperature, top_p=top_p,
-                            eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, seeds=seeds, group_size=group_size,
-                            skip_draws=skip_draws, on_token=on_token)
+            print(
+                f"oar.sampler: the fixed-shape decode loop cannot run here ({why}); the eager loop samples instead",
+                file=sys.stderr,
+            )
+        return decode_eager(
+            model,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=T,
+            temperature=temperature,
+            top_p=top_p,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+            seeds=seeds,
+            group_size=group_size,
+            skip_draws=skip_draws,
+            on_token=on_token,
+        )
 
     cache, why = static_cache_or_reason(model, width)
     if cache is None:
@@ -121,8 +149,11 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
     with autocast_seen(model) as seen:  # accelerate's mixed precision wraps the forward itself in autocast
         logits, prompt_cache, pos = prefill(model, prompt_ids, prompt_mask)  # P rows, as the eager loop
     if not keeps_each_dtype(type(cache.layers[0]), model.dtype, seen.get("dtype", model.dtype)):
-        return eager_instead(f"under autocast to {seen['dtype']} a step's values are {seen['dtype']} and its keys may stay "
-                             f"{model.dtype} (RoPE), and this transformers' static cache keeps both in the keys' dtype (5.24 keeps each its own)")
+        return eager_instead(
+            f"under autocast to {seen['dtype']} a step's values are {seen['dtype']} and its keys may stay "
+            f"{model.dtype} (RoPE), and this transformers' static cache keeps both in the keys' dtype (5.24 keeps "
+            "each its own)"
+        )
     for src, dst in zip(prompt_cache.layers, cache.layers):  # each prompt's keys/values to its G rows
         dst.update(src.keys.repeat_interleave(group_size, 0), src.values.repeat_interleave(group_size, 0))
     del prompt_cache
@@ -130,7 +161,9 @@ def decode_static(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature
     uniforms = draw_uniforms(seeds, T, device, skip_draws)
     eos = torch.tensor(sorted(eos_token_ids), device=device)
     ones = torch.ones(prompt_mask.shape[0], width - prompt_mask.shape[1], dtype=prompt_mask.dtype, device=device)
-    mask = torch.cat([prompt_mask, ones], 1).repeat_interleave(group_size, 0)  # (B, width): causality hides the unwritten columns
+    mask = torch.cat([prompt_mask, ones], 1).repeat_interleave(
+        group_size, 0
+    )  # (B, width): causality hides the unwritten columns
     next_pos = pos[:, -1:].repeat_interleave(group_size, 0) + 1
     tokens = torch.full((b, T), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((b, T), dtype=torch.float32, device=device)

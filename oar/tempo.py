@@ -47,14 +47,23 @@ import warnings
 import torch
 
 
-def tempo_weights(completion_ids: torch.Tensor, completion_mask: torch.Tensor, rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
+def tempo_weights(
+    completion_ids: torch.Tensor, completion_mask: torch.Tensor, rewards: torch.Tensor, *, group_size: int
+) -> torch.Tensor:
     """Weights w (B, T) float32 with A_it = A_i w_it TEMPO's token advantages (module docstring).
     completion_ids (B, T) long, completion_mask (B, T) bool (generated tokens through EOS), rewards (B,).
     Padding positions get 1 (the loss masks them)."""
     assert completion_ids.shape == completion_mask.shape and rewards.shape == completion_ids.shape[:1], (
-        completion_ids.shape, completion_mask.shape, rewards.shape)
+        completion_ids.shape,
+        completion_mask.shape,
+        rewards.shape,
+    )
     assert group_size >= 2 and len(rewards) % group_size == 0, (len(rewards), group_size)
-    ids, mask, r = completion_ids.cpu().tolist(), completion_mask.bool().cpu().tolist(), rewards.double().cpu().tolist()
+    ids, mask, r = (
+        completion_ids.cpu().tolist(),
+        completion_mask.bool().cpu().tolist(),
+        rewards.double().cpu().tolist(),
+    )
     w = [[1.0] * completion_ids.shape[1] for _ in ids]
     lost = 0  # branch tokens of rollouts at their group's mean: a TD term the weights cannot carry
     for g0 in range(0, len(ids), group_size):
@@ -86,6 +95,9 @@ def tempo_weights(completion_ids: torch.Tensor, completion_mask: torch.Tensor, r
                 break
     if lost:
         # one message whatever the count: Python shows it once, not every step
-        warnings.warn("tempo: branch tokens of rollouts whose reward equals their group's mean get no TD term "
-                      "(A_i = 0; rewards other than 0/1, e.g. a format bonus): TEMPO would credit them", stacklevel=2)
+        warnings.warn(
+            "tempo: branch tokens of rollouts whose reward equals their group's mean get no TD term "
+            "(A_i = 0; rewards other than 0/1, e.g. a format bonus): TEMPO would credit them",
+            stacklevel=2,
+        )
     return torch.tensor(w, dtype=torch.float32, device=completion_ids.device)

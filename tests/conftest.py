@@ -14,9 +14,17 @@ def tiny_llama(vocab_size: int = 40, hidden: int = 32, layers: int = 2, seed: in
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, attn_implementation="eager",
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
     )
     return LlamaForCausalLM(config).float().eval()
 
@@ -109,5 +117,7 @@ def no_process_left_behind(tmp_path_factory):
         except ProcessLookupError:
             pass
     if left:
-        pytest.fail(f"{len(left)} processes left running after the test (killed now): " +
-                    "; ".join(f"{pid}: {cmd[:200]}" for pid, cmd in left.items()))
+        pytest.fail(
+            f"{len(left)} processes left running after the test (killed now): "
+            + "; ".join(f"{pid}: {cmd[:200]}" for pid, cmd in left.items())
+        )

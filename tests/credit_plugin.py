@@ -1,4 +1,5 @@
-"""A token-credit method defined outside oar/, for tests/test_credit_methods.py: `--credit_module tests/credit_plugin.py`.
+"""A token-credit method defined outside oar/, for tests/test_credit_methods.py:
+`--credit_module tests/credit_plugin.py`.
 
 equal-mass: under token_mean aggregation each valid token carries A_i, so a rollout's pull grows with
 its length T_i. Weights w_it = T̄ / T_i on its completion tokens, T̄ the mean length of the step's

@@ -7,7 +7,9 @@ from oar.credit import CreditMethod
 
 
 def wrong_shape(step, state, micro):
-    return torch.ones(micro.rollouts.input_ids.shape[0], micro.rollouts.input_ids.shape[1] - 1)  # (b, L - 1): one column short
+    return torch.ones(
+        micro.rollouts.input_ids.shape[0], micro.rollouts.input_ids.shape[1] - 1
+    )  # (b, L - 1): one column short
 
 
 def nan_weights(step, state, micro):
@@ -31,5 +33,7 @@ CREDIT_METHODS = [
     CreditMethod("nan-weights", nan_weights),
     CreditMethod("raises", raises),
     CreditMethod("unseeded", unseeded),
-    CreditMethod("prepare-raises", lambda step, state, micro: torch.ones(micro.rollouts.input_ids.shape), prepare=prepare_raises),
+    CreditMethod(
+        "prepare-raises", lambda step, state, micro: torch.ones(micro.rollouts.input_ids.shape), prepare=prepare_raises
+    ),
 ]

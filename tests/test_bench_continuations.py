@@ -10,8 +10,24 @@ import bench_continuations as bc  # noqa: E402
 
 
 def test_both_ways_give_every_rows_tokens_and_a_ratio(tmp_path, capsys):
-    result = bc.main(["--prefixes", "4", "--k", "3", "--batch", "6", "--max_new_tokens", "16", "--temperature", "1.5",
-                      "--repeats", "1", "--json", str(tmp_path / "r.json")])
+    result = bc.main(
+        [
+            "--prefixes",
+            "4",
+            "--k",
+            "3",
+            "--batch",
+            "6",
+            "--max_new_tokens",
+            "16",
+            "--temperature",
+            "1.5",
+            "--repeats",
+            "1",
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert result["same_tokens"] and result["prefixes"] == 4
     assert all(len(s) == 1 and s[0] > 0 for s in result["cpu_seconds"].values())
     assert f"{result['ratio_per_row_over_shared']:.2f}x" in capsys.readouterr().out

@@ -16,12 +16,27 @@ import bench_parts as bp  # noqa: E402
 def test_a_sampled_window_mode_is_timed_on_whole_forwards_of_trainings_size():
     model = tiny_llama(vocab_size=40)
     forwards = []
-    hook = lambda _, args, kwargs: forwards.append(ids.shape[1] if (ids := kwargs.get("input_ids")) is not None else None)
+    hook = lambda _, args, kwargs: forwards.append(
+        ids.shape[1] if (ids := kwargs.get("input_ids")) is not None else None
+    )
     model.register_forward_pre_hook(hook, with_kwargs=True)
     synthetic = lambda *a, seed: bp.synthetic(*a, seed=seed, vocab=(3, 40))
     window, answer, chunk = 4, 8, 40  # 13 slots a copy: 3 copies a forward in training
-    rows = bg.growth(model, 0, synthetic, bp.every_kth, lengths=[32], prompt=8, answer=answer, windows=[window], k=4,
-                     exact_all_up_to=0, window_all_up_to=0, chunk_tokens=4096, window_chunk_tokens=chunk)
+    rows = bg.growth(
+        model,
+        0,
+        synthetic,
+        bp.every_kth,
+        lengths=[32],
+        prompt=8,
+        answer=answer,
+        windows=[window],
+        k=4,
+        exact_all_up_to=0,
+        window_all_up_to=0,
+        chunk_tokens=4096,
+        window_chunk_tokens=chunk,
+    )
     per = chunk // (window + 1 + answer)
     assert rows[0]["window4_positions_timed"] == 6  # k = 4 rounded up to two forwards of 3 copies
     assert forwards.count(per * (window + 1 + answer)) >= 2  # the timed forwards are full ones

@@ -1,4 +1,4 @@
-"""scripts/bench/bench_rollouts.py (issue 20's benchmark): what it times is the same batch for every
+"""scripts/bench/bench_rollouts.py (the rollout benchmark, docs/sampler.md): what it times is the same batch for every
 variant, and its bandwidth arithmetic is right on a model whose sizes are known."""
 
 import sys
@@ -50,5 +50,7 @@ def test_agreement_finds_the_rows_and_first_positions_that_differ():
 
 def test_the_choice_alone_is_timed_on_the_models_logits_both_ways():
     ids = torch.randint(3, 40, (2, 5))
-    head, every_row_sorted = br.choose_seconds(tiny_llama(vocab_size=1024), ids, torch.ones_like(ids), group_size=2, repeats=2)
+    head, every_row_sorted = br.choose_seconds(
+        tiny_llama(vocab_size=1024), ids, torch.ones_like(ids), group_size=2, repeats=2
+    )
     assert 0 < head < 1 and 0 < every_row_sorted < 1

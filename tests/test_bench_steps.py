@@ -17,7 +17,9 @@ def test_cpu_ratios_pair_each_round_with_grpos_and_take_the_median(tiny_model):
     assert len(cpu["grpo"]) == len(cpu["oar-g"]) == 3  # 3 rounds x 1 timed step (the first of each run dropped)
     want = [a / b for a, b in zip(cpu["oar-g"], cpu["grpo"])]
     assert rounds == want and st["cpu_ratio_vs_grpo"]["oar-g"] == statistics.median(want)
-    assert st["details"]["oar-g"]["completion_length"] == st["details"]["grpo"]["completion_length"]  # the same rollouts
+    assert (
+        st["details"]["oar-g"]["completion_length"] == st["details"]["grpo"]["completion_length"]
+    )  # the same rollouts
     assert st["same_rollouts"] and st["rollouts_differ"] == []
 
 
@@ -44,13 +46,15 @@ def test_the_trl_side_runs_bench_trl_py_with_the_same_settings(tiny_model, tmp_p
     import stat
 
     fake = tmp_path / "python"
-    fake.write_text("#!" + sys.executable + "\n"
-                    "import json, pathlib, sys\n"
-                    "script, args = pathlib.Path(sys.argv[1]), sys.argv[2:]\n"
-                    "assert script.is_file(), script\n"
-                    "out = args[args.index('--json') + 1]\n"
-                    f"pathlib.Path({str(tmp_path / 'ran.json')!r}).write_text(json.dumps([script.name] + args))\n"
-                    "json.dump({'step_seconds': [9.0, 2.0], 'completion_length': [8, 7], 'trl_version': 'x'}, open(out, 'w'))\n")
+    fake.write_text(
+        "#!" + sys.executable + "\n"
+        "import json, pathlib, sys\n"
+        "script, args = pathlib.Path(sys.argv[1]), sys.argv[2:]\n"
+        "assert script.is_file(), script\n"
+        "out = args[args.index('--json') + 1]\n"
+        f"pathlib.Path({str(tmp_path / 'ran.json')!r}).write_text(json.dumps([script.name] + args))\n"
+        "json.dump({'step_seconds': [9.0, 2.0], 'completion_length': [8, 7], 'trl_version': 'x'}, open(out, 'w'))\n"
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     settings = dict(model=str(tiny_model), prompts_per_step=2, group_size=2, max_new_tokens=8, micro_batch_size=4)
     st = bp.train_steps(settings, ["grpo"], steps=2, repeats=1, trl_python=str(fake), trl_model="m")

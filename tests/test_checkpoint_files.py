@@ -81,8 +81,21 @@ def test_a_metrics_line_is_on_disk_before_the_steps_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(runlog.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
     log = runlog.RunLog(Acc(), str(tmp_path), {}, resume=False, total_steps=1)
     synced.clear()
-    log.step(1, {k: 0.0 for k in ("reward/mean", "completion/length", "policy/entropy", "loss/clip_frac",
-                                  "oar/ess_ratio", "optim/grad_norm", "time/step_s")})
+    log.step(
+        1,
+        {
+            k: 0.0
+            for k in (
+                "reward/mean",
+                "completion/length",
+                "policy/entropy",
+                "loss/clip_frac",
+                "oar/ess_ratio",
+                "optim/grad_norm",
+                "time/step_s",
+            )
+        },
+    )
     assert synced == [str(tmp_path / "metrics.jsonl")]
 
 

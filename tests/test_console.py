@@ -12,15 +12,33 @@ from tinyrun import ROOT, TINY, run_inprocess
 
 
 def _run_args(model, out, *extra):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--eval_dataset", str(model / "data.jsonl"),
-            "--eval_size", "4", "--output_dir", str(out), "--micro_batch_size", "4", "--steps", "2", *TINY, *extra]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--eval_dataset",
+        str(model / "data.jsonl"),
+        "--eval_size",
+        "4",
+        "--output_dir",
+        str(out),
+        "--micro_batch_size",
+        "4",
+        "--steps",
+        "2",
+        *TINY,
+        *extra,
+    ]
 
 
 def test_a_run_leaves_a_plot_explains_its_step_line_and_draws_no_bar_into_a_pipe(tiny_model, tmp_path, capsys):
     out = tmp_path / "run"
     run_inprocess(_run_args(tiny_model, out))
     printed = capsys.readouterr()
-    assert printed.out.count(console.LEGEND) == 1 and printed.out.index(console.LEGEND) < printed.out.index("step    1")
+    assert printed.out.count(console.LEGEND) == 1 and printed.out.index(console.LEGEND) < printed.out.index(
+        "step    1"
+    )
     for field in ("reward", "len", "H", "clip", "ess", "|g|", "held-out"):  # every field of the step line is explained
         assert f"{field} = " in console.LEGEND
     assert "it/s" not in printed.err and "rollouts" not in printed.err  # stderr is not a terminal: no bars
@@ -39,8 +57,17 @@ def test_progress_draws_the_bars_where_stderr_is_not_a_terminal(tiny_model, tmp_
 
 
 def test_the_plot_reads_metrics_jsonl(tmp_path):
-    rows = [{"step": s, "reward/mean": 0.1 * s, "policy/entropy": 1.0 / s, "oar/frac_boosted": 0.3, "oar/frac_suppressed": 0.4,
-             **({"eval/accuracy": 0.5} if s == 2 else {})} for s in range(1, 5)]
+    rows = [
+        {
+            "step": s,
+            "reward/mean": 0.1 * s,
+            "policy/entropy": 1.0 / s,
+            "oar/frac_boosted": 0.3,
+            "oar/frac_suppressed": 0.4,
+            **({"eval/accuracy": 0.5} if s == 2 else {}),
+        }
+        for s in range(1, 5)
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     import matplotlib.pyplot as plt
 
@@ -65,7 +92,10 @@ def test_a_library_warning_is_shown_once(caplog):
         logger.warning("test_console: the same warning at every save")
     logger.warning("test_console: another one")
     said = [r.getMessage() for r in caplog.records]
-    assert said.count("test_console: the same warning at every save") == 1 and said.count("test_console: another one") == 1
+    assert (
+        said.count("test_console: the same warning at every save") == 1
+        and said.count("test_console: another one") == 1
+    )
 
 
 @pytest.mark.parametrize("bars", [False, True])
@@ -115,10 +145,27 @@ def test_the_rollout_bar_ticks_once_per_decode_step(loop):
     tok = make_tokenizer()
     model = make_model(tok, TinyArithRecipe(hidden_size=32, num_layers=1, num_heads=2)).eval()
     ticks = []
-    ro = sample(model, tok, ["Compute 2 + 3.\n", "Compute 4 * 5.\n"], group_size=2, seeds=[1, 2, 3, 4], max_new_tokens=6,
-                chunk=1, loop=loop, on_token=lambda: ticks.append(1))
-    quiet = sample(model, tok, ["Compute 2 + 3.\n", "Compute 4 * 5.\n"], group_size=2, seeds=[1, 2, 3, 4], max_new_tokens=6,
-                   chunk=1, loop=loop)
+    ro = sample(
+        model,
+        tok,
+        ["Compute 2 + 3.\n", "Compute 4 * 5.\n"],
+        group_size=2,
+        seeds=[1, 2, 3, 4],
+        max_new_tokens=6,
+        chunk=1,
+        loop=loop,
+        on_token=lambda: ticks.append(1),
+    )
+    quiet = sample(
+        model,
+        tok,
+        ["Compute 2 + 3.\n", "Compute 4 * 5.\n"],
+        group_size=2,
+        seeds=[1, 2, 3, 4],
+        max_new_tokens=6,
+        chunk=1,
+        loop=loop,
+    )
     assert torch.equal(ro.input_ids, quiet.input_ids)  # the bar only counts
     assert 2 <= len(ticks) <= 2 * 6  # one per decode step of each of the 2 chunks, at most max_new_tokens each
 
@@ -132,10 +179,22 @@ def test_a_sampler_far_from_the_trainer_is_said_once(tmp_path, capsys):
         is_main_process, log_with = True, None
 
     log = runlog.RunLog(Acc(), str(tmp_path), {}, resume=False, total_steps=3)
-    line = {k: 0.0 for k in ("reward/mean", "completion/length", "policy/entropy", "loss/clip_frac", "oar/ess_ratio",
-                             "optim/grad_norm", "time/step_s")}
+    line = {
+        k: 0.0
+        for k in (
+            "reward/mean",
+            "completion/length",
+            "policy/entropy",
+            "loss/clip_frac",
+            "oar/ess_ratio",
+            "optim/grad_norm",
+            "time/step_s",
+        )
+    }
     capsys.readouterr()
     for step, drift in enumerate((3e-5, 0.4, 0.9), start=1):
         log.step(step, line | {"sampler/logprob_diff_mean": drift})
     said = capsys.readouterr().out
-    assert said.count("warning:") == 1 and "warning: step 2: the sampler's log-probs differ" in said and "0.400" in said
+    assert (
+        said.count("warning:") == 1 and "warning: step 2: the sampler's log-probs differ" in said and "0.400" in said
+    )

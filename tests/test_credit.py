@@ -84,16 +84,24 @@ def test_tempo_reads_a_rollout_at_its_group_mean_through_float32_rounding():
 @st.composite
 def groups(draw):
     g, t, n_groups = draw(st.integers(2, 6)), draw(st.integers(1, 6)), draw(st.integers(1, 3))
-    ids = torch.tensor(draw(st.lists(st.lists(st.integers(0, 2), min_size=t, max_size=t), min_size=g * n_groups, max_size=g * n_groups)))
+    ids = torch.tensor(
+        draw(
+            st.lists(st.lists(st.integers(0, 2), min_size=t, max_size=t), min_size=g * n_groups, max_size=g * n_groups)
+        )
+    )
     lengths = draw(st.lists(st.integers(1, t), min_size=g * n_groups, max_size=g * n_groups))
     mask = torch.arange(t)[None] < torch.tensor(lengths)[:, None]
     eos = torch.arange(t)[None] == torch.tensor(lengths)[:, None] - 1
-    ids = ids.masked_fill(eos & (torch.tensor(lengths)[:, None] < t), 3)  # the sampler's layout: ends in EOS unless truncated
+    ids = ids.masked_fill(
+        eos & (torch.tensor(lengths)[:, None] < t), 3
+    )  # the sampler's layout: ends in EOS unless truncated
     # A reward is a function of the completion (as with a gold answer per group): identical
     # completions get the same reward; which function is drawn.
     table = draw(st.dictionaries(st.tuples(st.integers(0, 2), st.integers(1, t)), st.sampled_from([0.0, 1.0])))
     key = lambda i: (int(ids[i, : lengths[i]].sum()) % 3, lengths[i])  # noqa: E731
-    rewards = torch.tensor([table.get(key(i), float(sum(ids[i, : lengths[i]].tolist()) % 2)) for i in range(len(lengths))])
+    rewards = torch.tensor(
+        [table.get(key(i), float(sum(ids[i, : lengths[i]].tolist()) % 2)) for i in range(len(lengths))]
+    )
     return ids.masked_fill(~mask, -1), mask, rewards, g
 
 
@@ -145,9 +153,16 @@ def test_top_entropy_mask_properties(values, top, split):
         def gather(mine):
             assert mine.equal(parts[rank].flatten())  # each process offers its own tokens only
             return torch.cat([p.flatten() for p in parts])
+
         return gather
 
-    got = torch.cat([top_entropy_mask(p, torch.ones_like(p, dtype=torch.bool), top=top, gather=gather_on(k)) for k, p in enumerate(parts)], 1)
+    got = torch.cat(
+        [
+            top_entropy_mask(p, torch.ones_like(p, dtype=torch.bool), top=top, gather=gather_on(k))
+            for k, p in enumerate(parts)
+        ],
+        1,
+    )
     assert got.equal(m)
 
 
@@ -168,46 +183,132 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     for method in METHODS:
         got = {}
         for mbs in (1, 8):
-            weigh = step_credit(CreditSettings(method=method, group_size=4, micro_batch_size=mbs), model, tok, ro, rewards, adv,
-                                scored, list(range(8)), golds, "answer_mean")
-            got[mbs] = torch.cat([weigh(slice(i, i + mbs), ro.select(slice(i, i + mbs)), logits[i:i + mbs])[0] for i in range(0, 8, mbs)])
+            weigh = step_credit(
+                CreditSettings(method=method, group_size=4, micro_batch_size=mbs),
+                model,
+                tok,
+                ro,
+                rewards,
+                adv,
+                scored,
+                list(range(8)),
+                golds,
+                "answer_mean",
+            )
+            got[mbs] = torch.cat(
+                [
+                    weigh(slice(i, i + mbs), ro.select(slice(i, i + mbs)), logits[i : i + mbs])[0]
+                    for i in range(0, 8, mbs)
+                ]
+            )
         # OAR-G's score is the gradient of a KL at its minimum: it magnifies float rounding about
         # 1 / noise_std = 1e3-fold (2.5e-4 seen with several BLAS threads, 1e-4 allowed before).
         torch.testing.assert_close(got[1], got[8], atol=1e-3, rtol=1e-3)
         assert got[8].shape == ro.input_ids.shape
-    grpo = step_credit(CreditSettings(method="grpo"), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
+    grpo = step_credit(
+        CreditSettings(method="grpo"), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean"
+    )
     completion = ro.completion_mask.float()  # maths §5: weights are 0 outside the completion (padding, the prompt)
     assert torch.equal(grpo(slice(0, 8), ro, logits)[0], completion)
-    ent = step_credit(CreditSettings(method="entropy", group_size=4), model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")
+    ent = step_credit(
+        CreditSettings(method="entropy", group_size=4),
+        model,
+        tok,
+        ro,
+        rewards,
+        adv,
+        scored,
+        list(range(8)),
+        golds,
+        "answer_mean",
+    )
     full = torch.zeros(ro.input_ids.shape)
     full[:, lp:] = token_entropy(logits[:, :-1])
-    torch.testing.assert_close(ent(slice(0, 8), ro, logits)[0], bilevel_weights(full, ro.reasoning_mask & scored[:, None]) * completion)
+    torch.testing.assert_close(
+        ent(slice(0, 8), ro, logits)[0], bilevel_weights(full, ro.reasoning_mask & scored[:, None]) * completion
+    )
     assert rewards.min() < rewards.max()  # the groups had something to credit
     # oar-g+tempo (beyond the paper) is OAR-G's weights plus TEMPO's TD share on the branch tokens
-    both = {m: step_credit(CreditSettings(method=m, group_size=4), model, tok, ro, rewards, adv, scored, list(range(8)), golds,
-                           "answer_mean")(slice(0, 8), ro, logits)[0] for m in ("oar-g", "tempo", "oar-g+tempo")}
+    both = {
+        m: step_credit(
+            CreditSettings(method=m, group_size=4),
+            model,
+            tok,
+            ro,
+            rewards,
+            adv,
+            scored,
+            list(range(8)),
+            golds,
+            "answer_mean",
+        )(slice(0, 8), ro, logits)[0]
+        for m in ("oar-g", "tempo", "oar-g+tempo")
+    }
     torch.testing.assert_close(both["oar-g+tempo"], (both["oar-g"] + both["tempo"] - 1) * completion)
     assert (both["tempo"] != 1).any()  # some token branched
     # random-gate (a control) is the gate of uniform scores drawn from each rollout's own seed
     seeds = [11, 12, 13, 14, 15, 16, 17, 18]
-    rand = step_credit(CreditSettings(method="random-gate", group_size=4), model, tok, ro, rewards, adv, scored, seeds, golds,
-                       "answer_mean")(slice(0, 8), ro, logits)[0]
-    uniform = torch.stack([torch.rand(ro.input_ids.shape[1], generator=torch.Generator().manual_seed(s + 104_729)) for s in seeds])
+    rand = step_credit(
+        CreditSettings(method="random-gate", group_size=4),
+        model,
+        tok,
+        ro,
+        rewards,
+        adv,
+        scored,
+        seeds,
+        golds,
+        "answer_mean",
+    )(slice(0, 8), ro, logits)[0]
+    uniform = torch.stack(
+        [torch.rand(ro.input_ids.shape[1], generator=torch.Generator().manual_seed(s + 104_729)) for s in seeds]
+    )
     torch.testing.assert_close(rand, bilevel_weights(uniform, ro.reasoning_mask & scored[:, None]) * completion)
     moved = (rand != completion).any(1)
-    assert moved.any() and torch.equal(rand[~(ro.reasoning_mask & scored[:, None])], completion[~(ro.reasoning_mask & scored[:, None])])
+    assert moved.any() and torch.equal(
+        rand[~(ro.reasoning_mask & scored[:, None])], completion[~(ro.reasoning_mask & scored[:, None])]
+    )
     # only scored reasoning tokens move
     # ... and they are the same draws when a wider prompt sits on another process, which widens this
     # process's layout only on the one-process run: 3 more padding columns here, the gather says why there
     pad = lambda x: torch.cat([torch.zeros(len(ro), 3, dtype=x.dtype), x], dim=1)  # noqa: E731
-    wide = Rollout(pad(ro.input_ids), pad(ro.attention_mask), pad(ro.completion_mask), pad(ro.reasoning_mask), pad(ro.answer_mask),
-                   ro.truncated, ro.texts, lp + 3)
-    one = step_credit(CreditSettings(method="random-gate", group_size=4), model, tok, wide, rewards, adv, scored, seeds, golds,
-                      "answer_mean")(slice(0, 8), wide, logits)[0]
-    two = step_credit(CreditSettings(method="random-gate", group_size=4), model, tok, ro, rewards, adv, scored, seeds, golds,
-                      "answer_mean", gather=lambda x: torch.cat([x, x + 3]))(slice(0, 8), ro, logits)[0]
+    wide = Rollout(
+        pad(ro.input_ids),
+        pad(ro.attention_mask),
+        pad(ro.completion_mask),
+        pad(ro.reasoning_mask),
+        pad(ro.answer_mask),
+        ro.truncated,
+        ro.texts,
+        lp + 3,
+    )
+    one = step_credit(
+        CreditSettings(method="random-gate", group_size=4),
+        model,
+        tok,
+        wide,
+        rewards,
+        adv,
+        scored,
+        seeds,
+        golds,
+        "answer_mean",
+    )(slice(0, 8), wide, logits)[0]
+    two = step_credit(
+        CreditSettings(method="random-gate", group_size=4),
+        model,
+        tok,
+        ro,
+        rewards,
+        adv,
+        scored,
+        seeds,
+        golds,
+        "answer_mean",
+        gather=lambda x: torch.cat([x, x + 3]),
+    )(slice(0, 8), ro, logits)[0]
     assert not torch.equal(two, rand)  # the draws moved with the step's widest prompt
-    torch.testing.assert_close(one[:, lp + 3:], two[:, lp:])  # the same draws; the gate's sums may round apart
+    torch.testing.assert_close(one[:, lp + 3 :], two[:, lp:])  # the same draws; the gate's sums may round apart
     # under --mask_truncated a truncated rollout carries no loss, so it does not set entropy-mask's threshold
     # either (as TRL's completion mask): truncate the rollout with the most top-entropy tokens
     from dataclasses import replace
@@ -216,9 +317,22 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
 
     ent = step_entropies(model, ro, 8)
     cut = replace(ro, truncated=torch.arange(8) == top_entropy_mask(ent, ro.completion_mask).sum(1).argmax())
-    w = step_credit(CreditSettings(method="entropy-mask", group_size=4, mask_truncated=True), model, tok, cut, rewards, adv, scored,
-                    seeds, golds, "answer_mean")(slice(0, 8), cut, logits)[0]
-    assert w.equal(top_entropy_mask(ent, cut.completion_mask & ~cut.truncated[:, None]).float()) and not w[cut.truncated].any()
+    w = step_credit(
+        CreditSettings(method="entropy-mask", group_size=4, mask_truncated=True),
+        model,
+        tok,
+        cut,
+        rewards,
+        adv,
+        scored,
+        seeds,
+        golds,
+        "answer_mean",
+    )(slice(0, 8), cut, logits)[0]
+    assert (
+        w.equal(top_entropy_mask(ent, cut.completion_mask & ~cut.truncated[:, None]).float())
+        and not w[cut.truncated].any()
+    )
 
 
 def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_from(tiny_model):
@@ -230,14 +344,23 @@ def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_fro
     from oar.sampler import format_prompt, sample
 
     model, tok = load_model(str(tiny_model))
-    ro = sample(model, tok, [format_prompt(tok, "Compute 3 + 4."), format_prompt(tok, "Compute 12 - 5.")], group_size=2,
-                seeds=[0, 1, 2, 3], max_new_tokens=10, temperature=0.7)
+    ro = sample(
+        model,
+        tok,
+        [format_prompt(tok, "Compute 3 + 4."), format_prompt(tok, "Compute 12 - 5.")],
+        group_size=2,
+        seeds=[0, 1, 2, 3],
+        max_new_tokens=10,
+        temperature=0.7,
+    )
     got = step_entropies(model, ro, micro_batch_size=3, temperature=0.7)
-    assert got[:, :ro.prompt_width].eq(0).all()
+    assert got[:, : ro.prompt_width].eq(0).all()
     for i in range(len(ro)):
         for t in ro.completion_mask[i].nonzero().flatten().tolist():
             with torch.no_grad():
-                last = model(input_ids=ro.input_ids[i:i + 1, :t], attention_mask=ro.attention_mask[i:i + 1, :t]).logits[0, -1]
+                last = model(
+                    input_ids=ro.input_ids[i : i + 1, :t], attention_mask=ro.attention_mask[i : i + 1, :t]
+                ).logits[0, -1]
             torch.testing.assert_close(got[i, t], token_entropy(last[None, None] / 0.7)[0, 0], atol=1e-5, rtol=1e-5)
 
 
@@ -257,18 +380,25 @@ def test_step_credit_scores_against_the_gold_answer_under_outcome_source_referen
     reasoning = ro.reasoning_mask & scored[:, None]
     assert reasoning.any(1).sum() >= 2, "too few rollouts with reasoning tokens to test on"
     with torch.no_grad():
-        logits = forward_logits(model, ro.input_ids, ro.attention_mask, logits_to_keep=ro.input_ids.shape[1] - ro.prompt_width + 1)
+        logits = forward_logits(
+            model, ro.input_ids, ro.attention_mask, logits_to_keep=ro.input_ids.shape[1] - ro.prompt_width + 1
+        )
     golds = [g for g in ("-31", "yes") for _ in range(4)]  # answers the model did not write: the two sources differ
     ids, attn, reas, ans = with_reference_answer(ro, tok, golds, "#### {answer}")
-    direct = {"oar-g": gradient_scores(model, ids, attn, reas & scored[:, None], ans, probe="answer_mean", noise_std=1e-3,
-                                       seeds=list(range(8))),
-              "oar-p": perturbation_scores(model, ids, attn, reas & scored[:, None], ans, probe="answer_mean",
-                                           pad_token_id=tok.pad_token_id)}
+    direct = {
+        "oar-g": gradient_scores(
+            model, ids, attn, reas & scored[:, None], ans, probe="answer_mean", noise_std=1e-3, seeds=list(range(8))
+        ),
+        "oar-p": perturbation_scores(
+            model, ids, attn, reas & scored[:, None], ans, probe="answer_mean", pad_token_id=tok.pad_token_id
+        ),
+    }
     completion = ro.completion_mask.float()
     for method, scores in direct.items():
         settings = CreditSettings(method=method, group_size=4, outcome_source="reference")
         got = step_credit(settings, model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")(
-            slice(0, 8), ro, logits)[0]
+            slice(0, 8), ro, logits
+        )[0]
         full = torch.zeros(ro.input_ids.shape)
         width = min(scores.shape[1], full.shape[1])
         full[:, :width] = scores[:, :width]
@@ -290,7 +420,17 @@ def test_a_micro_batchs_seconds_include_its_rollouts_share_of_prepare(tiny_model
     monkeypatch.setattr(credit, "credit_methods", lambda module: {"tempo": slow})
     scored = (adv != 0) & ro.completion_mask.any(1)
     logits = torch.zeros(2, ro.input_ids.shape[1] - ro.prompt_width + 1, 8)
-    weigh = credit.step_credit(credit.CreditSettings(method="tempo", group_size=4), model, tok, ro, rewards, adv, scored,
-                               list(range(8)), golds, "answer_mean")
+    weigh = credit.step_credit(
+        credit.CreditSettings(method="tempo", group_size=4),
+        model,
+        tok,
+        ro,
+        rewards,
+        adv,
+        scored,
+        list(range(8)),
+        golds,
+        "answer_mean",
+    )
     _, seconds, _ = weigh(slice(0, 2), ro.select(slice(0, 2)), logits)
     assert 0.25 <= seconds < 1.0  # 2/8 of at least 1 s, and not all of it

@@ -16,9 +16,27 @@ EXAMPLE = ROOT / "examples" / "position_decay.py"  # docs/credit-methods.md's wo
 
 
 def _args(model, out, micro_batch_size=8, module=PLUGIN, method="equal-mass"):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out), "--steps", "2",
-            "--save_every", "0", "--micro_batch_size", str(micro_batch_size), *TINY,
-            "--credit_module", str(module), "--method", method, "--aggregation", "token_mean"]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "2",
+        "--save_every",
+        "0",
+        "--micro_batch_size",
+        str(micro_batch_size),
+        *TINY,
+        "--credit_module",
+        str(module),
+        "--method",
+        method,
+        "--aggregation",
+        "token_mean",
+    ]
 
 
 def _fake_step(reasoning, scored, lengths=None):
@@ -28,10 +46,29 @@ def _fake_step(reasoning, scored, lengths=None):
 
     b, L = reasoning.shape
     valid = reasoning if lengths is None else torch.arange(L)[None] < torch.tensor(lengths)[:, None]
-    ro = Rollout(torch.zeros(b, L, dtype=torch.long), torch.ones(b, L, dtype=torch.long), valid, reasoning,
-                 torch.zeros(b, L, dtype=torch.bool), torch.zeros(b, dtype=torch.bool), [""] * b, 0)
-    step = Step(CreditSettings(), None, None, ro, torch.zeros(b), torch.zeros(b), scored, list(range(b)), [""] * b, "last",
-                gather=lambda x: torch.cat([x, torch.tensor([10.0])]))  # another process holds one rollout of 10 tokens
+    ro = Rollout(
+        torch.zeros(b, L, dtype=torch.long),
+        torch.ones(b, L, dtype=torch.long),
+        valid,
+        reasoning,
+        torch.zeros(b, L, dtype=torch.bool),
+        torch.zeros(b, dtype=torch.bool),
+        [""] * b,
+        0,
+    )
+    step = Step(
+        CreditSettings(),
+        None,
+        None,
+        ro,
+        torch.zeros(b),
+        torch.zeros(b),
+        scored,
+        list(range(b)),
+        [""] * b,
+        "last",
+        gather=lambda x: torch.cat([x, torch.tensor([10.0])]),
+    )  # another process holds one rollout of 10 tokens
     return step, MicroBatch(slice(0, b), ro, torch.zeros(b, L + 1, 3))
 
 
@@ -85,13 +122,21 @@ def test_the_documented_example_trains(tiny_model, tmp_path):
 
 BROKEN = {  # module text (None: no such file) -> what the message must say besides the module's path
     "missing": (None, "no such file"),
-    "unimportable": ("import no_such_package_anywhere\n", "could not import it (ModuleNotFoundError: No module named 'no_such_package_anywhere')"),
+    "unimportable": (
+        "import no_such_package_anywhere\n",
+        "could not import it (ModuleNotFoundError: No module named 'no_such_package_anywhere')",
+    ),
     "no list": ("X = 1\n", "defines no CREDIT_METHODS"),
-    "clash": ("from oar.credit import CreditMethod\nCREDIT_METHODS = [CreditMethod('grpo', lambda step, state, micro: None)]\n",
-              "method 'grpo' clashes with the built-in method of that name"),
+    "clash": (
+        "from oar.credit import CreditMethod\n"
+        "CREDIT_METHODS = [CreditMethod('grpo', lambda step, state, micro: None)]\n",
+        "method 'grpo' clashes with the built-in method of that name",
+    ),
     "not a method": ("CREDIT_METHODS = [lambda step, state, micro: None]\n", "CREDIT_METHODS[0]: <function <lambda>"),
-    "bad signature": ("from oar.credit import CreditMethod\nCREDIT_METHODS = [CreditMethod('mine', lambda micro: None)]\n",
-                      "method 'mine': weigh(micro) must take (step, state, micro)"),
+    "bad signature": (
+        "from oar.credit import CreditMethod\nCREDIT_METHODS = [CreditMethod('mine', lambda micro: None)]\n",
+        "method 'mine': weigh(micro) must take (step, state, micro)",
+    ),
 }
 
 
@@ -123,8 +168,18 @@ def _plugin_weigh(tiny_model, module, name):
     model, tok = load_model(str(tiny_model))
     ro = sample(model, tok, [format_prompt(tok, "Compute 3 + 4.")], group_size=2, seeds=[0, 1], max_new_tokens=5)
     zeros = torch.zeros(2)
-    weigh = step_credit(CreditSettings(method=name, credit_module=str(module), group_size=2), model, tok, ro, zeros, zeros,
-                        zeros.bool(), [0, 1], ["7", "7"], "last")
+    weigh = step_credit(
+        CreditSettings(method=name, credit_module=str(module), group_size=2),
+        model,
+        tok,
+        ro,
+        zeros,
+        zeros,
+        zeros.bool(),
+        [0, 1],
+        ["7", "7"],
+        "last",
+    )
     return weigh, ro
 
 
@@ -134,13 +189,22 @@ def test_a_method_breaking_the_protocol_at_run_time_is_named(tiny_model, tmp_pat
     from oar.credit import CreditError
 
     module = tmp_path / "bad_weights.py"
-    module.write_text("import torch\nfrom oar.credit import CreditMethod\nCREDIT_METHODS = [\n"
-                      "    CreditMethod('short', lambda step, state, micro: torch.ones(len(micro.rollouts), 3)),\n"
-                      "    CreditMethod('nan', lambda step, state, micro: torch.full(micro.rollouts.input_ids.shape, float('nan'))),\n"
-                      "    CreditMethod('half', lambda step, state, micro: torch.full(micro.rollouts.input_ids.shape, 0.5), scores=False),\n]\n")
-    for name, needle in (("short", "weigh returned torch.float32 of shape (2, 3); it must return float weights of the micro-batch's shape"),
-                         ("nan", "weigh returned non-finite weights for rows slice(0, 2, None)"),
-                         ("half", "scores=False promises weights 1")):  # it would train with 0.5 and log GRPO's 1
+    module.write_text(
+        "import torch\nfrom oar.credit import CreditMethod\nCREDIT_METHODS = [\n"
+        "    CreditMethod('short', lambda step, state, micro: torch.ones(len(micro.rollouts), 3)),\n"
+        "    CreditMethod('nan', lambda step, state, micro: "
+        "torch.full(micro.rollouts.input_ids.shape, float('nan'))),\n"
+        "    CreditMethod('half', lambda step, state, micro: "
+        "torch.full(micro.rollouts.input_ids.shape, 0.5), scores=False),\n]\n"
+    )
+    for name, needle in (
+        (
+            "short",
+            "weigh returned torch.float32 of shape (2, 3); it must return float weights of the micro-batch's shape",
+        ),
+        ("nan", "weigh returned non-finite weights for rows slice(0, 2, None)"),
+        ("half", "scores=False promises weights 1"),
+    ):  # it would train with 0.5 and log GRPO's 1
         weigh, ro = _plugin_weigh(tiny_model, module, name)
         with pytest.raises(CreditError) as err:
             weigh(slice(0, 2), ro, None)
@@ -152,11 +216,13 @@ def test_weights_a_method_computed_with_a_graph_add_no_gradient(tiny_model, tmp_
     weights with a graph, and the loss must not backpropagate through them (it doubled the gradient of a
     w = 2 p(token) method)."""
     module = tmp_path / "graph_weights.py"
-    module.write_text("import torch\nfrom oar.credit import CreditMethod\n"
-                      "def weigh(step, state, micro):\n"
-                      "    w = next(step.model.parameters()).sum() * 0 + 2.0  # a graph back to the model\n"
-                      "    return torch.ones(micro.rollouts.input_ids.shape) * w\n"
-                      "CREDIT_METHODS = [CreditMethod('graph', weigh)]\n")
+    module.write_text(
+        "import torch\nfrom oar.credit import CreditMethod\n"
+        "def weigh(step, state, micro):\n"
+        "    w = next(step.model.parameters()).sum() * 0 + 2.0  # a graph back to the model\n"
+        "    return torch.ones(micro.rollouts.input_ids.shape) * w\n"
+        "CREDIT_METHODS = [CreditMethod('graph', weigh)]\n"
+    )
     weigh, ro = _plugin_weigh(tiny_model, module, "graph")
     weights, _, _ = weigh(slice(0, 2), ro, None)
     assert not weights.requires_grad and torch.equal(weights, 2.0 * ro.completion_mask)
@@ -167,8 +233,13 @@ def test_a_method_name_the_table_lacks_is_named_with_the_choices():
     from oar.training.config import parse_args
 
     builtins = "grpo, oar-g, oar-p, entropy, entropy-mask, tempo, oar-g+tempo, random-gate"
-    for extra, message in (([], f"--method mine: choose one of {builtins} (or name a module that defines it with --credit_module)."),
-                           (["--credit_module", str(PLUGIN)], f"--method mine: choose one of {builtins}, equal-mass (with --credit_module {PLUGIN}).")):
+    for extra, message in (
+        ([], f"--method mine: choose one of {builtins} (or name a module that defines it with --credit_module)."),
+        (
+            ["--credit_module", str(PLUGIN)],
+            f"--method mine: choose one of {builtins}, equal-mass (with --credit_module {PLUGIN}).",
+        ),
+    ):
         with pytest.raises(ValueError) as err:
             check_config(parse_args(["--method", "mine", *extra]), num_processes=1)
         assert str(err.value) == message

@@ -22,8 +22,23 @@ CASES = {  # method -> words its one line must hold
 
 
 def _args(model, out, method):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--eval_dataset", str(model / "data.jsonl"),
-            "--output_dir", str(out), "--micro_batch_size", "8", *TINY, "--credit_module", str(BROKEN), "--method", method]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--eval_dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--micro_batch_size",
+        "8",
+        *TINY,
+        "--credit_module",
+        str(BROKEN),
+        "--method",
+        method,
+    ]
 
 
 @pytest.mark.parametrize("method", CASES)
@@ -59,6 +74,15 @@ def test_every_built_in_passes_and_the_random_state_is_left_alone(tiny_model):
     state = torch.get_rng_state()
     for name in METHODS:
         for keep_cache in (True, False):
-            try_credit(CreditSettings(method=name, group_size=4, noise_std=0.1), model, tok, "Compute 2 + 3.", "5",
-                       instruction="", probe="answer_mean", device="cpu", keep_cache=keep_cache)
+            try_credit(
+                CreditSettings(method=name, group_size=4, noise_std=0.1),
+                model,
+                tok,
+                "Compute 2 + 3.",
+                "5",
+                instruction="",
+                probe="answer_mean",
+                device="cpu",
+                keep_cache=keep_cache,
+            )
     assert torch.equal(torch.get_rng_state(), state)

@@ -1,4 +1,6 @@
-"""Tests of oar/training/data.py (JSON Lines loading and its errors) and oar/tasks/arith.py; tiny-arith: test_tiny_arith.py."""
+"""Tests of oar/training/data.py (JSON Lines loading and its errors) and oar/tasks/arith.py;
+tiny-arith: test_tiny_arith.py."""
+
 from __future__ import annotations
 
 import ast
@@ -22,24 +24,38 @@ def write(tmp_path: Path, text: str, name: str = "rows.jsonl") -> Path:
 
 # --- load_jsonl -----------------------------------------------------------------------------------
 
+
 def test_load_jsonl_reads_rows_skips_blank_lines_and_ignores_extra_keys(tmp_path):
-    path = write(tmp_path, '{"id": "a", "problem": "1+1?", "answer": "2", "source": "x"}\n\n'
-                           '  \n{"problem": "2+2?", "answer": "4"}\n')
+    path = write(
+        tmp_path,
+        '{"id": "a", "problem": "1+1?", "answer": "2", "source": "x"}\n\n  \n{"problem": "2+2?", "answer": "4"}\n',
+    )
     assert load_jsonl(path) == [Problem("1+1?", "2"), Problem("2+2?", "4")]
 
 
-@pytest.mark.parametrize("text, line, words", [
-    ('{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": \n', 2, ["invalid JSON"]),
-    ('{"problem": "p", "answer": "1"}\n["p", "1"]\n', 2, ["expected a JSON object", "list"]),
-    ('\n{"problem": "p"}\n', 2, ["missing key 'answer'", "Add 'answer'"]),
-    ('{"prompt": "p", "answer": "1"}\n', 1, ["missing key 'problem' (or 'question'; keys present: ['answer', 'prompt'])"]),
-    ('{"problem": "p", "solution": "it is 7"}\n', 1, ["key 'solution' holds no final answer"]),
-    ('{"problem": "p", "answer": "So #### "}\n', 1, ["key 'answer' is empty"]),
-    ('{"problem": "p", "answer": "First 3.\\nThen 4."}\n', 1, ["key 'answer' holds a worked solution with no final answer"]),
-    ('{"problem": "p", "answer": 42}\n', 1, ["'answer' must be a string", "int"]),
-    ('{"problem": ["p"], "answer": "1"}\n', 1, ["'problem' must be a string", "list"]),
-    ('{"problem": "  ", "answer": "1"}\n', 1, ["'problem' is empty"]),
-])
+@pytest.mark.parametrize(
+    "text, line, words",
+    [
+        ('{"problem": "p", "answer": "1"}\n{"problem": "q", "answer": \n', 2, ["invalid JSON"]),
+        ('{"problem": "p", "answer": "1"}\n["p", "1"]\n', 2, ["expected a JSON object", "list"]),
+        ('\n{"problem": "p"}\n', 2, ["missing key 'answer'", "Add 'answer'"]),
+        (
+            '{"prompt": "p", "answer": "1"}\n',
+            1,
+            ["missing key 'problem' (or 'question'; keys present: ['answer', 'prompt'])"],
+        ),
+        ('{"problem": "p", "solution": "it is 7"}\n', 1, ["key 'solution' holds no final answer"]),
+        ('{"problem": "p", "answer": "So #### "}\n', 1, ["key 'answer' is empty"]),
+        (
+            '{"problem": "p", "answer": "First 3.\\nThen 4."}\n',
+            1,
+            ["key 'answer' holds a worked solution with no final answer"],
+        ),
+        ('{"problem": "p", "answer": 42}\n', 1, ["'answer' must be a string", "int"]),
+        ('{"problem": ["p"], "answer": "1"}\n', 1, ["'problem' must be a string", "list"]),
+        ('{"problem": "  ", "answer": "1"}\n', 1, ["'problem' is empty"]),
+    ],
+)
 def test_load_jsonl_bad_row_names_file_line_and_fix(tmp_path, text, line, words):
     path = write(tmp_path, text)
     with pytest.raises(DataError) as err:
@@ -72,6 +88,7 @@ def test_load_jsonl_not_utf8(tmp_path):
 
 # --- load_problems --------------------------------------------------------------------------------
 
+
 def test_load_problems_file_folder_and_limit(tmp_path):
     rows = "".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(5))
     path = write(tmp_path, rows, "test.jsonl")
@@ -82,8 +99,9 @@ def test_load_problems_file_folder_and_limit(tmp_path):
 
 
 def test_load_problems_arith_and_unknown_names():
-    assert load_problems("arith", split="test", limit=7, seed=3) == \
-        arith_problems(7, split="test", seed=3, config=DEFAULT_ARITH)
+    assert load_problems("arith", split="test", limit=7, seed=3) == arith_problems(
+        7, split="test", seed=3, config=DEFAULT_ARITH
+    )
     assert len(load_problems("arith", split="test")) == 500
     with pytest.raises(DataError, match="split must be 'train' or 'test'"):
         load_problems("arith", split="validation")
@@ -112,9 +130,16 @@ def test_problems_from_records_maps_hf_fields_and_gsm8k_answers():
     records = [{"question": "Q1", "answer": "She has 3.\n#### 18"}, {"problem": "Q2", "answer": "7"}]
     assert problems_from_records(records, "hf") == [Problem("Q1", "18"), Problem("Q2", "7")]
     # a worked solution in the answer column gives its final answer, not the whole text as the gold
-    worked = [{"problem": "Q3", "answer": "We get \\boxed{7}."}, {"problem": "Q4", "answer": "3 + 4 = 7\nThe answer is 7"},
-              {"problem": "Q5", "answer": "\\frac{1}{2}"}]
-    assert problems_from_records(worked, "hf") == [Problem("Q3", "7"), Problem("Q4", "7"), Problem("Q5", "\\frac{1}{2}")]
+    worked = [
+        {"problem": "Q3", "answer": "We get \\boxed{7}."},
+        {"problem": "Q4", "answer": "3 + 4 = 7\nThe answer is 7"},
+        {"problem": "Q5", "answer": "\\frac{1}{2}"},
+    ]
+    assert problems_from_records(worked, "hf") == [
+        Problem("Q3", "7"),
+        Problem("Q4", "7"),
+        Problem("Q5", "\\frac{1}{2}"),
+    ]
     with pytest.raises(DataError, match="hf row 0: missing key 'answer'"):
         problems_from_records([{"question": "Q"}], "hf")
 
@@ -124,10 +149,12 @@ def test_a_reference_solutions_gold_is_its_last_box_and_a_break_inside_braces_is
     train/counting_and_probability/841 gave '24?', train/geometry/612 a sentence: both always scored 0). A gold
     with a line break inside a brace group is one answer, not a worked solution (MATH's train_12k row 11403,
     `90\\text{ square\\nunits}`, stopped the whole file)."""
-    rows = [{"problem": "Q1", "solution": "So there are \\boxed{24} ways. Is it a coincidence that the answer is 24?"},
-            {"problem": "Q2", "solution": "The area is $\\boxed{1440}$. Can we build it? The answer is yes! Imagine..."},
-            {"problem": "Q3", "solution": "3 + 4 = 7. The answer is 7."},
-            {"problem": "Q4", "answer": "90\\text{ square\nunits}"}]
+    rows = [
+        {"problem": "Q1", "solution": "So there are \\boxed{24} ways. Is it a coincidence that the answer is 24?"},
+        {"problem": "Q2", "solution": "The area is $\\boxed{1440}$. Can we build it? The answer is yes! Imagine..."},
+        {"problem": "Q3", "solution": "3 + 4 = 7. The answer is 7."},
+        {"problem": "Q4", "answer": "90\\text{ square\nunits}"},
+    ]
     assert [p.answer for p in problems_from_records(rows, "hf")] == ["24", "1440", "7", "90\\text{ square\nunits}"]
 
 
@@ -159,10 +186,17 @@ def test_jsonl_and_hub_rows_map_their_columns_the_same_way(tmp_path, monkeypatch
     assert calls == [("org/set", "main", "test")]
     with pytest.raises(DataError, match=r"rows.jsonl:1: key 'problem' must be a string, got NoneType"):
         load_jsonl(write(tmp_path, '{"problem": null, "answer": "1"}\n'))
-    monkeypatch.setattr(datasets, "load_dataset", lambda path, name=None, *, split: datasets.Dataset.from_list(COLUMNS[:1]))
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda path, name=None, *, split: datasets.Dataset.from_list(COLUMNS[:1])
+    )
     assert load_problems("org/gsm", split="train") == MAPPED[:1]
-    monkeypatch.setattr(datasets, "load_dataset", lambda path, name=None, *, split: datasets.Dataset.from_list(
-        [{"problem": "Q2", "solution": "\\boxed{3}", "answer": "3"}]))
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda path, name=None, *, split: datasets.Dataset.from_list(
+            [{"problem": "Q2", "solution": "\\boxed{3}", "answer": "3"}]
+        ),
+    )
     assert load_problems("org/math", split="test") == [Problem("Q2", "3")]
 
 
@@ -181,17 +215,19 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 def safe_eval(expression: str) -> int:
     """Value of an expression of integers and + - *, without eval."""
+
     def walk(node):
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
         assert isinstance(node, ast.BinOp) and type(node.op) in _BINOPS, ast.dump(node)
         return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
+
     return walk(ast.parse(expression, mode="eval").body)
 
 
 def expression_of(problem: Problem) -> str:
     assert problem.problem.startswith("Compute ") and problem.problem.endswith(".")
-    return problem.problem[len("Compute "):-1]
+    return problem.problem[len("Compute ") : -1]
 
 
 def test_arith_is_deterministic_and_seeded():
@@ -241,8 +277,7 @@ def test_arith_config_and_exhausted_space_errors():
     with pytest.raises(ValueError, match="subset"):
         ArithConfig(ops=("/",))
     with pytest.raises(ValueError, match="ask for fewer or widen"):
-        arith_problems(100, config=ArithConfig(min_ops=1, max_ops=1, start_digits=1,
-                                                digits=1, ops=("+",)))
+        arith_problems(100, config=ArithConfig(min_ops=1, max_ops=1, start_digits=1, digits=1, ops=("+",)))
 
 
 def test_seen_in_training_counts_held_out_problems_that_are_training_problems(tmp_path):

@@ -54,28 +54,43 @@ def weights_sha256(path: Path) -> str:
 
 def run_default(out: Path) -> dict:
     """Run the default command into `out`; returns {"metrics": [...], "weights_sha256": ...}."""
-    proc = subprocess.run([sys.executable, str(TRAIN), *ARGS, "--output_dir", str(out)], check=False, cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), *ARGS, "--output_dir", str(out)],
+        check=False,
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     check_ok(proc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"metrics": [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in rows],
-            "weights_sha256": weights_sha256(out / "final" / "model.safetensors")}
+    return {
+        "metrics": [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in rows],
+        "weights_sha256": weights_sha256(out / "final" / "model.safetensors"),
+    }
 
 
 @pytest.mark.slow  # ~25 s alone on one thread of this project's CPU, up to 45 s on shared cores
 def test_the_default_run_logs_the_recorded_numbers(tmp_path):
     want = recording(json.loads(RECORD.read_text())["recordings"])
     got = run_default(tmp_path / "run")
-    where = (f"recorded at {want['recorded_at_commit']} on {want['machine']} ({want['cpu_capability'] or 'capability not recorded'}, "
-             f"torch {want['torch']}); this is {cpu_name()} ({cpu_capability()}, torch {torch.__version__}). On the same CPU kind and "
-             f"torch a difference is a change of the run; on another, compare with the recording's commit on this machine first")
+    where = (
+        f"recorded at {want['recorded_at_commit']} on {want['machine']} "
+        f"({want['cpu_capability'] or 'capability not recorded'}, torch {want['torch']}); "
+        f"this is {cpu_name()} ({cpu_capability()}, torch {torch.__version__}). "
+        "On the same CPU kind and torch a difference is a change of the run; "
+        "on another, compare with the recording's commit on this machine first"
+    )
     assert len(got["metrics"]) == len(want["metrics"]) == 3
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"]), start=1):
         # every recorded metric is still logged under its name; metrics added since (reward/<term>) are new keys
         assert w.keys() <= g.keys(), f"step {step}: recorded metrics no longer logged: {sorted(w.keys() - g.keys())}"
         moved = {k: (w[k], g[k]) for k in w if g[k] != w[k]}  # exact: the run is deterministic on a CPU
         assert not moved, f"step {step}: (recorded, now) {moved}; {where}"
-    assert got["weights_sha256"] == want["weights_sha256"], f"the final weights differ from the recorded run's; {where}"
+    assert got["weights_sha256"] == want["weights_sha256"], (
+        f"the final weights differ from the recorded run's; {where}"
+    )
 
 
 def cpu_capability() -> str:
@@ -99,22 +114,42 @@ def cpu_name() -> str:
 def record() -> None:
     import tempfile
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True, cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "oar", "train.py"], check=True, cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], check=True, cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "oar", "train.py"], check=True, cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         result = run_default(Path(tmp) / "run")
     kind = {"machine": cpu_name(), "cpu_capability": cpu_capability()}
-    this = {"recorded_at_commit": commit + (" (with uncommitted changes to oar/ or train.py)" if dirty else ""), **kind,
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__, **result}
-    others = [r for r in json.loads(RECORD.read_text())["recordings"] if {k: r[k] for k in kind} != kind] if RECORD.is_file() else []
+    this = {
+        "recorded_at_commit": commit + (" (with uncommitted changes to oar/ or train.py)" if dirty else ""),
+        **kind,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        **result,
+    }
+    others = (
+        [r for r in json.loads(RECORD.read_text())["recordings"] if {k: r[k] for k in kind} != kind]
+        if RECORD.is_file()
+        else []
+    )
     RECORD.parent.mkdir(exist_ok=True)
-    RECORD.write_text(json.dumps({
-        "what": "the first 3 steps of `accelerate launch train.py` (OAR-G, tiny-arith, arith): every logged metric "
-                "but time/* and oar/seconds_per_rollout, and the sha256 of final/model.safetensors's tensors, "
+    RECORD.write_text(
+        json.dumps(
+            {
+                "what": "the first 3 steps of `accelerate launch train.py` (OAR-G, tiny-arith, arith): "
+                "every logged metric but time/* and oar/seconds_per_rollout, "
+                "and the sha256 of final/model.safetensors's tensors, "
                 "one recording per CPU kind (tests/test_default_run.py)",
-        "command": "OMP_NUM_THREADS=1 python train.py " + " ".join(ARGS),
-        "recordings": others + [this]}, indent=1) + "\n")
+                "command": "OMP_NUM_THREADS=1 python train.py " + " ".join(ARGS),
+                "recordings": others + [this],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {RECORD}: {len(others) + 1} recording(s)")
 
 

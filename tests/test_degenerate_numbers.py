@@ -42,7 +42,10 @@ def test_nan_logits_skip_steps_then_stop_with_a_message(tiny_model, tmp_path, ca
     assert state["state"] == {}
     from safetensors.torch import load_file
 
-    saved, loaded = load_file(str(out / "checkpoint-1" / "model.safetensors")), load_file(str(model / "model.safetensors"))
+    saved, loaded = (
+        load_file(str(out / "checkpoint-1" / "model.safetensors")),
+        load_file(str(model / "model.safetensors")),
+    )
     assert all(torch.equal(saved[k], loaded[k]) or torch.allclose(saved[k], loaded[k], equal_nan=True) for k in loaded)
 
 
@@ -72,8 +75,21 @@ def test_no_answer_all_truncated_tied_groups_are_defined(tiny_model, tmp_path, m
     span, every group ties at reward 0. Defined: weights 1, advantages 0, loss 0 (not 0/0), a zero
     gradient, no skipped step."""
     out = tmp_path / "run"
-    summary = run_inprocess(_args(tiny_model, out, "--method", method, "--steps", "2", "--max_new_tokens", "2",
-                                  "--mask_truncated", "--aggregation", "token_mean"))
+    summary = run_inprocess(
+        _args(
+            tiny_model,
+            out,
+            "--method",
+            method,
+            "--steps",
+            "2",
+            "--max_new_tokens",
+            "2",
+            "--mask_truncated",
+            "--aggregation",
+            "token_mean",
+        )
+    )
     assert summary["skipped_steps"] == 0
     for m in metrics(out):
         assert m["completion/frac_truncated"] == 1 and m["oar/frac_no_answer"] == 1
@@ -83,20 +99,40 @@ def test_no_answer_all_truncated_tied_groups_are_defined(tiny_model, tmp_path, m
 
 def test_groups_with_one_reward_that_is_not_a_binary_fraction_count_as_tied(tiny_model, tmp_path):
     """A reward of 0.1 for every rollout: each group's advantages are exactly 0 (group_advantages compares the
-    rewards), and reward/frac_zero_std_groups says 1, as it must, though one group of eight 0.1s has a float32 std of 8e-9
-    (torch's row-wise std of two such groups happens to give 0: one group shows it)."""
+    rewards), and reward/frac_zero_std_groups says 1, as it must, though one group of eight 0.1s has a float32 std
+    of 8e-9 (torch's row-wise std of two such groups happens to give 0: one group shows it)."""
     module = tmp_path / "tenth.py"
     module.write_text("REWARD_FUNCTIONS = {'tenth': lambda completion, gold, problem: 0.1}\n")
     out = tmp_path / "run"
-    run_inprocess(_args(tiny_model, out, "--method", "grpo", "--steps", "1", "--prompts_per_step", "1", "--group_size", "8",
-                        "--reward_module", str(module), "--reward", "tenth"))
+    run_inprocess(
+        _args(
+            tiny_model,
+            out,
+            "--method",
+            "grpo",
+            "--steps",
+            "1",
+            "--prompts_per_step",
+            "1",
+            "--group_size",
+            "8",
+            "--reward_module",
+            str(module),
+            "--reward",
+            "tenth",
+        )
+    )
     (m,) = metrics(out)
-    assert m["reward/mean"] == pytest.approx(0.1) and m["reward/frac_zero_std_groups"] == 1 and m["optim/grad_norm"] == 0
+    assert (
+        m["reward/mean"] == pytest.approx(0.1) and m["reward/frac_zero_std_groups"] == 1 and m["optim/grad_norm"] == 0
+    )
 
 
 def test_nonfinite_oar_scores_are_counted(tiny_model, tmp_path, monkeypatch, capsys):
     """Scores that are not finite give plain GRPO weights (gating's rule); the run says so."""
-    from oar import credit_adapters  # train.py's step 4 asks oar/credit.py, whose oar-g calls this module's gradient_scores
+    from oar import (
+        credit_adapters,
+    )  # train.py's step 4 asks oar/credit.py, whose oar-g calls this module's gradient_scores
 
     gradient_scores = credit_adapters.gradient_scores
     monkeypatch.setattr(credit_adapters, "gradient_scores", lambda *a, **k: gradient_scores(*a, **k) * float("inf"))

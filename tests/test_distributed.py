@@ -14,13 +14,32 @@ import socket
 
 import pytest
 
-from tinyrun import (PORT_FLOOR, TINY, assert_same_metrics, check_ok, ephemeral_floor, final_params, free_port, initial_params, launch,
-                     max_abs_diff, metrics, run_inprocess)
+from tinyrun import (
+    PORT_FLOOR,
+    TINY,
+    assert_same_metrics,
+    check_ok,
+    ephemeral_floor,
+    final_params,
+    free_port,
+    initial_params,
+    launch,
+    max_abs_diff,
+    metrics,
+    run_inprocess,
+)
 
 SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR scorers, plain GRPO
     "oar-g/seq_mean": ["--method", "oar-g", "--aggregation", "seq_mean"],
-    "oar-p/token_mean/mask_truncated": ["--method", "oar-p", "--aggregation", "token_mean", "--mask_truncated",
-                                        "--max_new_tokens", "18"],
+    "oar-p/token_mean/mask_truncated": [
+        "--method",
+        "oar-p",
+        "--aggregation",
+        "token_mean",
+        "--mask_truncated",
+        "--max_new_tokens",
+        "18",
+    ],
     "grpo/token_mean": ["--method", "grpo", "--aggregation", "token_mean"],
     # the batch std of the advantages: over the whole step (every process's rewards), not a process's half
     "grpo/batch_scale": ["--method", "grpo", "--aggregation", "seq_mean", "--advantage_scale", "batch"],
@@ -35,18 +54,46 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
     # rollouts sampled a prompt at a time (--rollout_batch_size 1): the same batches on 1 and 2 processes
     "grpo/chunked": ["--method", "grpo", "--aggregation", "seq_mean", "--rollout_batch_size", "1"],
     # the same through the fixed-shape decode loop (oar/static_decode.py)
-    "oar-p/chunked/static": ["--method", "oar-p", "--aggregation", "seq_mean", "--rollout_batch_size", "1", "--decode_loop", "static"],
+    "oar-p/chunked/static": [
+        "--method",
+        "oar-p",
+        "--aggregation",
+        "seq_mean",
+        "--rollout_batch_size",
+        "1",
+        "--decode_loop",
+        "static",
+    ],
 }
 # What does not depend on which rollouts OAR scored: all a comparison of two different sets of scored rollouts
 # (--score_all) can hold equal. Runs of the same rollouts compare every logged key (tinyrun.assert_same_metrics).
-SAME_FOR_ANY_SPLIT = ("optim/grad_norm", "optim/lr", "reward/mean", "reward/frac_zero_std_groups",
-                      "completion/frac_truncated", "oar/frac_no_answer")
+SAME_FOR_ANY_SPLIT = (
+    "optim/grad_norm",
+    "optim/lr",
+    "reward/mean",
+    "reward/frac_zero_std_groups",
+    "completion/frac_truncated",
+    "oar/frac_no_answer",
+)
 
 
 def _args(model, out, setting, micro_batch_size):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out),
-            "--steps", "2", "--save_every", "0", "--micro_batch_size", str(micro_batch_size),
-            *TINY, *SETTINGS[setting]]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "2",
+        "--save_every",
+        "0",
+        "--micro_batch_size",
+        str(micro_batch_size),
+        *TINY,
+        *SETTINGS[setting],
+    ]
 
 
 def _assert_same_run(got, want, model, diagnostics=True):
@@ -82,14 +129,19 @@ def test_micro_batches_of_1_equal_one_batch_of_8(tiny_model, tmp_path, setting):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting, micro_batch_size, switch", [("oar-g/seq_mean", 4, True),
-                                                               ("oar-p/token_mean/mask_truncated", 1, False),
-                                                               ("entropy-mask/token_mean", 2, False),
-                                                               ("tempo/seq_mean", 2, False),
-                                                               ("random-gate/seq_mean", 2, False),  # its widest-prompt gather
-                                                               ("grpo/chunked", 4, False),  # --rollout_batch_size 1 on both
-                                                               ("grpo/batch_scale", 4, False),  # a std over both processes
-                                                               ("oar-p/chunked/static", 4, True)])
+@pytest.mark.parametrize(
+    "setting, micro_batch_size, switch",
+    [
+        ("oar-g/seq_mean", 4, True),
+        ("oar-p/token_mean/mask_truncated", 1, False),
+        ("entropy-mask/token_mean", 2, False),
+        ("tempo/seq_mean", 2, False),
+        ("random-gate/seq_mean", 2, False),  # its widest-prompt gather
+        ("grpo/chunked", 4, False),  # --rollout_batch_size 1 on both
+        ("grpo/batch_scale", 4, False),  # a std over both processes
+        ("oar-p/chunked/static", 4, True),
+    ],
+)
 def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size, switch):
     """Two steps under 2 processes, or (switch) step 1 under 2 processes and step 2 resumed in one:
     a checkpoint does not depend on the number of processes that wrote or reads it."""
@@ -97,8 +149,12 @@ def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size
 
     one, two = tmp_path / "one", tmp_path / "two"
     run_inprocess(_args(tiny_model, one, setting, 8) + ["--save_every", "1"])
-    proc = launch(_args(tiny_model, two, setting, micro_batch_size) + ["--save_every", "1"] + (["--steps", "1"] if switch else []),
-                  num_processes=2)
+    proc = launch(
+        _args(tiny_model, two, setting, micro_batch_size)
+        + ["--save_every", "1"]
+        + (["--steps", "1"] if switch else []),
+        num_processes=2,
+    )
     check_ok(proc)
     assert '"processes": 2' in (two / "summary.json").read_text()  # one process group, not two lone runs
     if switch:

@@ -10,7 +10,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESEARCH = ROOT / "research" / "README.md"
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), RESEARCH, ROOT / "research" / "real_smollm2" / "README.md"]
+PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    RESEARCH,
+    ROOT / "research" / "real_smollm2" / "README.md",
+]
 # a repository file written in the text: scripts/..., oar/..., tests/..., examples/..., configs/..., docs/...,
 # research/... with an extension (names such as the metric oar/frac_scored have none)
 PATH = re.compile(r"(?<![\w./-])((?:scripts|oar|tests|examples|configs|docs|research)/[\w./-]*\.[A-Za-z]+)(?![\w/])")
@@ -37,7 +42,11 @@ def test_every_relative_link_resolves(page):
 
 
 def test_the_checks_catch_a_broken_name_and_link():
-    assert _named("run `scripts/nope.py` and oar/grpo.py, see docs/x.md.") == {"scripts/nope.py", "oar/grpo.py", "docs/x.md"}
+    assert _named("run `scripts/nope.py` and oar/grpo.py, see docs/x.md.") == {
+        "scripts/nope.py",
+        "oar/grpo.py",
+        "docs/x.md",
+    }
     assert LINK.findall("[a](docs/speed.md) and [b](https://x.org)") == ["docs/speed.md", "https://x.org"]
 
 
@@ -52,7 +61,9 @@ def test_the_readme_fits_on_a_few_screens_and_links_every_page():
 
 def test_ci_runs_the_readmes_test_command_exactly():
     """.ci/run runs the quick start's second command, as it is written there (the vLLM run comes after it)."""
-    quick_start = re.search(r"## Quick start\n+```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(1)
+    quick_start = re.search(r"## Quick start\n+```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(
+        1
+    )
     command = quick_start.strip().splitlines()[-1]
     assert command.startswith("python -m pytest"), quick_start
     assert command in (ROOT / ".ci" / "run").read_text().splitlines(), f".ci/run does not run {command!r}"
@@ -69,14 +80,18 @@ def test_every_study_in_the_notebook_names_a_page_and_commands_that_run():
     import sys
 
     text = RESEARCH.read_text()
-    studies = [d.name for d in sorted((ROOT / "research").iterdir()) if d.is_dir() and d.name not in ("common", "__pycache__")]
+    studies = [
+        d.name for d in sorted((ROOT / "research").iterdir()) if d.is_dir() and d.name not in ("common", "__pycache__")
+    ]
     unlisted = [s for s in studies if f"`{s}/`" not in text]
     assert not unlisted, f"research/README.md has no section for {unlisted}"
     scripts = _commands(text)
     assert len(scripts) >= 5, scripts
     failed = {}
     for script in scripts:
-        proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+        proc = subprocess.run(
+            [sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+        )
         if proc.returncode != 0:
             failed[script] = proc.stderr[-500:]
     assert not failed, f"research/README.md's commands whose --help fails: {failed}"

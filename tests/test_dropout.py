@@ -26,7 +26,9 @@ def test_training_turns_every_familys_dropout_off(name):
     noisy = forward_logits(model.train(), ids, attn)
     disable_dropout(model)
     got = forward_logits(model.train(), ids, attn)
-    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(noisy, want, atol=1e-5)  # it had dropout to turn off
+    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(
+        noisy, want, atol=1e-5
+    )  # it had dropout to turn off
 
 
 def test_disable_dropout_keeps_what_a_model_computes_in_eval_mode():

@@ -11,8 +11,19 @@ from tinyrun import EVAL, check_ok, launch, run_script
 
 
 def _args(model, out, *extra):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out),
-            "--instruction", "", "--max_new_tokens", "20", *extra]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--instruction",
+        "",
+        "--max_new_tokens",
+        "20",
+        *extra,
+    ]
 
 
 def _read(out):
@@ -81,17 +92,49 @@ def test_train_py_sampled_held_out_accuracy_is_eval_py_avg_at_k(tiny_model, tmp_
     from tinyrun import TINY, run_inprocess
 
     ev = tmp_path / "eval"
-    check_ok(run_script(EVAL, _args(tiny_model, ev, "--limit", "8", "--num_samples", "4", "--temperature", "0.7", "--seed", "3")))
+    check_ok(
+        run_script(
+            EVAL, _args(tiny_model, ev, "--limit", "8", "--num_samples", "4", "--temperature", "0.7", "--seed", "3")
+        )
+    )
     _, want = _read(ev)
     run = tmp_path / "run"
-    summary = run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--eval_dataset",
-                             str(tiny_model / "data.jsonl"), "--eval_size", "8", "--eval_samples", "4", "--eval_temperature", "0.7",
-                             "--seed", "3", "--steps", "2", "--save_every", "0", "--output_dir", str(run), *TINY, "--eval_every", "1"])
+    summary = run_inprocess(
+        [
+            "--model",
+            str(tiny_model),
+            "--dataset",
+            str(tiny_model / "data.jsonl"),
+            "--eval_dataset",
+            str(tiny_model / "data.jsonl"),
+            "--eval_size",
+            "8",
+            "--eval_samples",
+            "4",
+            "--eval_temperature",
+            "0.7",
+            "--seed",
+            "3",
+            "--steps",
+            "2",
+            "--save_every",
+            "0",
+            "--output_dir",
+            str(run),
+            *TINY,
+            "--eval_every",
+            "1",
+        ]
+    )
     assert summary["accuracy_before"] == pytest.approx(want["accuracy"])
     assert summary["eval_problems_seen_in_training"] == 8  # one file for both: said, and recorded
-    assert summary["pass_before"] == pytest.approx({k: v for k, v in want.items() if k.startswith("pass@")})  # pass@1, 2, 4 too
+    assert summary["pass_before"] == pytest.approx(
+        {k: v for k, v in want.items() if k.startswith("pass@")}
+    )  # pass@1, 2, 4 too
     assert set(summary["pass_after"]) == {"pass@1", "pass@2", "pass@4"}
-    mid = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])  # the evaluation at step 1 logs pass@j beside avg@k
+    mid = json.loads(
+        (run / "metrics.jsonl").read_text().splitlines()[0]
+    )  # the evaluation at step 1 logs pass@j beside avg@k
     assert mid["step"] == 1 and {"eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/pass@4"} <= set(mid)
     assert 0 < want["accuracy"] < 1  # sampled, partly right: the equality compares something
     final = [json.loads(line) for line in (run / "eval_final.jsonl").read_text().splitlines()]

@@ -50,14 +50,18 @@ def test_last_token_probes_of_oar_p_and_oar_g_read_the_position_before_the_first
     ids, attn, reas, ans = batch
     changed = _change_answer_token(ids, ans, 1, 1)  # row 1's second of three answer tokens
     noise = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    for score in (lambda x: perturbation_scores(model, x, attn, reas, ans, probe="last", pad_token_id=0),
-                  lambda x: gradient_scores(model, x, attn, reas, ans, probe="last", noise=noise)):
+    for score in (
+        lambda x: perturbation_scores(model, x, attn, reas, ans, probe="last", pad_token_id=0),
+        lambda x: gradient_scores(model, x, attn, reas, ans, probe="last", noise=noise),
+    ):
         before, after = score(ids), score(changed)
         assert before[1].abs().sum() > 0
         torch.testing.assert_close(after, before)
     # while answer_mean, whose logits predicting the third token see the second, does move
     moved = gradient_scores(model, changed, attn, reas, ans, probe="answer_mean", noise=noise)
-    assert not torch.allclose(moved[1], gradient_scores(model, ids, attn, reas, ans, probe="answer_mean", noise=noise)[1])
+    assert not torch.allclose(
+        moved[1], gradient_scores(model, ids, attn, reas, ans, probe="answer_mean", noise=noise)[1]
+    )
 
 
 @st.composite
@@ -75,14 +79,18 @@ def test_gating_a_batch_equals_gating_each_rollout_alone_in_any_order(data, quan
     scores, mask, order = data
     whole = bilevel_weights(scores[order], mask[order], quantile=quantile, boost=boost)
     for k, i in enumerate(order):  # the quantile level q applies to every rollout: no state between rows
-        torch.testing.assert_close(whole[k], bilevel_weights(scores[i:i + 1], mask[i:i + 1], quantile=quantile, boost=boost)[0])
+        torch.testing.assert_close(
+            whole[k], bilevel_weights(scores[i : i + 1], mask[i : i + 1], quantile=quantile, boost=boost)[0]
+        )
 
 
 @pytest.mark.parametrize("probe", PROBES)
 def test_oar_g_leaves_an_accumulated_grad_exactly_as_it_was(batch, probe):
     model = tiny_llama()
     ids, attn, reas, ans = batch
-    model(input_ids=ids, attention_mask=attn).logits.square().mean().backward()  # a micro-batch's gradient, accumulated
+    model(
+        input_ids=ids, attention_mask=attn
+    ).logits.square().mean().backward()  # a micro-batch's gradient, accumulated
     before = {n: p.grad.clone() for n, p in model.named_parameters()}
     s = gradient_scores(model, ids, attn, reas, ans, probe=probe, generator=torch.Generator().manual_seed(0))
     assert s[reas].abs().sum() > 0
@@ -121,20 +129,38 @@ def _batch_with_a_nan_row():
 
 
 SCORERS = {
-    "oar-p": lambda m, ids, attn, reas, ans, probe: perturbation_scores(m, ids, attn, reas, ans, probe=probe, pad_token_id=0),
-    "oar-p-naive": lambda m, ids, attn, reas, ans, probe: perturbation_scores_naive(m, ids, attn, reas, ans, probe=probe, pad_token_id=0),
+    "oar-p": lambda m, ids, attn, reas, ans, probe: perturbation_scores(
+        m, ids, attn, reas, ans, probe=probe, pad_token_id=0
+    ),
+    "oar-p-naive": lambda m, ids, attn, reas, ans, probe: perturbation_scores_naive(
+        m, ids, attn, reas, ans, probe=probe, pad_token_id=0
+    ),
     "oar-p-window": lambda m, ids, attn, reas, ans, probe: perturbation_scores(
-        m, ids, attn, reas, ans, probe=probe, pad_token_id=0, mode="window", window=2),
+        m, ids, attn, reas, ans, probe=probe, pad_token_id=0, mode="window", window=2
+    ),
     "oar-g": lambda m, ids, attn, reas, ans, probe: gradient_scores(
-        m, ids, attn, reas, ans, probe=probe, noise=torch.randn(*ids.shape, m.config.hidden_size, generator=torch.Generator().manual_seed(0))),
+        m,
+        ids,
+        attn,
+        reas,
+        ans,
+        probe=probe,
+        noise=torch.randn(*ids.shape, m.config.hidden_size, generator=torch.Generator().manual_seed(0)),
+    ),
 }
 
 
 # NaN from the embeddings reaches the cached keys/values, so every path sees it; NaN put into the head's
 # output alone is seen by the paths whose head runs over whole rows (the fast OAR-P paths recompute a
 # row's answer logits from its cache, where a head-only NaN never was).
-CASES = [("oar-p", "embeddings"), ("oar-p-window", "embeddings"), ("oar-p-naive", "embeddings"), ("oar-p-naive", "logits"),
-         ("oar-g", "embeddings"), ("oar-g", "logits")]
+CASES = [
+    ("oar-p", "embeddings"),
+    ("oar-p-window", "embeddings"),
+    ("oar-p-naive", "embeddings"),
+    ("oar-p-naive", "logits"),
+    ("oar-g", "embeddings"),
+    ("oar-g", "logits"),
+]
 
 
 @pytest.mark.parametrize("probe", PROBES)
@@ -159,7 +185,10 @@ def test_one_masked_copy_that_overflows_scores_nan_not_zero():
         if probe == "answer_joint":
             clean, masked = torch.randn(1, generator=g), torch.randn(4, generator=g)
         else:
-            clean, masked = torch.log_softmax(torch.randn(1, 9, generator=g), -1), torch.log_softmax(torch.randn(4, 9, generator=g), -1)
+            clean, masked = (
+                torch.log_softmax(torch.randn(1, 9, generator=g), -1),
+                torch.log_softmax(torch.randn(4, 9, generator=g), -1),
+            )
         masked[2] = float("nan")
         s = divergence(clean.expand_as(masked), masked, probe)
         assert s[2].isnan() and torch.isfinite(s[[0, 1, 3]]).all()

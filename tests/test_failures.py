@@ -14,11 +14,22 @@ from tinyrun import EVAL, TINY, TRAIN, run_inprocess, run_script
 
 
 def _args(model, out, *extra):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out),
-            "--micro_batch_size", "8", *TINY, *extra]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--micro_batch_size",
+        "8",
+        *TINY,
+        *extra,
+    ]
 
 
 # -- bad input is named ---------------------------------------------------------------------------
+
 
 def _assert_named(proc, *needles):
     """One message, non-zero exit, no traceback, nothing expensive started."""
@@ -91,7 +102,9 @@ def test_eval_names_bad_data_and_settings(tiny_model, tmp_path):
     data.write_text("{not json}\n")
     base = ["--model", str(tiny_model), "--output_dir", str(tmp_path / "out")]
     _stops(base + ["--dataset", str(data)], f"{data}:1: invalid JSON", script="eval.py")
-    _stops(base + ["--num_samples", "4"], "--eval_temperature > 0", script="eval.py")  # as_typed renames it in eval.py's __main__
+    _stops(
+        base + ["--num_samples", "4"], "--eval_temperature > 0", script="eval.py"
+    )  # as_typed renames it in eval.py's __main__
     _stops(base + ["--top_p", "0"], "--eval_top_p 0.0", script="eval.py")
     _stops(base + ["--model", str(tmp_path / "nowhere")], "not a model folder", script="eval.py")
 
@@ -172,14 +185,19 @@ def test_impossible_settings_are_named(setting):
 
 
 def test_every_impossible_setting_is_named_at_once(tiny_model, tmp_path):
-    message = _stops(_args(tiny_model, tmp_path / "out", "--group_size", "1", "--gate_quantile", "2", "--noise_std", "-1"),
-                     "--group_size 1", "--gate_quantile 2.0", "--noise_std -1.0")
+    message = _stops(
+        _args(tiny_model, tmp_path / "out", "--group_size", "1", "--gate_quantile", "2", "--noise_std", "-1"),
+        "--group_size 1",
+        "--gate_quantile 2.0",
+        "--noise_std -1.0",
+    )
     assert len(message.splitlines()) == 3  # one line each (G = 1 leaves 2 rollouts: one micro-batch, not an error)
 
 
 def test_an_accelerate_launch_train_py_cannot_train_under_is_named(tiny_model, tmp_path, monkeypatch):
     """fp16 mixed precision (its loss scaling skips overflowing steps, which train.py counts as failed) and DeepSpeed
-    (it replaces the accumulation train.py scales the loss for) are refused before anything loads; bf16 and DDP pass."""
+    (it replaces the accumulation train.py scales the loss for) are refused before anything loads;
+    bf16 and DDP pass."""
     from oar.training.checks import check_launch
 
     assert check_launch("bf16", "MULTI_GPU") == check_launch("no", "FSDP") == []

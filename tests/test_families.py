@@ -1,5 +1,5 @@
 """Every causal-LM family a user plausibly brings: OAR-P, OAR-G, the update forward, the sampler and the
-log-probs against each model's own definition (issue 11).
+log-probs against each model's own definition (docs/model-families.md).
 
 Each family's tiny random model is built in tests/families.py from its transformers config class, and every
 definition runs through the same model, so the attention implementation is the same on both sides. Their
@@ -30,7 +30,11 @@ def oar_g_definition(model, ids, attn, reas, ans, probe, noise, noise_std):
         e = ref.get_input_embeddings()(ids)
         clean = outcome_from_logits(forward_logits(ref, ids, attn), ids, ans, probe)
     noised = (e + noise_std * noise * reas.unsqueeze(-1)).requires_grad_(True)
-    j = divergence(clean, outcome_from_logits(forward_logits(ref, inputs_embeds=noised, attention_mask=attn), ids, ans, probe), probe)
+    j = divergence(
+        clean,
+        outcome_from_logits(forward_logits(ref, inputs_embeds=noised, attention_mask=attn), ids, ans, probe),
+        probe,
+    )
     (grad,) = torch.autograd.grad(j.sum(), noised)
     return (grad * e).sum(-1).abs() * reas
 
@@ -46,22 +50,39 @@ def test_oar_scores_equal_the_definitions_on_everyfamily(name):
     for probe in ("answer_mean", "answer_joint"):
         naive = perturbation_scores_naive(model, ids, attn, reas, ans, probe=probe, pad_token_id=PAD)
         assert naive[reas].abs().max() > 0  # the comparison is not between two zeros
-        tol = dict(rtol=0, atol=1e-4 * naive.abs().max().item())  # as tests/test_oar_scores.py: float rounding of other shapes
-        torch.testing.assert_close(perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=PAD, max_chunk_tokens=60),
-                                   naive, **tol)
+        tol = dict(
+            rtol=0, atol=1e-4 * naive.abs().max().item()
+        )  # as tests/test_oar_scores.py: float rounding of other shapes
+        torch.testing.assert_close(
+            perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=PAD, max_chunk_tokens=60),
+            naive,
+            **tol,
+        )
         clean = outcome_from_logits(logits, ids, ans, probe)
-        torch.testing.assert_close(perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=PAD, clean=clean,
-                                                       clean_kv=kv), naive, **tol)
+        torch.testing.assert_close(
+            perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=PAD, clean=clean, clean_kv=kv),
+            naive,
+            **tol,
+        )
 
-        noise = torch.randn(*ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1))
+        noise = torch.randn(
+            *ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1)
+        )
         ref = oar_g_definition(model, ids, attn, reas, ans, probe, noise, 1e-2)
         assert ref.abs().max() > 0
         # Gradients of a KL near its minimum magnify last-bit differences between shapes (cached prefix,
         # columns cut after the answer): relative 1e-4 of the largest score, as tests/test_oar_scores.py.
         tol = dict(rtol=1e-4, atol=1e-4 * ref.abs().max().item())
-        torch.testing.assert_close(gradient_scores(model, ids, attn, reas, ans, probe=probe, noise=noise, noise_std=1e-2), ref, **tol)
-        torch.testing.assert_close(gradient_scores(model, ids, attn, reas, ans, probe=probe, noise=noise, noise_std=1e-2,
-                                                   clean=clean, clean_kv=kv), ref, **tol)
+        torch.testing.assert_close(
+            gradient_scores(model, ids, attn, reas, ans, probe=probe, noise=noise, noise_std=1e-2), ref, **tol
+        )
+        torch.testing.assert_close(
+            gradient_scores(
+                model, ids, attn, reas, ans, probe=probe, noise=noise, noise_std=1e-2, clean=clean, clean_kv=kv
+            ),
+            ref,
+            **tol,
+        )
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -75,13 +96,31 @@ def test_sampler_and_logprobs_equal_the_model_own_generate(name):
     prompt_ids = torch.full((3, 12), PAD)
     prompt_mask = torch.zeros(3, 12, dtype=torch.long)
     for i, n in enumerate(lengths):
-        prompt_ids[i, 12 - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        prompt_mask[i, 12 - n:] = 1
+        prompt_ids[i, 12 - n :] = torch.randint(3, VOCAB, (n,), generator=g)
+        prompt_mask[i, 12 - n :] = 1
     new = 10
-    ours = generate(model, prompt_ids, prompt_mask, max_new_tokens=new, temperature=0.0, top_p=1.0, eos_token_ids={EOS},
-                    pad_token_id=PAD, seeds=list(range(6)), group_size=2)  # (6, T)
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=False, max_new_tokens=new,
-                         pad_token_id=PAD, eos_token_id=EOS, output_logits=True, return_dict_in_generate=True)
+    ours = generate(
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=new,
+        temperature=0.0,
+        top_p=1.0,
+        eos_token_ids={EOS},
+        pad_token_id=PAD,
+        seeds=list(range(6)),
+        group_size=2,
+    )  # (6, T)
+    out = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        do_sample=False,
+        max_new_tokens=new,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     theirs = out.sequences[:, 12:]  # (3, T), PAD after a row's EOS, as ours
     assert ours.tolist() == theirs.repeat_interleave(2, dim=0).tolist()
     # Log-probs: the sequences generate made, through the update's forward (clean_forward), on the
@@ -91,7 +130,10 @@ def test_sampler_and_logprobs_equal_the_model_own_generate(name):
     seq, mask = torch.cat([prompt_ids, theirs], 1), torch.cat([prompt_mask, valid.long()], 1)
     logits, _ = clean_forward(model, seq, mask, logits_to_keep=theirs.shape[1] + 1)
     ours_lp = token_logprobs(logits[:, :-1], theirs)
-    gen_lp = torch.stack([torch.log_softmax(z.float(), -1).gather(1, theirs[:, t, None]).squeeze(1) for t, z in enumerate(out.logits)], 1)
+    gen_lp = torch.stack(
+        [torch.log_softmax(z.float(), -1).gather(1, theirs[:, t, None]).squeeze(1) for t, z in enumerate(out.logits)],
+        1,
+    )
     # One forward over the sequence vs cached one-token steps: other shapes, float rounding.
     torch.testing.assert_close(ours_lp[valid], gen_lp[valid], rtol=1e-4, atol=1e-5)
 
@@ -109,11 +151,21 @@ def _as_family(trained, out, family: str):
         return out
     llama = tf.AutoModelForCausalLM.from_pretrained(trained)
     c = llama.config
-    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                  num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                  num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
-                  rms_norm_eps=c.rms_norm_eps, rope_parameters=c.rope_parameters, tie_word_embeddings=True,
-                  pad_token_id=c.pad_token_id, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id)
+    common = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=c.rope_parameters,
+        tie_word_embeddings=True,
+        pad_token_id=c.pad_token_id,
+        eos_token_id=c.eos_token_id,
+        bos_token_id=c.bos_token_id,
+    )
     if family == "qwen2":
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
     else:
@@ -140,8 +192,26 @@ def test_one_train_step_per_method_on_other_families(tiny_model, tmp_path_factor
     folder = _as_family(tiny_model, tmp_path_factory.getbasetemp() / f"oar-tiny-{family}", family)
     for method in ("grpo", "oar-g", "oar-p"):
         out = tmp_path_factory.mktemp(f"{family}-{method}")
-        run_inprocess(["--model", str(folder), "--dataset", str(folder / "data.jsonl"), "--output_dir", str(out), "--steps", "1",
-                       "--save_every", "0", "--micro_batch_size", "4", "--score_all", "--method", method, *TINY])
+        run_inprocess(
+            [
+                "--model",
+                str(folder),
+                "--dataset",
+                str(folder / "data.jsonl"),
+                "--output_dir",
+                str(out),
+                "--steps",
+                "1",
+                "--save_every",
+                "0",
+                "--micro_batch_size",
+                "4",
+                "--score_all",
+                "--method",
+                method,
+                *TINY,
+            ]
+        )
         (m,) = metrics(out)
         assert all(v == v for v in m.values()), m  # no NaN anywhere
         # Prompts are >= 21 tokens ("Q: Compute a op b.\nA:\n", one per character): rows exceed the window.
@@ -155,7 +225,9 @@ def test_oar_g_with_gradient_checkpointing_on_a_sliding_windowfamily(name):
     # Training mode with checkpointed layers drops caches: OAR-G then puts whole rows in the graph.
     model = build(name)
     ids, attn, reas, ans = long_batch()
-    noise = torch.randn(*ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(
+        *ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1)
+    )
     ref = oar_g_definition(model, ids, attn, reas, ans, "answer_mean", noise, 1e-2)
     enable_checkpointing(model)  # non-reentrant, as train.py's
     model.train()
@@ -195,7 +267,9 @@ def test_smollm2_byte_level_bpe_and_chat_template_through_sample_and_masks(smoll
     kw = dict(probe="answer_mean", pad_token_id=tok.pad_token_id)
     args = (ro.input_ids, ro.attention_mask, ro.reasoning_mask, ro.answer_mask)
     naive = perturbation_scores_naive(model, *args, **kw)
-    torch.testing.assert_close(perturbation_scores(model, *args, **kw), naive, rtol=0, atol=1e-4 * naive.abs().max().item())
+    torch.testing.assert_close(
+        perturbation_scores(model, *args, **kw), naive, rtol=0, atol=1e-4 * naive.abs().max().item()
+    )
 
 
 @pytest.mark.slow
@@ -205,9 +279,28 @@ def test_a_bfloat16_model_trains_with_oar(tiny_model, tmp_path, method):
     # are float32 (grpo.token_logprobs); the step must score rollouts and stay finite.
     from tinyrun import TINY, metrics, run_inprocess
 
-    run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "run"),
-                   "--steps", "1", "--save_every", "0", "--micro_batch_size", "4", "--score_all", "--method", method,
-                   "--dtype", "bfloat16", *TINY])
+    run_inprocess(
+        [
+            "--model",
+            str(tiny_model),
+            "--dataset",
+            str(tiny_model / "data.jsonl"),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+            "--save_every",
+            "0",
+            "--micro_batch_size",
+            "4",
+            "--score_all",
+            "--method",
+            method,
+            "--dtype",
+            "bfloat16",
+            *TINY,
+        ]
+    )
     (m,) = metrics(tmp_path / "run")
     assert all(v == v and abs(v) != float("inf") for v in m.values()), m
     assert m["oar/frac_scored"] > 0 and m["oar/frac_boosted"] > 0 and m["oar/frac_nonfinite_scores"] == 0, m

@@ -11,7 +11,10 @@ from scripts.analysis.fidelity import compare, split_boxed  # noqa: E402
 
 
 def test_split_boxed_takes_the_last_box_and_nested_braces():
-    assert split_boxed("So $x=\\boxed{1}$, then $y=\\boxed{\\frac{1}{2}}$.") == ("So $x=\\boxed{1}$, then $y=", "\\frac{1}{2}")
+    assert split_boxed("So $x=\\boxed{1}$, then $y=\\boxed{\\frac{1}{2}}$.") == (
+        "So $x=\\boxed{1}$, then $y=",
+        "\\frac{1}{2}",
+    )
     assert split_boxed("no answer here") is None
     assert split_boxed("open \\boxed{1 + {2}") is None  # never closed
 

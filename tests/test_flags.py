@@ -22,7 +22,9 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
 def _help(script: str) -> str:
-    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, script, "--help"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -30,10 +32,15 @@ def _help(script: str) -> str:
 def test_help_loads_neither_torch_nor_transformers():
     """--help and a bad flag answer before the heavy imports: what makes them take a fraction of a second."""
     for script, args in (("train.py", ["--help"]), ("eval.py", ["--help"]), ("train.py", ["--group_size", "x"])):
-        code = (f"import runpy, sys\nsys.argv = [{script!r}, *{args!r}]\n"
-                f"try:\n    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-                f"print(sorted(m for m in ('torch', 'transformers', 'accelerate', 'numpy', 'matplotlib') if m in sys.modules))")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+        code = (
+            f"import runpy, sys\nsys.argv = [{script!r}, *{args!r}]\n"
+            f"try:\n    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'accelerate', 'numpy', 'matplotlib') "
+            "if m in sys.modules))"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60
+        )
         assert proc.stdout.strip().splitlines()[-1] == "[]", (script, args, proc.stdout, proc.stderr)
 
 
@@ -44,7 +51,9 @@ def test_every_field_has_a_docstring_and_one_group():
     placed = [n for names in GROUPS.values() for n in names]
     assert sorted(placed) == sorted(FIELDS)
     assert {"sampling", "GRPO", "run", "distributed and memory"} <= set(GROUPS) and any("OAR" in g for g in GROUPS)
-    assert len(FIELDS) <= 60  # +3: --rollout_backend and two vLLM settings (docs/vllm.md); 61 before (+2 reward flags, +1 --progress since): study-only knobs became constants (29.5 aims at 45)
+    # +3: --rollout_backend and two vLLM settings (docs/vllm.md); 61 before (+2 reward flags, +1 --progress since):
+    # study-only knobs became constants (the aim is 45)
+    assert len(FIELDS) <= 60
 
 
 def test_the_choices_a_docstring_lists_are_the_code_s():
@@ -54,7 +63,12 @@ def test_the_choices_a_docstring_lists_are_the_code_s():
     from oar.sampler import DECODE_LOOPS
 
     docs = field_docs(Config)
-    for name, choices in (("method", METHODS), ("probe", PROBES), ("decode_loop", DECODE_LOOPS), ("perturb_mode", MODES)):
+    for name, choices in (
+        ("method", METHODS),
+        ("probe", PROBES),
+        ("decode_loop", DECODE_LOOPS),
+        ("perturb_mode", MODES),
+    ):
         for choice in choices:
             assert re.search(rf"(^|[\s:|]){re.escape(choice)}([\s|(,.;]|$)", docs[name]), (name, choice, docs[name])
     assert "built on first use" not in _help("train.py")  # tiny-arith ships (oar/tasks/tiny-arith/)
@@ -75,7 +89,11 @@ def test_help_shows_each_default_of_the_config():
         else:
             m = re.search(rf"--{name} {name.upper()}\b.*?\(default: (.*?)\)", text)
             assert m, name
-            assert m.group(1) == (repr(f.default) if f.default == "" else str(f.default)), (name, m.group(1), f.default)
+            assert m.group(1) == (repr(f.default) if f.default == "" else str(f.default)), (
+                name,
+                m.group(1),
+                f.default,
+            )
 
 
 @pytest.mark.parametrize("name", [n for n, f in FIELDS.items() if f.type in ("bool", bool)])
@@ -89,7 +107,7 @@ def test_boolean_pairs_do_what_they_say(name):
 
 def test_preserve_mass_pair_reads_as_it_acts():
     text = " ".join(_help("train.py").split())
-    entry = text[text.index("--preserve_mass [BOOL]"):text.index("--score_all [BOOL]")]
+    entry = text[text.index("--preserve_mass [BOOL]") : text.index("--score_all [BOOL]")]
     assert "Rescale" in entry and "--no_preserve_mass leaves the gated weights as they are" in entry
     assert parse_args(["--no_preserve_mass"]).credit().preserve_mass is False
 
@@ -134,12 +152,34 @@ def test_every_alias_is_tested_and_documented():
 
 
 def test_eval_py_takes_train_py_s_evaluation_names_and_its_old_ones():
-    old = evaluation.parser().parse(["--limit", "8", "--num_samples", "4", "--temperature", "0.7", "--batch_size", "6", "--top_p", "0.9"])
-    new = evaluation.parser().parse(["--eval_size", "8", "--eval_samples", "4", "--eval_temperature", "0.7",
-                                     "--eval_batch_size", "6", "--eval_top_p", "0.9"])
+    old = evaluation.parser().parse(
+        ["--limit", "8", "--num_samples", "4", "--temperature", "0.7", "--batch_size", "6", "--top_p", "0.9"]
+    )
+    new = evaluation.parser().parse(
+        [
+            "--eval_size",
+            "8",
+            "--eval_samples",
+            "4",
+            "--eval_temperature",
+            "0.7",
+            "--eval_batch_size",
+            "6",
+            "--eval_top_p",
+            "0.9",
+        ]
+    )
     assert old == new
     shared = {f.name for f in dataclasses.fields(evaluation.EvalConfig)} & set(FIELDS)
-    assert {"eval_size", "eval_samples", "eval_temperature", "eval_batch_size", "max_new_tokens", "decode_loop", "model"} <= shared
+    assert {
+        "eval_size",
+        "eval_samples",
+        "eval_temperature",
+        "eval_batch_size",
+        "max_new_tokens",
+        "decode_loop",
+        "model",
+    } <= shared
     for name in shared - {"output_dir", "dataset"}:  # one declaration: the same default and help
         assert evaluation.EvalConfig.__dataclass_fields__[name].default == FIELDS[name].default, name
 
@@ -185,9 +225,16 @@ def test_noise_std_0_is_taken_where_nothing_needs_the_noise():
         check_config(parse_args(argv), num_processes=1)
 
 
-@pytest.mark.parametrize("argv", [["--num_generations", "4", "--group_size", "8"], ["--epsilon", "0.2", "--clip_low", "0.3"],
-                                  ["--beta", "0.04", "--kl_beta", "0"], ["--loss_type", "dapo", "--aggregation", "token_mean"]],
-                         ids=" ".join)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--num_generations", "4", "--group_size", "8"],
+        ["--epsilon", "0.2", "--clip_low", "0.3"],
+        ["--beta", "0.04", "--kl_beta", "0"],
+        ["--loss_type", "dapo", "--aggregation", "token_mean"],
+    ],
+    ids=" ".join,
+)
 def test_a_setting_under_two_of_its_names_is_refused(argv, capsys):
     """TRL's name and ours for one setting: which was meant is a guess (`--epsilon 0.2 --clip_low 0.3` made
     both bounds 0.3, `--num_generations 4 --group_size 8` took 8), so neither is taken."""
@@ -206,8 +253,14 @@ def _one_line(proc, script, named):
 @pytest.mark.parametrize("argv, named", BAD, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
 def test_a_bad_value_stops_with_one_line_that_names_its_flag(argv, named, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "train.py", *argv, "--output_dir", str(out)], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "train.py", *argv, "--output_dir", str(out)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     _one_line(proc, "train.py", named)
     assert not out.exists()
 
@@ -224,25 +277,39 @@ def test_a_bad_value_is_named_as_typed_by_the_checks(argv, named):
 
 def test_eval_py_names_a_bad_value_as_typed(tmp_path):
     out = tmp_path / "out"
-    for argv, named in ((["--num_samples", "4"], "--num_samples 4 / --eval_temperature 0.0"), (["--batch_size", "none"], "--batch_size")):
-        proc = subprocess.run([sys.executable, "eval.py", *argv, "--output_dir", str(out)], cwd=ROOT, env=env(),
-                              capture_output=True, text=True, timeout=120)
+    for argv, named in (
+        (["--num_samples", "4"], "--num_samples 4 / --eval_temperature 0.0"),
+        (["--batch_size", "none"], "--batch_size"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "eval.py", *argv, "--output_dir", str(out)],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         _one_line(proc, "eval.py", named)
     assert not out.exists()
-    for argv, named in ((["--limit", "-1"], "--limit -1"), (["--eval_top_p", "0"], "--eval_top_p 0.0"),
-                        (["--temperature", "-1"], "--temperature -1.0")):
+    for argv, named in (
+        (["--limit", "-1"], "--limit -1"),
+        (["--eval_top_p", "0"], "--eval_top_p 0.0"),
+        (["--temperature", "-1"], "--temperature -1.0"),
+    ):
         lines = evaluation.check(evaluation.parser().parse(argv))
         assert len(lines) == 1 and named in evaluation.parser().as_typed(lines[0], argv), lines
 
 
 # -- one source of settings ----------------------------------------------------------------------
 
+
 def test_credit_settings_are_the_config_s_own():
     cfg = parse_args(["--method", "oar-p", "--gate_quantile", "0.25", "--perturb_window", "16", "--group_size", "4"])
     s = cfg.credit()
     assert type(s) is CreditSettings and isinstance(cfg, CreditSettings)
-    assert {f.name: getattr(s, f.name) for f in dataclasses.fields(CreditSettings)} == \
-           {f.name: getattr(cfg, f.name) for f in dataclasses.fields(CreditSettings)}
+    assert {f.name: getattr(s, f.name) for f in dataclasses.fields(CreditSettings)} == {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(CreditSettings)
+    }
     assert s.gate_floor == Config.gate_floor == REMOVED["gate_floor"]  # constants read as before
 
 
@@ -256,13 +323,22 @@ def test_the_maths_defaults_are_the_config_s():
     from oar.oar_perturb import perturbation_scores
 
     c = Config()
-    pins = {bilevel_weights: dict(quantile=c.gate_quantile, boost=c.gate_boost, floor=c.gate_floor, preserve_mass=c.preserve_mass),
-            gradient_scores: dict(noise_std=c.noise_std, probe=c.probe),
-            perturbation_scores: dict(window=c.perturb_window, auto_length=c.perturb_auto_length,
-                                      max_chunk_tokens=c.perturb_chunk_tokens, span=c.perturb_span, probe=c.probe),
-            top_entropy_mask: dict(top=c.entropy_top),
-            policy_loss: dict(clip_low=c.clip_low, clip_high=c.clip_high, kl_beta=c.kl_beta, aggregation=c.aggregation),
-            group_advantages: dict(scale=c.advantage_scale)}
+    pins = {
+        bilevel_weights: dict(
+            quantile=c.gate_quantile, boost=c.gate_boost, floor=c.gate_floor, preserve_mass=c.preserve_mass
+        ),
+        gradient_scores: dict(noise_std=c.noise_std, probe=c.probe),
+        perturbation_scores: dict(
+            window=c.perturb_window,
+            auto_length=c.perturb_auto_length,
+            max_chunk_tokens=c.perturb_chunk_tokens,
+            span=c.perturb_span,
+            probe=c.probe,
+        ),
+        top_entropy_mask: dict(top=c.entropy_top),
+        policy_loss: dict(clip_low=c.clip_low, clip_high=c.clip_high, kl_beta=c.kl_beta, aggregation=c.aggregation),
+        group_advantages: dict(scale=c.advantage_scale),
+    }
     for fn, want in pins.items():
         got = {k: inspect.signature(fn).parameters[k].default for k in want}
         assert got == want, fn.__name__
@@ -270,7 +346,9 @@ def test_the_maths_defaults_are_the_config_s():
 
 def test_resume_refuses_a_checkpoint_that_ran_a_removed_setting_otherwise():
     cfg = Config()
-    old = {k: v for k, v in dataclasses.asdict(cfg).items()} | REMOVED  # a checkpoint written before they were constants
+    old = {
+        k: v for k, v in dataclasses.asdict(cfg).items()
+    } | REMOVED  # a checkpoint written before they were constants
     check_resume(cfg, {"config": old}, "ckpt")
     check_resume(cfg, {"config": old | {"max_bad_steps": 5, "perturb_chunk_tokens": 4096}}, "ckpt")  # resumable ones
     with pytest.raises(ValueError, match=r"ran with gate_floor 0.2 \(now fixed at 0.1\)"):

@@ -17,13 +17,32 @@ import torch
 
 from tinyrun import TINY, check_ok, final_params, initial_params, launch, max_abs_diff, run_inprocess
 
-RUNS = {"grpo": ["--method", "grpo"], "oar-p/mu2": ["--method", "oar-p", "--num_iterations", "2"], "oar-g/resumed": ["--method", "oar-g"],
-        "entropy-mask": ["--method", "entropy-mask"]}  # its own no-grad forward of the sharded model, and a gather
+RUNS = {
+    "grpo": ["--method", "grpo"],
+    "oar-p/mu2": ["--method", "oar-p", "--num_iterations", "2"],
+    "oar-g/resumed": ["--method", "oar-g"],
+    "entropy-mask": ["--method", "entropy-mask"],
+}  # its own no-grad forward of the sharded model, and a gather
 
 
 def _args(model, out, setting, *extra):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out),
-            "--steps", "2", "--save_every", "1", "--micro_batch_size", "2", *TINY, *RUNS[setting], *extra]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "2",
+        "--save_every",
+        "1",
+        "--micro_batch_size",
+        "2",
+        *TINY,
+        *RUNS[setting],
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -52,7 +71,11 @@ def test_fsdp_two_processes_equal_one(tiny_model, tmp_path, setting):
     # Sharded along dim 0 with padding to a multiple of 2: a hair over half of the unsharded bytes.
     assert 0.5 <= summary["param_optimizer_bytes"] / summary["param_optimizer_bytes_unsharded"] <= 0.52
     alone = json.loads((one / "summary.json").read_text())
-    assert alone["param_optimizer_bytes"] == alone["param_optimizer_bytes_unsharded"] == summary["param_optimizer_bytes_unsharded"]
+    assert (
+        alone["param_optimizer_bytes"]
+        == alone["param_optimizer_bytes_unsharded"]
+        == summary["param_optimizer_bytes_unsharded"]
+    )
 
 
 def test_fsdp_needs_processes(tiny_model, tmp_path):
@@ -85,7 +108,9 @@ def test_gpu_config_is_fsdp2_per_decoder_layer_in_bf16(monkeypatch):
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
     assert isinstance(plugin.auto_wrap_policy, functools.partial)
-    assert {c.__name__ for c in plugin.auto_wrap_policy.keywords["transformer_layer_cls"]} == set(model._no_split_modules)
+    assert {c.__name__ for c in plugin.auto_wrap_policy.keywords["transformer_layer_cls"]} == set(
+        model._no_split_modules
+    )
     assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
 
 
@@ -124,12 +149,16 @@ def test_the_credit_under_fsdp_in_bf16_computes_without_autocast_as_the_update_f
 
     record = tmp_path / "autocast.jsonl"
     script = tmp_path / "recording_train.py"  # train.py run after the prelude, in each launched process
-    script.write_text(RECORD_AUTOCAST.format(path=str(record)) + f"import runpy, sys\nsys.argv[0] = {str(TRAIN)!r}\n"
-                      f"runpy.run_path({str(TRAIN)!r}, run_name='__main__')\n")
+    script.write_text(
+        RECORD_AUTOCAST.format(path=str(record)) + f"import runpy, sys\nsys.argv[0] = {str(TRAIN)!r}\n"
+        f"runpy.run_path({str(TRAIN)!r}, run_name='__main__')\n"
+    )
     for sharded in (["--fsdp"], []):
         record.unlink(missing_ok=True)
-        cmd = launch_command(_args(tiny_model, tmp_path / f"run{len(sharded)}", "oar-g/resumed", "--steps", "1", *sharded),
-                             script=script)
+        cmd = launch_command(
+            _args(tiny_model, tmp_path / f"run{len(sharded)}", "oar-g/resumed", "--steps", "1", *sharded),
+            script=script,
+        )
         cmd[cmd.index("--mixed_precision") + 1] = "bf16"
         check_ok(finish(*spawn(cmd), timeout=180))
         seen = {json.loads(line) for line in record.read_text().splitlines()}

@@ -39,7 +39,9 @@ def test_a_row_with_an_infinite_score_gets_ones():
     """+-inf, like NaN, is a broken score, not a very large one: its row keeps GRPO's weights (a NaN
     reaches every min/max, an inf only some: the check must look at every score)."""
     mask = torch.ones(3, 4, dtype=torch.bool)
-    w = bilevel_weights(torch.tensor([[1.0, float("inf"), 2.0, 0.5], [1.0, float("-inf"), 2.0, 0.5], [1.0, 3.0, 2.0, 0.5]]), mask)
+    w = bilevel_weights(
+        torch.tensor([[1.0, float("inf"), 2.0, 0.5], [1.0, float("-inf"), 2.0, 0.5], [1.0, 3.0, 2.0, 0.5]]), mask
+    )
     assert torch.equal(w[:2], torch.ones(2, 4)) and not torch.equal(w[2], torch.ones(4))
 
 
@@ -75,7 +77,13 @@ def test_weight_stats():
     assert st_["ess_ratio"] == pytest.approx(9 / 10.5)
     # No token to describe (a step where OAR scored no rollout): GRPO's weights, not zeros
     none = weight_stats(w, torch.zeros_like(m))
-    assert none == {"weight_mean": 1.0, "weight_max": 1.0, "frac_boosted": 0.0, "frac_suppressed": 0.0, "ess_ratio": 1.0}
+    assert none == {
+        "weight_mean": 1.0,
+        "weight_max": 1.0,
+        "frac_boosted": 0.0,
+        "frac_suppressed": 0.0,
+        "ess_ratio": 1.0,
+    }
 
 
 # ---------------------------------------------------------------- properties
@@ -87,9 +95,13 @@ def scored_rows(draw, min_len=1, max_len=24, signed=False):
     return torch.tensor([scores]), torch.tensor([mask])
 
 
-gate_params = st.fixed_dictionaries({
-    "quantile": st.floats(0.01, 0.99), "boost": st.floats(0, 8), "floor": st.floats(0, 1),
-})
+gate_params = st.fixed_dictionaries(
+    {
+        "quantile": st.floats(0.01, 0.99),
+        "boost": st.floats(0, 8),
+        "floor": st.floats(0, 1),
+    }
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -155,7 +167,9 @@ def test_token_advantages_keep_the_sign_and_mass_of_grpo(row, params, size, sign
     token_adv = adv * w
     assert (torch.sign(token_adv) == math.copysign(1, adv)).all()
     # Completion = every position here: total mass A_i * T_i.
-    torch.testing.assert_close(token_adv.sum(), torch.tensor(adv * s.shape[1], dtype=torch.float32), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        token_adv.sum(), torch.tensor(adv * s.shape[1], dtype=torch.float32), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_rows_are_independent():

@@ -24,10 +24,14 @@ def test_group_advantages_batch_and_none_scales():
     r = torch.tensor([1.0, 0.0, 1.0, 1.0])
     # Centred per group: [0.5, -0.5] and the tied [0, 0]. Batch std of [1, 0, 1, 1]:
     # mean 0.75, squares 3 * 0.0625 + 0.5625 = 0.75, / 3 = 0.25 -> std 0.5.
-    torch.testing.assert_close(group_advantages(r, 2, scale="batch"), torch.tensor([0.5 / 0.5001, -0.5 / 0.5001, 0, 0]))
+    torch.testing.assert_close(
+        group_advantages(r, 2, scale="batch"), torch.tensor([0.5 / 0.5001, -0.5 / 0.5001, 0, 0])
+    )
     torch.testing.assert_close(group_advantages(r, 2, scale="none"), torch.tensor([0.5, -0.5, 0, 0]))
     # one process's half of a step: the batch std is the whole step's (train.py gathers it), not the half's 0.707
-    torch.testing.assert_close(group_advantages(r[:2], 2, scale="batch", batch_rewards=r), torch.tensor([0.5 / 0.5001, -0.5 / 0.5001]))
+    torch.testing.assert_close(
+        group_advantages(r[:2], 2, scale="batch", batch_rewards=r), torch.tensor([0.5 / 0.5001, -0.5 / 0.5001])
+    )
     with pytest.raises(ValueError, match="scale"):
         group_advantages(r, 2, scale="rank")
 
@@ -65,8 +69,12 @@ def test_a_tied_group_of_any_reward_has_advantage_exactly_zero(value, g):
 def test_the_loss_statistics_ignore_padding():
     """ratio_mean, approx_kl, clip_frac and kl_ref are over the valid tokens: what padding holds moves none."""
     old, adv, mask = torch.tensor([[-0.5, -0.5, 0.0]]), torch.ones(1, 3), torch.tensor([[True, True, False]])
-    stats = [policy_loss(torch.tensor([[0.0, 0.0, pad]]), old, adv, mask, kl_beta=0.1, ref_logprobs=torch.tensor([[0.0, -1.0, pad]]))[1]
-             for pad in (5.0, -5.0)]
+    stats = [
+        policy_loss(
+            torch.tensor([[0.0, 0.0, pad]]), old, adv, mask, kl_beta=0.1, ref_logprobs=torch.tensor([[0.0, -1.0, pad]])
+        )[1]
+        for pad in (5.0, -5.0)
+    ]
     assert stats[0] == stats[1]
     assert math.isclose(stats[0]["ratio_mean"], math.exp(0.5), rel_tol=1e-6) and stats[0]["clip_frac"] == 1.0
     assert math.isclose(stats[0]["approx_kl"], math.exp(-0.5) + 0.5 - 1, rel_tol=1e-5)
@@ -103,8 +111,13 @@ def test_clipping_on_each_side_by_hand():
 
 def test_asymmetric_clip_high():
     # clip_high = 0.28 (DAPO): ratio 1.5, A = 1 -> min(1.5, 1.28) = 1.28 -> loss -1.28.
-    loss, _ = policy_loss(torch.tensor([[math.log(1.5)]]), torch.zeros(1, 1), torch.ones(1, 1),
-                          torch.ones(1, 1, dtype=torch.bool), clip_high=0.28)
+    loss, _ = policy_loss(
+        torch.tensor([[math.log(1.5)]]),
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        torch.ones(1, 1, dtype=torch.bool),
+        clip_high=0.28,
+    )
     torch.testing.assert_close(loss, torch.tensor(-1.28))
 
 
@@ -124,8 +137,14 @@ def test_aggregations_by_hand():
 def test_k3_kl_by_hand():
     # pi = 1 (logp 0), ref = 0.5: x = log 0.5; k3 = 0.5 - log 0.5 - 1 = 0.193147; A = 0, beta = 0.1.
     k3 = 0.5 - math.log(0.5) - 1
-    loss, stats = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
-                              kl_beta=0.1, ref_logprobs=torch.full((1, 2), math.log(0.5)))
+    loss, stats = policy_loss(
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.ones(1, 2, dtype=torch.bool),
+        kl_beta=0.1,
+        ref_logprobs=torch.full((1, 2), math.log(0.5)),
+    )
     torch.testing.assert_close(loss, torch.tensor(0.1 * k3))
     assert stats["kl_ref"] == pytest.approx(k3, rel=1e-5)
 
@@ -170,7 +189,9 @@ def test_padding_never_changes_the_loss(seed, aggregation, extra_cols, extra_row
     base, _ = policy_loss(lp, old, a, mask, aggregation=aggregation)
     # Garbage in padded columns and in all-padding rows must not matter.
     g = torch.Generator().manual_seed(seed + 1)
-    pad = lambda x, fill: torch.cat([torch.cat([x, fill(x.shape[0], extra_cols)], 1), fill(extra_rows, x.shape[1] + extra_cols)], 0)
+    pad = lambda x, fill: torch.cat(
+        [torch.cat([x, fill(x.shape[0], extra_cols)], 1), fill(extra_rows, x.shape[1] + extra_cols)], 0
+    )
     junk = lambda r, c: 100 * torch.randn(r, c, generator=g)
     padded_mask = pad(mask, lambda r, c: torch.zeros(r, c, dtype=torch.bool))
     loss, _ = policy_loss(pad(lp, junk), pad(old, junk), pad(a, junk), padded_mask, aggregation=aggregation)
@@ -184,8 +205,10 @@ def test_global_normalizer_makes_micro_batches_sum_to_the_full_loss(seed, aggreg
     a = adv[:, None].expand_as(lp)
     full, _ = policy_loss(lp, old, a, mask, aggregation=aggregation)
     norm = {"num_sequences": mask.any(1).sum()} if aggregation == "seq_mean" else {"num_tokens": mask.sum()}
-    parts = [policy_loss(*(x.chunk(n_micro)[i] for x in (lp, old, a, mask)), aggregation=aggregation, **norm)[0]
-             for i in range(len(lp.chunk(n_micro)))]
+    parts = [
+        policy_loss(*(x.chunk(n_micro)[i] for x in (lp, old, a, mask)), aggregation=aggregation, **norm)[0]
+        for i in range(len(lp.chunk(n_micro)))
+    ]
     torch.testing.assert_close(sum(parts), full)
 
 

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+
 def _byte_level_tokenizer(corpus: str = "3 + 4 = 7 so the answer is 7 #### 7 ≥ π 日本語 😀 é", normalizer=None):
     """A small byte-level BPE tokenizer (the kind Qwen and Llama 3 use) trained on `corpus`: a character of several
     UTF-8 bytes can be split over tokens, and a lone token then decodes to U+FFFD."""
@@ -17,8 +18,9 @@ def _byte_level_tokenizer(corpus: str = "3 + 4 = 7 so the answer is 7 #### 7 ≥
     core.decoder = decoders.ByteLevel()
     if normalizer is not None:
         core.normalizer = normalizer
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     core.train_from_iterator([corpus] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
@@ -74,13 +76,13 @@ def test_build_rollout_on_broken_utf8_finds_the_answer():
     # Reasoning is the junk before the marker, every token of it: a byte token that only starts a
     # character spans no character of the text (its successor completes it) and counts as holding it.
     _, offsets = char_offsets(tok, junk + answer)
-    assert any(e == s for s, e in offsets[:len(junk)])  # the case under test
-    assert ro.reasoning_mask[0, lp:lp + len(junk)].all()
-    assert not ro.reasoning_mask[0, lp + len(junk):].any() and not ro.truncated.any()
+    assert any(e == s for s, e in offsets[: len(junk)])  # the case under test
+    assert ro.reasoning_mask[0, lp : lp + len(junk)].all()
+    assert not ro.reasoning_mask[0, lp + len(junk) :].any() and not ro.truncated.any()
 
 
 def test_an_answer_that_starts_inside_a_split_character_starts_at_its_first_byte_token():
-    """"#### √3" with √'s three bytes in three tokens: the answer's first token is the first of them, so
+    """ "#### √3" with √'s three bytes in three tokens: the answer's first token is the first of them, so
     the `last` probe reads the logits that choose it, not the ones that finish a character."""
     from oar.rollout import build_rollout, char_offsets
 
@@ -91,15 +93,17 @@ def test_an_answer_that_starts_inside_a_split_character_starts_at_its_first_byte
     first = next(t for t, (s, e) in enumerate(offsets) if s <= root < max(e, s + 1))
     assert offsets[first][0] == offsets[first][1]  # √ is split: its first token alone decodes to nothing
     prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
-    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
+    ro = build_rollout(
+        tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id}
+    )
     lp = ro.prompt_width
     answer = ro.answer_mask[0, lp:].nonzero().flatten().tolist()
     assert answer[0] == first and tok.decode([ids[t] for t in answer]) == "√3"
-    assert ro.reasoning_mask[0, lp:lp + first - 2].all() and not ro.reasoning_mask[0, lp + first:].any()
+    assert ro.reasoning_mask[0, lp : lp + first - 2].all() and not ro.reasoning_mask[0, lp + first :].any()
 
 
 def test_a_token_holding_a_space_and_the_first_bytes_of_the_answer_is_in_the_answer():
-    """"... the answer is 日本" where one token holds the space and 日's first two bytes ("ĠæĹ") and decodes to
+    """ "... the answer is 日本" where one token holds the space and 日's first two bytes ("ĠæĹ") and decodes to
     nothing alone: it is the answer's first token (the choice of 日 is made there), as are the tokens after it
     that complete the characters; no reasoning token ends inside the answer."""
     from oar.rollout import build_rollout, char_offsets
@@ -107,12 +111,16 @@ def test_a_token_holding_a_space_and_the_first_bytes_of_the_answer_is_in_the_ans
     tok = _byte_level_tokenizer()
     ids = tok("3 + 4 = 7 so the answer is 日本", add_special_tokens=False)["input_ids"]
     first = tok.convert_ids_to_tokens(ids).index("ĠæĹ")
-    assert char_offsets(tok, ids)[1][first][0] == char_offsets(tok, ids)[1][first][1]  # the case under test: empty alone
+    assert (
+        char_offsets(tok, ids)[1][first][0] == char_offsets(tok, ids)[1][first][1]
+    )  # the case under test: empty alone
     prompt = torch.tensor([tok("Q", add_special_tokens=False)["input_ids"]])
-    ro = build_rollout(tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id})
+    ro = build_rollout(
+        tok, prompt, torch.ones_like(prompt), torch.tensor([ids + [tok.eos_token_id]]), {tok.eos_token_id}
+    )
     lp = ro.prompt_width
     assert ro.answer_mask[0, lp:].nonzero().flatten().tolist() == list(range(first, len(ids)))
-    assert tok.decode(ids[first:]) == " 日本" and not ro.reasoning_mask[0, lp + first:].any()
+    assert tok.decode(ids[first:]) == " 日本" and not ro.reasoning_mask[0, lp + first :].any()
 
 
 def test_build_rollout_on_a_huge_completion_is_fast():
@@ -136,7 +144,11 @@ def test_reward_of_a_megabyte_of_unicode_noise():
     g = torch.Generator().manual_seed(0)
     alphabet = list("0123456789{}\\$#. ") + ["\ud800", "\udfff", "\x00", "日", "😀", "\u202e", "\ufffd"]
     noise = "".join(alphabet[i] for i in torch.randint(len(alphabet), (1_000_000,), generator=g).tolist())
-    for completion, gold, want in [(noise, "5", None), (noise + " #### 5", "5", 1.0), (noise + "\\boxed{6}", "5", 0.0)]:
+    for completion, gold, want in [
+        (noise, "5", None),
+        (noise + " #### 5", "5", 1.0),
+        (noise + "\\boxed{6}", "5", 0.0),
+    ]:
         start = time.perf_counter()
         got = reward(completion, gold)
         assert time.perf_counter() - start < 2.0
@@ -178,7 +190,7 @@ def test_the_reference_conclusion_is_tokenized_as_the_model_writes_it():
     ids, attention, _, answer = with_reference_answer(ro, tok, ["-3", "yes"], "#### {answer}")
     for row, gold in enumerate(["-3", "yes"]):
         kept = ids[row][attention[row].bool()].tolist()
-        assert kept[-len(_ids(tok, f"#### {gold}")):] == _ids(tok, f"#### {gold}")
+        assert kept[-len(_ids(tok, f"#### {gold}")) :] == _ids(tok, f"#### {gold}")
         assert tok.decode(ids[row][answer[row]]) == f" {gold}"
 
 
@@ -195,6 +207,6 @@ def test_a_reference_conclusion_the_tokenizer_does_not_reproduce_is_tokenized_in
     ids, attention, _, answer = with_reference_answer(ro, tok, ["ABC", "abc"], "#### {answer}")
     pieces = _ids(tok, "#### ") + _ids(tok, "ABC")
     kept = ids[0][attention[0].bool()].tolist()
-    assert kept[-len(pieces):] == pieces
+    assert kept[-len(pieces) :] == pieces
     assert ids[0][answer[0]].tolist() == _ids(tok, "ABC") and tok.decode(ids[0][answer[0]]) == "abc"
     assert tok.decode(ids[1][answer[1]]).strip() == "abc"  # decoded back: tokenized whole

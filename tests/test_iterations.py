@@ -9,12 +9,39 @@ import math
 
 import pytest
 
-from tinyrun import ROUNDING, TINY, assert_same_metrics, check_ok, final_params, initial_params, launch, max_abs_diff, metrics, run_inprocess
+from tinyrun import (
+    ROUNDING,
+    TINY,
+    assert_same_metrics,
+    check_ok,
+    final_params,
+    initial_params,
+    launch,
+    max_abs_diff,
+    metrics,
+    run_inprocess,
+)
 
 
 def _args(model, out, *extra):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out),
-            "--steps", "2", "--save_every", "0", "--micro_batch_size", "8", *TINY, "--method", "oar-p", *extra]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "2",
+        "--save_every",
+        "0",
+        "--micro_batch_size",
+        "8",
+        *TINY,
+        "--method",
+        "oar-p",
+        *extra,
+    ]
 
 
 def _assert_same(got, want, keys=None):
@@ -23,7 +50,12 @@ def _assert_same(got, want, keys=None):
     for g, w in zip(metrics(got), metrics(want), strict=True):
         assert g.keys() == w.keys()
         for key in keys or w:  # step 1 starts from the same parameters; later steps differ by float rounding
-            assert math.isclose(g[key], w[key], rel_tol=1e-4, abs_tol=ROUNDING.get(key, 1e-6)), (g["step"], key, g[key], w[key])
+            assert math.isclose(g[key], w[key], rel_tol=1e-4, abs_tol=ROUNDING.get(key, 1e-6)), (
+                g["step"],
+                key,
+                g[key],
+                w[key],
+            )
 
 
 def test_one_iteration_is_todays_run(tiny_model, tmp_path):
@@ -68,7 +100,9 @@ def test_two_iterations_resume_between_batches(tiny_model, tmp_path):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     run_inprocess(_args(tiny_model, straight, "--num_iterations", "2", "--save_every", "1"))
     run_inprocess(_args(tiny_model, broken, "--num_iterations", "2", "--save_every", "1", "--steps", "1"))
-    run_inprocess(_args(tiny_model, broken, "--num_iterations", "2", "--save_every", "1", "--resume", "--micro_batch_size", "2"))
+    run_inprocess(
+        _args(tiny_model, broken, "--num_iterations", "2", "--save_every", "1", "--resume", "--micro_batch_size", "2")
+    )
     _assert_same(broken, straight)
 
 

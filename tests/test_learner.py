@@ -27,7 +27,9 @@ def _learner(tiny_model, tmp_path, **settings):
 
 
 @pytest.mark.parametrize("lora_r, precision", [(0, "no"), (4, "no"), (0, "bf16"), (4, "bf16")])
-def test_the_reference_stays_the_initial_model_when_the_policy_moves(tiny_model, tmp_path, monkeypatch, lora_r, precision):
+def test_the_reference_stays_the_initial_model_when_the_policy_moves(
+    tiny_model, tmp_path, monkeypatch, lora_r, precision
+):
     """Under --mixed_precision bf16 too: the reference computes in the policy's precision, so at the start
     it is the policy to the bit (the frozen copy in float32 beside an autocast policy was not)."""
     from oar.grpo import token_logprobs
@@ -44,8 +46,9 @@ def test_the_reference_stays_the_initial_model_when_the_policy_moves(tiny_model,
 
     def policy_logprobs():
         with torch.no_grad():
-            return token_logprobs(forward_logits(learner.policy, ids, attn, logits_to_keep=labels.shape[1] + 1)[:, :-1],
-                                  labels)
+            return token_logprobs(
+                forward_logits(learner.policy, ids, attn, logits_to_keep=labels.shape[1] + 1)[:, :-1], labels
+            )
 
     before = learner.reference_logprobs(ids, attn, labels, 1.0)
     assert before.shape == labels.shape
@@ -72,7 +75,9 @@ def test_under_accelerates_fsdp_plugin_the_reference_is_sharded_as_the_policy(ti
 
     sharded = []
     monkeypatch.setattr(sharding, "accelerate_shards", lambda accelerator: True)
-    monkeypatch.setattr(sharding, "shard", lambda model, mixed_precision=None: sharded.append((model, mixed_precision)))
+    monkeypatch.setattr(
+        sharding, "shard", lambda model, mixed_precision=None: sharded.append((model, mixed_precision))
+    )
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     learner, _ = _learner(tiny_model, tmp_path)
     assert [(m is learner.reference, p) for m, p in sharded] == [(True, torch.bfloat16)]  # the policy: prepare's

@@ -30,14 +30,48 @@ from oar.oar_perturb import perturbation_scores
 from oar.training import lora
 from oar.lm import forward_logits
 from oar.training.models import enable_checkpointing
-from tinyrun import ROUNDING, TINY, assert_same_metrics, check_ok, final_params, initial_params, launch, max_abs_diff, metrics, run_inprocess
+from tinyrun import (
+    ROUNDING,
+    TINY,
+    assert_same_metrics,
+    check_ok,
+    final_params,
+    initial_params,
+    launch,
+    max_abs_diff,
+    metrics,
+    run_inprocess,
+)
 
 LORA = ["--lora_r", "4", "--lora_alpha", "8"]
 
 
 def _args(model, out, *extra):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out), "--steps", "2",
-            "--save_every", "1", "--micro_batch_size", "2", *TINY, "--method", "oar-g", "--noise_std", "0.1", "--kl_beta", "0.1", *LORA, *extra]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "2",
+        "--save_every",
+        "1",
+        "--micro_batch_size",
+        "2",
+        *TINY,
+        "--method",
+        "oar-g",
+        "--noise_std",
+        "0.1",
+        "--kl_beta",
+        "0.1",
+        *LORA,
+        *extra,
+    ]
+
+
 # OAR-G at --noise_std 0.1, not 1e-3: its scores magnify float rounding ~1/noise_std-fold, and on an AMD EPYC
 # a resumed or 2-process step 2 then moved grad_norm by 5.6e-5 and 1.6e-4 relative (tests/test_distributed.py).
 
@@ -92,16 +126,24 @@ def test_a_lora_run_trains_the_adapters_only_and_leaves_a_plain_merged_model(tin
     # final/: plain names; the initial weights with s B A added to the adapted ones (the base did not move).
     final = final_params(one_process)
     assert not [k for k in final if "lora_" in k or "base_layer" in k]
-    peft_names = {k.replace(".weight", ".base_layer.weight") if k.replace(".weight", ".lora_A.default.weight") in adapters else k: v
-                  for k, v in initial.items()}
+    peft_names = {
+        k.replace(".weight", ".base_layer.weight")
+        if k.replace(".weight", ".lora_A.default.weight") in adapters
+        else k: v
+        for k, v in initial.items()
+    }
     want = lora.merged_state_dict({**peft_names, **adapters}, scaling=8 / 4)
     assert max_abs_diff(final, want) == 0
-    assert {k for k in final if not torch.equal(final[k], initial[k])} == {k.replace(".base_layer", "") for k in peft_names if ".base_layer" in k}
+    assert {k for k in final if not torch.equal(final[k], initial[k])} == {
+        k.replace(".base_layer", "") for k in peft_names if ".base_layer" in k
+    }
 
     # It loads as a plain model and computes what the PEFT model computes.
     ids, attn, *_ = padded_batch(vocab_size=20)
     plain = AutoModelForCausalLM.from_pretrained(one_process / "final").eval()
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), one_process / "final" / "adapter").eval()
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model), one_process / "final" / "adapter"
+    ).eval()
     with torch.no_grad():
         want, got = forward_logits(adapted, ids, attn), forward_logits(plain, ids, attn)
         base_logits = forward_logits(AutoModelForCausalLM.from_pretrained(tiny_model).eval(), ids, attn)
@@ -117,8 +159,16 @@ def test_eval_loads_the_merged_final(one_process, tiny_model, tmp_path):
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    summary = eval_script.main(eval_script.EvalConfig(model=str(one_process / "final"), dataset=str(tiny_model / "data.jsonl"),
-                                                      output_dir=str(tmp_path / "eval"), instruction="", max_new_tokens=20, eval_size=8))
+    summary = eval_script.main(
+        eval_script.EvalConfig(
+            model=str(one_process / "final"),
+            dataset=str(tiny_model / "data.jsonl"),
+            output_dir=str(tmp_path / "eval"),
+            instruction="",
+            max_new_tokens=20,
+            eval_size=8,
+        )
+    )
     assert summary["problems"] == 8 and summary["accuracy"] > 0
 
 
@@ -135,8 +185,10 @@ def test_oar_scores_through_lora_equal_the_merged_models(probe):
     policy = lora.inner(peft_model)
     enable_checkpointing(policy)
     policy.train()
-    for score in (lambda m: gradient_scores(m, ids, attn, reas, ans, probe=probe, noise=noise, noise_std=1e-2),
-                  lambda m: perturbation_scores(m, ids, attn, reas, ans, probe=probe, pad_token_id=0)):
+    for score in (
+        lambda m: gradient_scores(m, ids, attn, reas, ans, probe=probe, noise=noise, noise_std=1e-2),
+        lambda m: perturbation_scores(m, ids, attn, reas, ans, probe=probe, pad_token_id=0),
+    ):
         want = score(plain)
         assert want.abs().max() > 0
         torch.testing.assert_close(score(policy), want, rtol=1e-4, atol=1e-6)  # merged weights round differently
@@ -156,7 +208,9 @@ def test_the_kl_reference_is_the_base_model():
     torch.testing.assert_close(got, want)
     assert (adapted - want).abs().max() > 1e-3  # the adapters change the policy...
     torch.testing.assert_close(after, adapted)  # ...and are back on after the block, still trainable
-    assert {n for n, p in peft_model.named_parameters() if p.requires_grad} == {n for n, _ in peft_model.named_parameters() if ".lora_" in n}
+    assert {n for n, p in peft_model.named_parameters() if p.requires_grad} == {
+        n for n, _ in peft_model.named_parameters() if ".lora_" in n
+    }
 
 
 def test_resume_is_exact_also_with_checkpointing_switched_on(tiny_model, one_process, tmp_path):
@@ -169,7 +223,12 @@ def test_resume_is_exact_also_with_checkpointing_switched_on(tiny_model, one_pro
     for got, want in zip(metrics(out), metrics(one_process), strict=True):
         assert got.keys() == want.keys()
         for key in want:
-            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=ROUNDING.get(key, 1e-6)), (got["step"], key, got[key], want[key])
+            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=ROUNDING.get(key, 1e-6)), (
+                got["step"],
+                key,
+                got[key],
+                want[key],
+            )
     assert max_abs_diff(final_params(out), final_params(one_process)) <= 1e-6
 
 
@@ -185,7 +244,7 @@ def test_two_processes_equal_one_also_resumed(tiny_model, one_process, tmp_path,
 
         saved = FileSystemReader(str(out / "checkpoint-1" / "sharded")).read_metadata().state_dict_metadata
         # torch's DCP keeps the second name of a tied frozen parameter (lm_head = embed_tokens): one matrix
-        held = [k[len("model."):] for k in saved if k.startswith("model.") and k != "model.lm_head.weight"]
+        held = [k[len("model.") :] for k in saved if k.startswith("model.") and k != "model.lm_head.weight"]
     else:
         from safetensors import safe_open
 
@@ -201,14 +260,20 @@ def test_two_processes_equal_one_also_resumed(tiny_model, one_process, tmp_path,
     assert adapter["r"] == 4 and adapter["lora_alpha"] == 8 and adapter["lora_dropout"] == 0
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--lora_target_modules", "q_proj,qkv_proj"], "--lora_target_modules q_proj,qkv_proj: qkv_proj: no such module in LlamaForCausalLM"),
-    (["--lora_target_modules", "embed_tokens"], "embed_tokens: not a linear layer"),
-    (["--lora_target_modules", "lm_head"], "lm_head: the output head shares its weight with the input embeddings"),
-    (["--lora_r", "-4"], "--lora_r -4: the LoRA rank must be > 0"),
-    (["--lora_r", "4", "--lora_alpha", "0"], "--lora_alpha 0.0: must be > 0"),
-    (["--lora_r", "0"], "--lora_alpha 8.0 without --lora_r"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--lora_target_modules", "q_proj,qkv_proj"],
+            "--lora_target_modules q_proj,qkv_proj: qkv_proj: no such module in LlamaForCausalLM",
+        ),
+        (["--lora_target_modules", "embed_tokens"], "embed_tokens: not a linear layer"),
+        (["--lora_target_modules", "lm_head"], "lm_head: the output head shares its weight with the input embeddings"),
+        (["--lora_r", "-4"], "--lora_r -4: the LoRA rank must be > 0"),
+        (["--lora_r", "4", "--lora_alpha", "0"], "--lora_alpha 0.0: must be > 0"),
+        (["--lora_r", "0"], "--lora_alpha 8.0 without --lora_r"),
+    ],
+)
 def test_impossible_lora_settings_stop_before_anything_loads(tiny_model, tmp_path, flags, message, monkeypatch):
     from tinyrun import train_module
 
@@ -225,8 +290,14 @@ def test_resume_refuses_changed_lora_settings(tiny_model, one_process, monkeypat
 
     monkeypatch.setattr(train_module(), "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as stop:
-        run_inprocess(_args(tiny_model, one_process, "--resume", "--steps", "3", "--lora_r", "8", "--lora_target_modules", "q_proj"))
+        run_inprocess(
+            _args(
+                tiny_model, one_process, "--resume", "--steps", "3", "--lora_r", "8", "--lora_target_modules", "q_proj"
+            )
+        )
     assert "--lora_r 8 (the checkpoint has 4)" in str(stop.value)
     assert "--lora_target_modules q_proj (the checkpoint has all-linear)" in str(stop.value)
     with pytest.raises(SystemExit, match="--lora_r 0 \\(the checkpoint has 4\\)"):  # nor may it drop LoRA
-        run_inprocess(_args(tiny_model, one_process, "--resume", "--steps", "3", "--lora_r", "0", "--lora_alpha", "32"))
+        run_inprocess(
+            _args(tiny_model, one_process, "--resume", "--steps", "3", "--lora_r", "0", "--lora_alpha", "32")
+        )

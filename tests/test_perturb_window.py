@@ -1,15 +1,15 @@
 """Window OAR-P (oar/oar_perturb_window.py) against the definition it approximates.
 
-  * exact once the window reaches the answer: equal to `perturbation_scores_naive` on tiny random
-    Llama (eager attention) and Qwen2 (sdpa) models, every probe, ragged left-padded rows, any chunk;
-  * exact for a one-layer model whatever the window: a layer's keys/values depend on one token each,
-    so the only path from the masked token to the answer is the answer positions' own attention;
-  * a short window on a deeper model is an approximation: it differs from exact, and the difference
-    shrinks to zero as the window grows (monotone in the last step: W = answer distance is exact);
-  * the clean keys/values of the update's forward give the same scores as a clean pass of its own;
-  * property (hypothesis): a copy whose window reaches the answer is exact, whatever the row;
-  * perturbation_scores(mode="auto"), the entry point: exact below the switch length, window above
-    it; a sliding window shorter than the row is refused by the window mode and sends auto to exact.
+* exact once the window reaches the answer: equal to `perturbation_scores_naive` on tiny random
+  Llama (eager attention) and Qwen2 (sdpa) models, every probe, ragged left-padded rows, any chunk;
+* exact for a one-layer model whatever the window: a layer's keys/values depend on one token each,
+  so the only path from the masked token to the answer is the answer positions' own attention;
+* a short window on a deeper model is an approximation: it differs from exact, and the difference
+  shrinks to zero as the window grows (monotone in the last step: W = answer distance is exact);
+* the clean keys/values of the update's forward give the same scores as a clean pass of its own;
+* property (hypothesis): a copy whose window reaches the answer is exact, whatever the row;
+* perturbation_scores(mode="auto"), the entry point: exact below the switch length, window above
+  it; a sliding window shorter than the row is refused by the window mode and sends auto to exact.
 """
 
 import pytest
@@ -29,8 +29,18 @@ def tiny_qwen2(layers: int = 2, seed: int = 0, **extra):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, attn_implementation="sdpa", **extra)
+    config = Qwen2Config(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+        **extra,
+    )
     return Qwen2ForCausalLM(config).float().eval()
 
 
@@ -45,8 +55,9 @@ def test_window_reaching_the_answer_equals_naive(family, probe, chunk):
     model = tiny_llama(seed=3) if family == "llama" else tiny_qwen2(seed=3)
     ids, attn, reas, ans = ragged_batch()
     naive = perturbation_scores_naive(model, ids, attn, reas, ans, probe=probe, pad_token_id=0, chunk_size=5)
-    win = window_perturbation_scores(model, ids, attn, reas, ans, window=ids.shape[1], probe=probe, pad_token_id=0,
-                                     max_chunk_tokens=chunk)
+    win = window_perturbation_scores(
+        model, ids, attn, reas, ans, window=ids.shape[1], probe=probe, pad_token_id=0, max_chunk_tokens=chunk
+    )
     assert naive[reas].abs().max() > 0
     torch.testing.assert_close(win, naive, **_tol(naive))
     assert (win[~reas] == 0).all() and (win[4] == 0).all()  # row 4 has no answer
@@ -65,8 +76,10 @@ def test_short_window_is_approximate_and_converges():
     model = tiny_llama(layers=3, seed=7)
     ids, attn, reas, ans = ragged_batch(seed=4)
     naive = perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0)
-    err = [(window_perturbation_scores(model, ids, attn, reas, ans, window=w, pad_token_id=0) - naive).abs().max().item()
-           for w in (0, 4, 12)]
+    err = [
+        (window_perturbation_scores(model, ids, attn, reas, ans, window=w, pad_token_id=0) - naive).abs().max().item()
+        for w in (0, 4, 12)
+    ]
     assert err[0] > 1e-3 * naive.abs().max()  # a real approximation at W = 0 (three layers carry influence)
     # 12 >= every reasoning-to-answer distance here: exact up to float32 rounding, which for KLs of ~4e-3
     # computed from logits of ~1 is a few 1e-7 absolute (4.2e-7 measured on an AMD EPYC, above 1e-4 relative)
@@ -80,7 +93,9 @@ def test_update_forward_keys_values_give_the_same_scores():
     own = window_perturbation_scores(model, ids, attn, reas, ans, window=3, pad_token_id=0)
     logits, kv = clean_forward(model, ids, attn, keep_cache=True)
     clean = outcome_from_logits(logits, ids, ans, "answer_mean")
-    reused = window_perturbation_scores(model, ids, attn, reas, ans, window=3, pad_token_id=0, clean=clean, clean_kv=kv)
+    reused = window_perturbation_scores(
+        model, ids, attn, reas, ans, window=3, pad_token_id=0, clean=clean, clean_kv=kv
+    )
     torch.testing.assert_close(reused, own, **_tol(own))
 
 
@@ -92,7 +107,9 @@ def test_auto_uses_exact_below_the_switch_and_window_above(capsys):
     # maths §6: window where a_end - min R >= the switch length. Spans of ragged_batch(4), by its layouts:
     span = [11, 7, 6, 13, None, 9]  # (row 4 has no answer: exact)
     for switch in (11, 12):  # row 0 exactly at the switch, then just below it
-        auto = perturbation_scores(model, ids, attn, reas, ans, mode="auto", window=0, auto_length=switch, pad_token_id=0)
+        auto = perturbation_scores(
+            model, ids, attn, reas, ans, mode="auto", window=0, auto_length=switch, pad_token_id=0
+        )
         for b in range(ids.shape[0]):
             use_window = span[b] is not None and span[b] >= switch
             torch.testing.assert_close(auto[b], win[b] if use_window else naive[b], **_tol(naive))
@@ -126,14 +143,38 @@ def test_training_runs_the_window_mode_and_names_bad_settings(tiny_model, tmp_pa
 
     seen = []
     real = oar_perturb.window_perturbation_scores
-    monkeypatch.setattr(oar_perturb, "window_perturbation_scores", lambda *a, **k: seen.append(k["window"]) or real(*a, **k))
+    monkeypatch.setattr(
+        oar_perturb, "window_perturbation_scores", lambda *a, **k: seen.append(k["window"]) or real(*a, **k)
+    )
     out = tmp_path / "run"
-    run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out), "--micro_batch_size", "8", *TINY,
-                   "--method", "oar-p", "--steps", "1", "--score_all", "--perturb_mode", "window", "--perturb_window", "3"])
+    run_inprocess(
+        [
+            "--model",
+            str(tiny_model),
+            "--dataset",
+            str(tiny_model / "data.jsonl"),
+            "--output_dir",
+            str(out),
+            "--micro_batch_size",
+            "8",
+            *TINY,
+            "--method",
+            "oar-p",
+            "--steps",
+            "1",
+            "--score_all",
+            "--perturb_mode",
+            "window",
+            "--perturb_window",
+            "3",
+        ]
+    )
     assert seen and set(seen) == {3}
     assert metrics(out)[0]["oar/frac_nonfinite_scores"] == 0
-    for setting, words in ((["--perturb_mode", "fast"], "--perturb_mode fast: choose one of exact, window, auto"),
-                           (["--perturb_window", "-1"], "--perturb_window -1: must be >= 0")):
+    for setting, words in (
+        (["--perturb_mode", "fast"], "--perturb_mode fast: choose one of exact, window, auto"),
+        (["--perturb_window", "-1"], "--perturb_window -1: must be >= 0"),
+    ):
         with pytest.raises(ValueError, match=words):
             check_config(parse_args(["--micro_batch_size", "8", *TINY, *setting]), 1)
 
@@ -142,7 +183,14 @@ _MODEL = {}
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.integers(0, 3), st.integers(1, 9), st.integers(1, 3), st.integers(0, 2), st.integers(0, 6), st.integers(0, 10_000))
+@given(
+    st.integers(0, 3),
+    st.integers(1, 9),
+    st.integers(1, 3),
+    st.integers(0, 2),
+    st.integers(0, 6),
+    st.integers(0, 10_000),
+)
 def test_copies_whose_window_reaches_the_answer_are_exact(pad, reasoning, answer, marker, window, seed):
     """Property: a masked token j with j + W >= a0 - 2 (its window covers every position up to the
     answer) gets exact OAR-P's score whatever the rest of the row, and every score is finite and >= 0
@@ -161,7 +209,9 @@ def test_copies_whose_window_reaches_the_answer_are_exact(pad, reasoning, answer
     naive = perturbation_scores_naive(model, ids, attn, reas, ans, pad_token_id=0)
     win = window_perturbation_scores(model, ids, attn, reas, ans, window=window, pad_token_id=0)
     covered = reas & (torch.arange(n)[None] + window >= a0 - 2)
-    torch.testing.assert_close(win[covered], naive[covered], rtol=0, atol=1e-4 * naive.abs().max().item() + 2e-6)  # + float32 cancellation in a KL near 0
+    torch.testing.assert_close(
+        win[covered], naive[covered], rtol=0, atol=1e-4 * naive.abs().max().item() + 2e-6
+    )  # + float32 cancellation in a KL near 0
     assert torch.isfinite(win).all() and (win >= -1e-6).all()
 
 
@@ -172,9 +222,18 @@ def test_a_rows_mode_on_a_sliding_window_model_does_not_depend_on_its_batch_mate
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=128, sliding_window=40, pad_token_id=0,
-                        attn_implementation="eager")
+    cfg = MistralConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        sliding_window=40,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
     model = MistralForCausalLM(cfg).float().eval()
     g = torch.Generator().manual_seed(1)
 
@@ -182,9 +241,9 @@ def test_a_rows_mode_on_a_sliding_window_model_does_not_depend_on_its_batch_mate
         ids = torch.randint(3, 40, (width,), generator=g)
         n = 3 + n_reas + 2
         att = (torch.arange(width) <= n).long()
-        ids[n], ids[n + 1:] = 2, 0
+        ids[n], ids[n + 1 :] = 2, 0
         reas, ans = torch.zeros(width, dtype=torch.bool), torch.zeros(width, dtype=torch.bool)
-        reas[3:3 + n_reas], ans[3 + n_reas:n] = True, True
+        reas[3 : 3 + n_reas], ans[3 + n_reas : n] = True, True
         return ids, att, reas, ans
 
     short, long = row(20, 27), row(50, 60)

@@ -9,15 +9,23 @@ import pytest
 from oar.answers import find_answer
 from research.real_smollm2.plant_gsm8k import Skip, fmt, parse, plant, render, try_plant, uses
 
-JANET = ("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
-         "She makes 9 * 2 = $<<9*2=18>>18 every day at the farmer’s market.\n#### 18")
-JANET_PROBLEM = ("Janet’s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
-                 "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck egg.")
-JOSH = ("The cost of the house and repairs came out to 80,000+50,000=$<<80000+50000=130000>>130,000\n"
-        "He increased the value of the house by 80,000*1.5=<<80000*1.5=120000>>120,000\n"
-        "So the new value of the house is 120,000+80,000=$<<120000+80000=200000>>200,000\n"
-        "So he made a profit of 200,000-130,000=$<<200000-130000=70000>>70,000\n#### 70000")
-JOSH_PROBLEM = "He buys a house for $80,000 and then puts in $50,000 in repairs. This increased the value of the house by 150%."
+JANET = (
+    "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
+    "She makes 9 * 2 = $<<9*2=18>>18 every day at the farmer’s market.\n#### 18"
+)
+JANET_PROBLEM = (
+    "Janet’s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+    "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck egg."
+)
+JOSH = (
+    "The cost of the house and repairs came out to 80,000+50,000=$<<80000+50000=130000>>130,000\n"
+    "He increased the value of the house by 80,000*1.5=<<80000*1.5=120000>>120,000\n"
+    "So the new value of the house is 120,000+80,000=$<<120000+80000=200000>>200,000\n"
+    "So he made a profit of 200,000-130,000=$<<200000-130000=70000>>70,000\n#### 70000"
+)
+JOSH_PROBLEM = (
+    "He buys a house for $80,000 and then puts in $50,000 in repairs. This increased the value of the house by 150%."
+)
 
 
 def test_parse_reads_the_steps_and_their_dependencies():
@@ -32,7 +40,11 @@ def test_plant_carries_the_slip_to_the_answer():
     pl = try_plant(p, JANET_PROBLEM, 0, 1)  # 16-3-4 "=" 10: then 10*2 = 20, the answer 20
     assert pl.new_values == {0: 10, 1: 20}
     text, spans = render(p, pl, pl)
-    assert text == "Janet sells 16 - 3 - 4 = 10 duck eggs a day.\nShe makes 10 * 2 = $20 every day at the farmer’s market.\n#### 20"
+    assert text == (
+        "Janet sells 16 - 3 - 4 = 10 duck eggs a day.\n"
+        "She makes 10 * 2 = $20 every day at the farmer’s market.\n"
+        "#### 20"
+    )
     assert [text[a:b] for a, b in spans["planted"]] == ["10"]
     assert sorted(spans["carried"]) == spans["carried"]
     assert [text[a:b] for a, b in spans["carried"]] == ["10"]  # `10 * 2`
@@ -46,7 +58,9 @@ def test_plant_carries_the_slip_to_the_answer():
 
 def test_plant_keeps_the_number_style_and_recomputes_downstream():
     p = parse(JOSH)
-    pl = try_plant(p, JOSH_PROBLEM, 0, 10)  # cost 130,010: profit 200,000 - 130,010 = 69,990; step 1 and 2 do not use it
+    pl = try_plant(
+        p, JOSH_PROBLEM, 0, 10
+    )  # cost 130,010: profit 200,000 - 130,010 = 69,990; step 1 and 2 do not use it
     assert pl.new_values == {0: 130010, 3: 69990}
     text, spans = render(p, pl, pl)
     assert text.splitlines()[0] == "The cost of the house and repairs came out to 80,000+50,000=$130,010"
@@ -63,12 +77,15 @@ def test_ambiguous_chains_are_skipped():
     assert e.value.reason == "ambiguous"
 
 
-@pytest.mark.parametrize("solution, reason", [
-    ("Half is 10/3=<<10/3=3.33>>3.33\nso 3.33*3=<<3.33*3=10>>10\n#### 10", "inexact"),  # rounded annotations
-    ("He has 2+2=<<2+2=4>>4\n#### 4", "one_step"),
-    ("He has 2+2=<<2+2=4>>4\nthen 4*3=<<4*3=12>>12\n#### 13", "last_not_answer"),
-    ("He has 2+2=<<2+2=4>>four\nthen 4*3=<<4*3=12>>12\n#### 12", "not_shown"),
-])
+@pytest.mark.parametrize(
+    "solution, reason",
+    [
+        ("Half is 10/3=<<10/3=3.33>>3.33\nso 3.33*3=<<3.33*3=10>>10\n#### 10", "inexact"),  # rounded annotations
+        ("He has 2+2=<<2+2=4>>4\n#### 4", "one_step"),
+        ("He has 2+2=<<2+2=4>>4\nthen 4*3=<<4*3=12>>12\n#### 13", "last_not_answer"),
+        ("He has 2+2=<<2+2=4>>four\nthen 4*3=<<4*3=12>>12\n#### 12", "not_shown"),
+    ],
+)
 def test_untraceable_solutions_say_why(solution, reason):
     with pytest.raises(Skip) as e:
         parse(solution)
@@ -95,7 +112,11 @@ def test_plants_are_deterministic_from_the_seed():
 
 def test_fmt_follows_the_old_style():
     assert fmt(Fraction(130010), "130,000") == "130,010"
-    assert fmt(Fraction(5, 2), "") == "2.5" and fmt(Fraction(3), "7.50") == "3.00" and fmt(Fraction(1200), "1000") == "1200"
+    assert (
+        fmt(Fraction(5, 2), "") == "2.5"
+        and fmt(Fraction(3), "7.50") == "3.00"
+        and fmt(Fraction(1200), "1000") == "1200"
+    )
 
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"

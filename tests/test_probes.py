@@ -28,9 +28,13 @@ def test_answer_joint_is_the_mean_log_probability_of_the_answer_tokens():
 def test_answer_mean_and_last_read_the_distributions_they_name():
     z = torch.randn(1, 3, 5, generator=torch.Generator().manual_seed(1))
     valid = torch.tensor([[True, True, False]])
-    torch.testing.assert_close(outcome(z, torch.zeros(1, 3, dtype=torch.long), valid, "answer_mean"),
-                               torch.log_softmax((z[:, 0] + z[:, 1]) / 2, -1))
-    torch.testing.assert_close(outcome(z, torch.zeros(1, 3, dtype=torch.long), valid, "last"), torch.log_softmax(z[:, 0], -1))
+    torch.testing.assert_close(
+        outcome(z, torch.zeros(1, 3, dtype=torch.long), valid, "answer_mean"),
+        torch.log_softmax((z[:, 0] + z[:, 1]) / 2, -1),
+    )
+    torch.testing.assert_close(
+        outcome(z, torch.zeros(1, 3, dtype=torch.long), valid, "last"), torch.log_softmax(z[:, 0], -1)
+    )
 
 
 def test_oar_g_noise_is_each_rollouts_own_stream_at_seed_plus_the_offset():

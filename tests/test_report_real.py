@@ -31,8 +31,14 @@ def test_paired_differences_and_their_standard_errors_by_hand(tmp_path):
     d = s["oar-g"]["paired_vs_grpo"]["24"]
     assert d["n"] == 3 and d["mean_points"] == pytest.approx(5.0) and d["se_points"] == pytest.approx(5 / math.sqrt(3))
     assert s["oar-g"]["paired_vs_grpo"]["0"]["mean_points"] == pytest.approx(0.0)
-    assert s["oar-p"]["seeds"] == [0] and s["oar-p"]["paired_vs_grpo"]["24"] == {"mean_points": pytest.approx(-5.0), "se_points": None, "n": 1}
-    assert s["grpo"]["accuracy"]["24"]["mean"] == pytest.approx(0.5) and s["grpo"]["cpu_minutes_per_run"] == pytest.approx(10.0)
+    assert s["oar-p"]["seeds"] == [0] and s["oar-p"]["paired_vs_grpo"]["24"] == {
+        "mean_points": pytest.approx(-5.0),
+        "se_points": None,
+        "n": 1,
+    }
+    assert s["grpo"]["accuracy"]["24"]["mean"] == pytest.approx(0.5) and s["grpo"][
+        "cpu_minutes_per_run"
+    ] == pytest.approx(10.0)
     page = (out / "README.md").read_text()
     assert page.startswith("head\n") and page.endswith("tail\n") and "old" not in page and "+5.0 ± 2.9 (n = 3)" in page
     assert "| 30.0% | +0.0 ± 0.0 (n = 3) |" in page and "| 20.0% | -10.0 (n = 1) |" in page  # step 12, secondary

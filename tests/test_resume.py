@@ -14,7 +14,17 @@ from pathlib import Path
 import pytest
 
 from oar.training import checkpoint as ckpt
-from tinyrun import ROUNDING, TINY, TRAIN, final_params, initial_params, max_abs_diff, metrics, run_inprocess, run_script
+from tinyrun import (
+    ROUNDING,
+    TINY,
+    TRAIN,
+    final_params,
+    initial_params,
+    max_abs_diff,
+    metrics,
+    run_inprocess,
+    run_script,
+)
 
 KILL_DURING_SAVE = """
 import os, signal, oar.training.checkpoint as c
@@ -40,9 +50,28 @@ r.RunLog.step = _dying_step
 
 
 def _args(model: Path, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out),
-            "--steps", "6", "--save_every", "1", "--keep_checkpoints", "2", "--micro_batch_size", "4",
-            "--method", "oar-g", *TINY, "--warmup_steps", "4", *extra]  # resumes land inside the LR warm-up
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "6",
+        "--save_every",
+        "1",
+        "--keep_checkpoints",
+        "2",
+        "--micro_batch_size",
+        "4",
+        "--method",
+        "oar-g",
+        *TINY,
+        "--warmup_steps",
+        "4",
+        *extra,
+    ]  # resumes land inside the LR warm-up
 
 
 def _names(run: Path) -> list[str]:
@@ -54,7 +83,12 @@ def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
     for g, w in zip(got, want):
         assert g.keys() == w.keys(), g["step"]
         for key in w:
-            assert math.isclose(g[key], w[key], rel_tol=1e-5, abs_tol=ROUNDING.get(key, 1e-6)), (g["step"], key, g[key], w[key])
+            assert math.isclose(g[key], w[key], rel_tol=1e-5, abs_tol=ROUNDING.get(key, 1e-6)), (
+                g["step"],
+                key,
+                g[key],
+                w[key],
+            )
 
 
 @pytest.mark.slow
@@ -126,8 +160,21 @@ def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_tru
     data = tmp_path / "data.jsonl"
     data.write_text((tiny_model / "data.jsonl").read_text())
     out = tmp_path / "run"
-    args = ["--model", str(tiny_model), "--dataset", str(data), "--eval_dataset", str(data), "--eval_size", "6",
-            "--output_dir", str(out), "--save_every", "1", *TINY]
+    args = [
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(data),
+        "--eval_dataset",
+        str(data),
+        "--eval_size",
+        "6",
+        "--output_dir",
+        str(out),
+        "--save_every",
+        "1",
+        *TINY,
+    ]
     first = run_inprocess(args + ["--steps", "2"])
     assert first["accuracy_before"] is not None
     with pytest.raises(SystemExit, match="at step 2, past --steps 1"):
@@ -141,7 +188,9 @@ def test_a_resume_refuses_what_would_not_continue_the_run_and_reports_only_a_tru
     other = run_inprocess(args + ["--steps", "4", "--resume", "--eval_size", "5"])
     assert other["accuracy_before"] is None and other["pass_before"] is None and other["eval_problems"] == 5
     assert json.loads((out / "final" / TRAINED_INSTRUCTION).read_text()) == {"instruction": ""}
-    assert resolve_instruction("auto", str(data), str(out / "final")) == ""  # not the \boxed{} request of a plain folder
+    assert (
+        resolve_instruction("auto", str(data), str(out / "final")) == ""
+    )  # not the \boxed{} request of a plain folder
     lines = data.read_text().splitlines()
     data.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same problems, in another order
     with pytest.raises(SystemExit, match="other problems than --dataset"):
@@ -164,8 +213,16 @@ def test_a_run_killed_after_its_last_checkpoint_logs_its_last_line_on_resume(tin
     loses no step). Killed there, the resume has nothing left to train: it evaluates, and logs the last line
     from the checkpoint's record with that evaluation, once, as the uninterrupted run did."""
     straight, broken = tmp_path / "straight", tmp_path / "broken"
-    args = lambda out: _args(tiny_model, out, "--steps", "2", "--eval_dataset", str(tiny_model / "data.jsonl"),  # noqa: E731
-                             "--eval_size", "6")
+    args = lambda out: _args(
+        tiny_model,
+        out,
+        "--steps",
+        "2",
+        "--eval_dataset",
+        str(tiny_model / "data.jsonl"),  # noqa: E731
+        "--eval_size",
+        "6",
+    )
     want = run_inprocess(args(straight))
     assert [m["step"] for m in metrics(straight)] == [1, 2] and "eval/accuracy" in metrics(straight)[1]
     died = run_script(TRAIN, args(broken), prelude=KILL_AFTER_THE_FINAL_EVALUATION)
@@ -195,8 +252,16 @@ def test_a_resume_that_moves_the_last_step_logs_every_line_as_a_run_of_its_new_l
     (in the checkpoint's record, never logged) is logged before the run goes on. Lowered to a checkpoint of a
     longer run: that step's line, logged during the run, gains the final evaluation. Either way the lines
     are those of an uninterrupted run of the new length."""
-    args = lambda out, steps: _args(tiny_model, out, "--steps", str(steps), "--eval_dataset",  # noqa: E731
-                                    str(tiny_model / "data.jsonl"), "--eval_size", "6")
+    args = lambda out, steps: _args(
+        tiny_model,
+        out,
+        "--steps",
+        str(steps),
+        "--eval_dataset",  # noqa: E731
+        str(tiny_model / "data.jsonl"),
+        "--eval_size",
+        "6",
+    )
     straight3, longer = tmp_path / "straight3", tmp_path / "longer"
     run_inprocess(args(straight3, 3))
     died = run_script(TRAIN, args(longer, 2), prelude=KILL_AFTER_THE_FINAL_EVALUATION)
@@ -216,6 +281,7 @@ def test_a_resume_that_moves_the_last_step_logs_every_line_as_a_run_of_its_new_l
 
     sent = EventAccumulator(str(shorter / "oar")).Reload().Scalars("eval/accuracy")  # the trackers are sent it too
     assert [(e.step, e.value) for e in sent] == [(2, pytest.approx(got["accuracy_after"]))]
+
 
 def test_a_resume_under_another_mixed_precision_is_refused(tiny_model, tmp_path, monkeypatch):
     """accelerate's mixed precision is the launch's, not a flag: a checkpoint records it, and a resume launched
@@ -237,8 +303,21 @@ def test_a_resume_whose_credit_module_file_changed_says_so(tiny_model, tmp_path,
     module = tmp_path / "mine.py"
     shutil.copy(Path(__file__).parent / "credit_plugin.py", module)
     out = tmp_path / "run"
-    args = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--credit_module", str(module),
-            "--method", "equal-mass", "--output_dir", str(out), "--save_every", "1", *TINY]
+    args = [
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(tiny_model / "data.jsonl"),
+        "--credit_module",
+        str(module),
+        "--method",
+        "equal-mass",
+        "--output_dir",
+        str(out),
+        "--save_every",
+        "1",
+        *TINY,
+    ]
     run_inprocess(args + ["--steps", "1"])
     capsys.readouterr()
     run_inprocess(args + ["--steps", "2", "--resume"])
@@ -253,8 +332,15 @@ def test_a_run_extended_by_a_resume_keeps_its_last_evaluation(tiny_model, tmp_pa
     a resume with a larger --steps keeps it (it was only in the summary the resume rewrites), and the run
     then continues as one that evaluated there without stopping: the same lines, the same weights."""
     straight, extended = tmp_path / "straight", tmp_path / "extended"
-    args = lambda out: [*_args(tiny_model, out, "--eval_dataset", str(tiny_model / "data.jsonl"), "--eval_size", "6"),  # noqa: E731
-                        "--eval_every", "1", "--eval_samples", "3", "--eval_temperature", "0.9"]  # after TINY's 0: on every
+    args = lambda out: [
+        *_args(tiny_model, out, "--eval_dataset", str(tiny_model / "data.jsonl"), "--eval_size", "6"),  # noqa: E731
+        "--eval_every",
+        "1",
+        "--eval_samples",
+        "3",
+        "--eval_temperature",
+        "0.9",
+    ]  # after TINY's 0: on every
     # step, avg@3 (k/18: not a float32 number, so a line rounded otherwise than the summary shows)
     summary = run_inprocess(args(straight) + ["--steps", "2"])
     run_inprocess(args(extended) + ["--steps", "1"])
@@ -264,7 +350,9 @@ def test_a_run_extended_by_a_resume_keeps_its_last_evaluation(tiny_model, tmp_pa
     _assert_same_metrics(metrics(extended), metrics(straight))
     assert max_abs_diff(final_params(extended), final_params(straight)) <= 1e-6
     assert summary["accuracy_after"] == metrics(straight)[-1]["eval/accuracy"]  # the same evaluation, at one precision
-    assert metrics(extended)[0]["eval/accuracy"] == metrics(straight)[0]["eval/accuracy"]  # the final one of a shorter run too
+    assert (
+        metrics(extended)[0]["eval/accuracy"] == metrics(straight)[0]["eval/accuracy"]
+    )  # the final one of a shorter run too
 
 
 def test_a_resume_from_other_model_files_is_refused(tiny_model, tmp_path):
@@ -285,7 +373,9 @@ def test_a_resume_from_other_model_files_is_refused(tiny_model, tmp_path):
     name = next(iter(tensors))
     save_file({**tensors, name: tensors[name] * 1.5}, str(weights), metadata={"format": "pt"})
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    with pytest.raises(SystemExit, match=rf"started from other --model files than those there now \({weights.name}: edited"):
+    with pytest.raises(
+        SystemExit, match=rf"started from other --model files than those there now \({weights.name}: edited"
+    ):
         run_inprocess(args(2) + ["--resume"])
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
     save_file({**tensors, name: tensors[name]}, str(weights), metadata={"format": "pt"})  # restored: it resumes

@@ -123,8 +123,35 @@ def test_deadline_fires_inside_its_block_or_not_at_all():
 
 # Fragments that make markers, braces and answers likely in generated text.
 FRAGMENTS = st.sampled_from(
-    [r"\boxed{", r"\fbox{", r"\boxed ", "{", "}", r"\{", r"\}", "####", "The answer is ", "the final answer is",
-     "$", ".", " ", "\n", "1", "23", ",", "-", "/", r"\frac", "^", "!", "x", r"\text{", "\\", "\ud800", "\x00"]
+    [
+        r"\boxed{",
+        r"\fbox{",
+        r"\boxed ",
+        "{",
+        "}",
+        r"\{",
+        r"\}",
+        "####",
+        "The answer is ",
+        "the final answer is",
+        "$",
+        ".",
+        " ",
+        "\n",
+        "1",
+        "23",
+        ",",
+        "-",
+        "/",
+        r"\frac",
+        "^",
+        "!",
+        "x",
+        r"\text{",
+        "\\",
+        "\ud800",
+        "\x00",
+    ]
 )
 PIECES = st.lists(st.one_of(FRAGMENTS, st.text(max_size=3)), max_size=40).map("".join)
 TEXTS = st.one_of(st.text(max_size=200), PIECES)
@@ -159,8 +186,13 @@ def recording(seconds):
 r._deadline = recording
 print(r.answers_match('\\\\sqrt{50}', '5\\\\sqrt{2}'), entered)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.stdout.split() == ["True", "[True]"], out.stdout + out.stderr[-2000:]
 
 

@@ -19,18 +19,37 @@ PROBLEMS = ["Compute 3 + 4."] * len(TEXTS)
 
 
 def _args(model, out, *extra):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out), "--steps", "2",
-            "--save_every", "0", "--method", "grpo", *TINY, *extra]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "2",
+        "--save_every",
+        "0",
+        "--method",
+        "grpo",
+        *TINY,
+        *extra,
+    ]
 
 
 def test_the_weighted_sum_by_hand():
     totals, parts = score(reward_terms("correct,format:0.1,length:-0.01"), TEXTS, GOLDS, PROBLEMS)
-    assert parts == {"correct": [1.0, 0.0, 0.0, 0.0, 1.0], "format": [1.0, 1.0, 0.0, 0.0, 1.0],
-                     "length": [16.0, 16.0, 16.0, 11.0, 16.0]}
+    assert parts == {
+        "correct": [1.0, 0.0, 0.0, 0.0, 1.0],
+        "format": [1.0, 1.0, 0.0, 0.0, 1.0],
+        "length": [16.0, 16.0, 16.0, 11.0, 16.0],
+    }
     # r = correct + 0.1 format - 0.01 length: 1 + 0.1 - 0.16 = 0.94; 0 + 0.1 - 0.16 = -0.06; -0.16; -0.11; 0.94
     assert totals == pytest.approx([0.94, -0.06, -0.16, -0.11, 0.94])
     # correct + 0.1 format is `reward`'s own format bonus, to the bit
-    assert score(reward_terms("correct,format:0.1"), TEXTS, GOLDS, PROBLEMS)[0] == [reward(t, g, format_bonus=0.1) for t, g in zip(TEXTS, GOLDS)]
+    assert score(reward_terms("correct,format:0.1"), TEXTS, GOLDS, PROBLEMS)[0] == [
+        reward(t, g, format_bonus=0.1) for t, g in zip(TEXTS, GOLDS)
+    ]
     assert [format_reward(t) for t in TEXTS] == [1.0, 1.0, 0.0, 0.0, 1.0] and length_reward("abc") == 3.0
 
 
@@ -42,13 +61,20 @@ def test_the_default_is_the_papers_reward_to_the_bit():
     assert all(type(t) is float for t in totals)
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ("right", "unknown reward 'right'; choose from correct, format, length (or name a module that defines it with --reward_module)"),
-    ("correct,correct:2", "'correct' is named twice"),
-    ("correct:x", "the weight of 'correct' must be a finite number, as in correct:0.5, got 'x'"),
-    ("correct:nan", "must be a finite number"),
-    ("correct,", "an empty term"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        (
+            "right",
+            "unknown reward 'right'; choose from correct, format, length "
+            "(or name a module that defines it with --reward_module)",
+        ),
+        ("correct,correct:2", "'correct' is named twice"),
+        ("correct:x", "the weight of 'correct' must be a finite number, as in correct:0.5, got 'x'"),
+        ("correct:nan", "must be a finite number"),
+        ("correct,", "an empty term"),
+    ],
+)
 def test_a_bad_spec_names_itself(spec, needle):
     with pytest.raises(RewardError) as err:
         reward_terms(spec)
@@ -57,17 +83,35 @@ def test_a_bad_spec_names_itself(spec, needle):
 
 BROKEN = {  # module text (None: no such file) -> what the message must say besides the module's path
     "missing": (None, "no such file"),
-    "unimportable": ("import no_such_package_anywhere\n", "could not import it (ModuleNotFoundError: No module named 'no_such_package_anywhere')"),
+    "unimportable": (
+        "import no_such_package_anywhere\n",
+        "could not import it (ModuleNotFoundError: No module named 'no_such_package_anywhere')",
+    ),
     "no table": ("def mine(c, g, p):\n    return 1.0\n", "defines no REWARD_FUNCTIONS"),
     "a list": ("REWARD_FUNCTIONS = [lambda c, g, p: 1.0]\n", "defines no REWARD_FUNCTIONS, a non-empty dict"),
-    "clash": ("REWARD_FUNCTIONS = {'correct': lambda c, g, p: 1.0}\n", "reward 'correct' clashes with the built-in reward"),
-    "reserved": ("REWARD_FUNCTIONS = {'mean': lambda c, g, p: 1.0}\n", "reward 'mean' clashes with the metric reward/mean"),
+    "clash": (
+        "REWARD_FUNCTIONS = {'correct': lambda c, g, p: 1.0}\n",
+        "reward 'correct' clashes with the built-in reward",
+    ),
+    "reserved": (
+        "REWARD_FUNCTIONS = {'mean': lambda c, g, p: 1.0}\n",
+        "reward 'mean' clashes with the metric reward/mean",
+    ),
     "bad name": ("REWARD_FUNCTIONS = {'a:b': lambda c, g, p: 1.0}\n", "reward name 'a:b' must be letters, digits"),
     "not a function": ("REWARD_FUNCTIONS = {'mine': 1.0}\n", "reward 'mine' is 1.0, not a function"),
-    "bad signature": ("REWARD_FUNCTIONS = {'mine': lambda completion: 1.0}\n", "reward 'mine'(completion) must take (completion, gold, problem)"),
+    "bad signature": (
+        "REWARD_FUNCTIONS = {'mine': lambda completion: 1.0}\n",
+        "reward 'mine'(completion) must take (completion, gold, problem)",
+    ),
     "raises": ("REWARD_FUNCTIONS = {'mine': lambda c, g, p: 1 / 0}\n", "reward 'mine' raised on the example"),
-    "nan": ("REWARD_FUNCTIONS = {'mine': lambda c, g, p: float('nan')}\n", "reward 'mine' returned nan on the example"),
-    "a string": ("REWARD_FUNCTIONS = {'mine': lambda c, g, p: '1'}\n", "reward 'mine' returned str '1' on the example"),
+    "nan": (
+        "REWARD_FUNCTIONS = {'mine': lambda c, g, p: float('nan')}\n",
+        "reward 'mine' returned nan on the example",
+    ),
+    "a string": (
+        "REWARD_FUNCTIONS = {'mine': lambda c, g, p: '1'}\n",
+        "reward 'mine' returned str '1' on the example",
+    ),
 }
 
 
@@ -92,13 +136,17 @@ def test_a_module_that_cannot_serve_stops_the_run_before_the_model_loads(tiny_mo
 def test_a_reward_of_ones_own_trains_and_is_logged_per_name(tiny_model, tmp_path):
     """docs/rewards.md's command on the tiny model: correct + 0.5 closeness, each term logged, the total as before."""
     out = tmp_path / "run"
-    summary = run_inprocess(_args(tiny_model, out, "--reward_module", str(EXAMPLE_MODULE), "--reward", "correct,closeness:0.5"))
+    summary = run_inprocess(
+        _args(tiny_model, out, "--reward_module", str(EXAMPLE_MODULE), "--reward", "correct,closeness:0.5")
+    )
     assert summary["skipped_steps"] == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for row in rows:  # the mean of a weighted sum is the weighted sum of the means
         assert row["reward/mean"] == pytest.approx(row["reward/correct"] + 0.5 * row["reward/closeness"])
         assert row["reward/closeness"] >= row["reward/correct"]  # an exact answer earns 1 from both
-    assert any(0 < r["reward/closeness"] and r["reward/closeness"] != r["reward/correct"] for r in rows)  # partial credit reached the loss
+    assert any(
+        0 < r["reward/closeness"] and r["reward/closeness"] != r["reward/correct"] for r in rows
+    )  # partial credit reached the loss
     assert any(r["loss/clip_frac"] >= 0 and r["reward/std"] > 0 for r in rows)
     assert json.loads((out / "config.json").read_text())["reward"] == "correct,closeness:0.5"
 
@@ -107,8 +155,9 @@ def test_the_example_reward_by_hand():
     from oar.reward_table import module_rewards
 
     closeness = module_rewards(str(EXAMPLE_MODULE))["closeness"]
-    assert [closeness(t, "7", "") for t in ["#### 7", "#### 8", "#### 5", "no answer", "#### x", "#### nan", "#### 1e400"]] == \
-           [1.0, 0.5, 1 / 3, 0.0, 0.0, 0.0, 0.0]
+    assert [
+        closeness(t, "7", "") for t in ["#### 7", "#### 8", "#### 5", "no answer", "#### x", "#### nan", "#### 1e400"]
+    ] == [1.0, 0.5, 1 / 3, 0.0, 0.0, 0.0, 0.0]
     assert closeness(*EXAMPLE) == 1.0
 
 
@@ -121,10 +170,12 @@ def test_the_default_run_logs_the_total_and_its_one_term(tiny_model, tmp_path):
 def test_a_reward_that_fails_mid_run_stops_it_with_one_line(tiny_model, tmp_path):
     """A function that passes the trial call but raises on a rollout: the term and the rollout named, no traceback."""
     module = tmp_path / "picky.py"
-    module.write_text("def picky(completion, gold, problem):\n"
-                      "    if completion != '2 + 3 = 5. The answer is 5.':  # the trial call's completion\n"
-                      "        raise KeyError(problem)\n    return 1.0\n"
-                      "REWARD_FUNCTIONS = {'picky': picky}\n")
+    module.write_text(
+        "def picky(completion, gold, problem):\n"
+        "    if completion != '2 + 3 = 5. The answer is 5.':  # the trial call's completion\n"
+        "        raise KeyError(problem)\n    return 1.0\n"
+        "REWARD_FUNCTIONS = {'picky': picky}\n"
+    )
     proc = run_script(TRAIN, _args(tiny_model, tmp_path / "out", "--reward_module", str(module), "--reward", "picky"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -63,7 +63,11 @@ MATCH_CASES = [
     ("90°", r"90^\circ", True),
     (r"5\text{ cm}", "5", True),
     (r"5 \mbox{ dollars}", "5", True),
-    ("18 eggs", "18", True),  # plain words after a number are a unit too (math-verify scored "18 dollars" 0, "18 apples" 1)
+    (
+        "18 eggs",
+        "18",
+        True,
+    ),  # plain words after a number are a unit too (math-verify scored "18 dollars" 0, "18 apples" 1)
     ("18 dollars", "18", True),
     ("$4.50 per hour.", "4.5", True),
     ("18 thousand", "18", False),  # a word that scales the number is not a unit

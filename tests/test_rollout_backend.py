@@ -22,7 +22,8 @@ def test_weights_are_one_where_the_logprobs_agree_and_capped_elsewhere():
     sampler = torch.tensor([[-0.5, -1.5, -2.0, 7.0], [-0.1, -3.0, -0.2, -0.3]])
     mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
     w = truncated_is_weights(trainer, sampler, mask, cap=2.0)
-    # row 0: exp(0) = 1; exp(0.5) = 1.6487 (under the cap); exp(1.5) = 4.48 -> 2 (capped); padding -> 1 (its 7.0 ignored)
+    # row 0: exp(0) = 1; exp(0.5) = 1.6487 (under the cap); exp(1.5) = 4.48 -> 2 (capped);
+    # padding -> 1 (its 7.0 ignored)
     assert torch.equal(w[1], torch.ones(4))
     assert w[0, 0] == 1.0 and w[0, 3] == 1.0
     assert math.isclose(float(w[0, 1]), math.exp(0.5), rel_tol=1e-6)
@@ -66,11 +67,33 @@ def test_loss_without_weights_is_unchanged_and_weights_scale_the_surrogate():
 
 def test_own_backend_ignores_the_vllm_settings(tiny_model, tmp_path):
     """GRPO on the own sampler: a run with every vllm_* setting moved is the default run, to the bit."""
-    common = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--steps", "2", "--save_every", "0",
-              "--method", "grpo", *TINY]
+    common = [
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(tiny_model / "data.jsonl"),
+        "--steps",
+        "2",
+        "--save_every",
+        "0",
+        "--method",
+        "grpo",
+        *TINY,
+    ]
     run_inprocess([*common, "--output_dir", str(tmp_path / "default")])
-    run_inprocess([*common, "--output_dir", str(tmp_path / "moved"), "--rollout_backend", "own", "--vllm_importance_sampling_cap", "1.5",
-                   "--vllm_gpu_memory_utilization", "0.9"])
+    run_inprocess(
+        [
+            *common,
+            "--output_dir",
+            str(tmp_path / "moved"),
+            "--rollout_backend",
+            "own",
+            "--vllm_importance_sampling_cap",
+            "1.5",
+            "--vllm_gpu_memory_utilization",
+            "0.9",
+        ]
+    )
     a, b = final_params(tmp_path / "default"), final_params(tmp_path / "moved")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert metrics(tmp_path / "default") == metrics(tmp_path / "moved")
@@ -79,29 +102,65 @@ def test_own_backend_ignores_the_vllm_settings(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("script", ["train", "eval"])
 def test_vllm_backend_without_vllm_stops_with_the_install_command(tiny_model, tmp_path, monkeypatch, script):
-    monkeypatch.setattr(vllm_rollouts, "installed", lambda: False)  # as on a machine without it (here or in CI's vLLM env)
-    args = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "run"),
-            "--rollout_backend", "vllm"]
+    monkeypatch.setattr(
+        vllm_rollouts, "installed", lambda: False
+    )  # as on a machine without it (here or in CI's vLLM env)
+    args = [
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(tiny_model / "data.jsonl"),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--rollout_backend",
+        "vllm",
+    ]
     with pytest.raises(SystemExit) as stop:
         _main(script, args)
     message = str(stop.value)
-    assert "vLLM is not installed" in message and "pip install -r requirements-vllm.txt" in message and "\n" not in message
+    assert (
+        "vLLM is not installed" in message
+        and "pip install -r requirements-vllm.txt" in message
+        and "\n" not in message
+    )
     assert not (tmp_path / "run").exists()  # refused before anything was loaded or written
 
 
 def test_vllm_backend_refuses_top_p(tiny_model, tmp_path):
     with pytest.raises(SystemExit, match="--top_p 0.9 with --rollout_backend vllm"):
-        _main("train", ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "run"),
-                        "--rollout_backend", "vllm", "--top_p", "0.9"])
+        _main(
+            "train",
+            [
+                "--model",
+                str(tiny_model),
+                "--dataset",
+                str(tiny_model / "data.jsonl"),
+                "--output_dir",
+                str(tmp_path / "run"),
+                "--rollout_backend",
+                "vllm",
+                "--top_p",
+                "0.9",
+            ],
+        )
 
 
-@pytest.mark.parametrize("script, flag", [("train", "--temperature"), ("train", "--eval_temperature"),
-                                          ("eval", "--eval_temperature")])
+@pytest.mark.parametrize(
+    "script, flag", [("train", "--temperature"), ("train", "--eval_temperature"), ("eval", "--eval_temperature")]
+)
 def test_vllm_backend_refuses_a_temperature_it_would_raise_to_001(tiny_model, tmp_path, script, flag):
     """vLLM samples (and scores) any temperature in (0, 0.01) at 0.01 and says so only at a log level the backend
     silences: such a run is refused before anything loads; 0.01 itself and 0 (greedy evaluation) pass the check."""
-    args = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(tmp_path / "run"),
-            "--rollout_backend", "vllm"]
+    args = [
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(tiny_model / "data.jsonl"),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--rollout_backend",
+        "vllm",
+    ]
     with pytest.raises(SystemExit, match=f"{flag} 0.005 with --rollout_backend vllm: vLLM samples any temperature in"):
         _main(script, [*args, flag, "0.005"])
     from oar.training.checks import check_backend_settings
@@ -113,7 +172,9 @@ def test_vllm_backend_refuses_a_temperature_it_would_raise_to_001(tiny_model, tm
 
 def test_unknown_backend_is_refused(tiny_model, tmp_path):
     with pytest.raises(SystemExit, match="--rollout_backend sglang: own or vllm"):
-        _main("train", ["--model", str(tiny_model), "--output_dir", str(tmp_path / "run"), "--rollout_backend", "sglang"])
+        _main(
+            "train", ["--model", str(tiny_model), "--output_dir", str(tmp_path / "run"), "--rollout_backend", "sglang"]
+        )
 
 
 def _main(script: str, args: list[str]):
@@ -167,9 +228,17 @@ def test_the_engine_gets_the_weights_one_at_a_time(family, monkeypatch):
     from oar.training.rollout_backend import policy_weights
 
     torch.manual_seed(0)
-    make = (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                                                  bos_token_id=0, eos_token_id=1))) \
-        if family == "gpt2" else tiny_llama
+    make = (
+        (
+            lambda: GPT2LMHeadModel(
+                GPT2Config(
+                    vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=1
+                )
+            )
+        )
+        if family == "gpt2"
+        else tiny_llama
+    )
     targets = "c_attn,c_proj" if family == "gpt2" else "q_proj,v_proj,down_proj"
     gathered = []
     monkeypatch.setattr(sharding, "full_tensor", lambda t: gathered.append(t) or t)

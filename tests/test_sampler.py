@@ -81,11 +81,17 @@ def test_greedy_sampling_matches_hf_generate(tok):
     prompts = ["Q: Compute 12 + 7.\nA:\n", "Q: 3\nA:\n"]
     ro = sample(model, tok, prompts, group_size=1, seeds=[0, 1], max_new_tokens=12, temperature=0.0)
     ids, mask = encode_prompts(tok, prompts, "cpu")
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    ref = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     for i in range(2):
         got = ro.input_ids[i, ro.completion_mask[i]].tolist()
-        want = ref[i, ids.shape[1]:].tolist()
+        want = ref[i, ids.shape[1] :].tolist()
         assert got == want[: len(got)]
 
 
@@ -133,7 +139,9 @@ def test_auto_instruction_asks_for_boxed_answers_except_from_arith_or_tiny_arith
 
     if (folder := shipped_model()) is not None:  # by its folder too: it records its builder
         assert resolve_instruction("auto", "data/test.jsonl", str(folder)) == ""
-    assert resolve_instruction("auto", "data/test.jsonl", str(Path(__file__).parent)) == BOXED_INSTRUCTION  # any other folder
+    assert (
+        resolve_instruction("auto", "data/test.jsonl", str(Path(__file__).parent)) == BOXED_INSTRUCTION
+    )  # any other folder
 
 
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 64, 257, 1024])
@@ -152,8 +160,15 @@ def test_the_sampler_returns_the_log_probs_of_its_tokens(tok, temperature):
     from oar.lm import forward_logits
 
     model = tiny_llama(vocab_size=len(tok), seed=3)
-    ro = sample(model, tok, ["Q: Compute 1 + 2.\nA:\n", "Q: 9\nA:\n"], group_size=2, seeds=[1, 2, 3, 4], max_new_tokens=9,
-                temperature=temperature)
+    ro = sample(
+        model,
+        tok,
+        ["Q: Compute 1 + 2.\nA:\n", "Q: 9\nA:\n"],
+        group_size=2,
+        seeds=[1, 2, 3, 4],
+        max_new_tokens=9,
+        temperature=temperature,
+    )
     lp, done = ro.prompt_width, ro.completion_mask
     logits = forward_logits(model, ro.input_ids, ro.attention_mask, logits_to_keep=ro.input_ids.shape[1] - lp + 1)
     full = token_logprobs(logits[:, :-1], ro.input_ids[:, lp:], temperature=temperature or 1.0)  # a full forward's
@@ -168,8 +183,23 @@ def test_train_py_logs_how_far_the_sampler_is_from_the_update_forward(tiny_model
     from tinyrun import TINY, run_inprocess
 
     out = tmp_path / "run"
-    run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out),
-                   "--steps", "1", "--save_every", "0", "--method", "grpo", *TINY])
+    run_inprocess(
+        [
+            "--model",
+            str(tiny_model),
+            "--dataset",
+            str(tiny_model / "data.jsonl"),
+            "--output_dir",
+            str(out),
+            "--steps",
+            "1",
+            "--save_every",
+            "0",
+            "--method",
+            "grpo",
+            *TINY,
+        ]
+    )
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     # float32 on a CPU: a cached decode and a full forward agree to rounding
     assert 0 <= row["sampler/logprob_diff_mean"] <= row["sampler/logprob_diff_max"] < 1e-4
@@ -183,15 +213,22 @@ def test_chunks_are_sampled_as_separate_batches_and_laid_out_as_one(tok):
     seeds = list(range(100, 108))
     kw = dict(group_size=2, max_new_tokens=8, temperature=1.0)
     whole = sample(model, tok, prompts, seeds=seeds, chunk=2, **kw)
-    halves = [sample(model, tok, prompts[k:k + 2], seeds=seeds[2 * k:2 * k + 4], **kw) for k in (0, 2)]  # two processes' calls
+    halves = [
+        sample(model, tok, prompts[k : k + 2], seeds=seeds[2 * k : 2 * k + 4], **kw) for k in (0, 2)
+    ]  # two processes' calls
     assert whole.texts == halves[0].texts + halves[1].texts
-    for i, part, j in [(0, halves[0], 0), (5, halves[1], 1)]:  # a row keeps its tokens, masks and log-probs under the new padding
+    for i, part, j in [
+        (0, halves[0], 0),
+        (5, halves[1], 1),
+    ]:  # a row keeps its tokens, masks and log-probs under the new padding
         for name in ("input_ids", "completion_mask", "reasoning_mask", "answer_mask", "sample_logprobs"):
             got, want = getattr(whole, name)[i], getattr(part, name)[j]
-            got = got[whole.prompt_width - part.prompt_width:][: want.shape[0]]
+            got = got[whole.prompt_width - part.prompt_width :][: want.shape[0]]
             assert torch.equal(got, want), name
     assert torch.equal(whole.attention_mask.sum(1), torch.cat([h.attention_mask.sum(1) for h in halves]))
-    assert whole.input_ids.shape[1] == max(h.prompt_width for h in halves) + max(h.input_ids.shape[1] - h.prompt_width for h in halves)
+    assert whole.input_ids.shape[1] == max(h.prompt_width for h in halves) + max(
+        h.input_ids.shape[1] - h.prompt_width for h in halves
+    )
     with pytest.raises(AssertionError, match="must divide"):
         sample(model, tok, prompts, seeds=seeds, chunk=3, **kw)
 
@@ -208,8 +245,18 @@ def test_a_published_v5_ledger_run_reproduces_to_the_digit(tmp_path, loop):
 
     run = Path(__file__).resolve().parents[1] / "research" / "testbeds_v5" / "ledger" / "runs" / "fork" / "grpo-s0"
     cfg = json.loads((run / "config.json").read_text())
-    train_module().main(from_record(cfg, model="tiny-arith", steps=3, output_dir=str(tmp_path), eval_size=1,
-                                    eval_every=0, save_every=0, decode_loop=loop))
+    train_module().main(
+        from_record(
+            cfg,
+            model="tiny-arith",
+            steps=3,
+            output_dir=str(tmp_path),
+            eval_size=1,
+            eval_every=0,
+            save_every=0,
+            decode_loop=loop,
+        )
+    )
     got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     want = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:3]]
     timing = {"oar/seconds_per_rollout"}

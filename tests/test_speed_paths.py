@@ -1,13 +1,13 @@
-"""The fast paths of issue 5 pinned to the slow definitions they replace (scripts/bench/bench.py times them).
+"""The fast paths of docs/speed.md pinned to the slow definitions they replace (scripts/bench/bench.py times them).
 
-  * OAR-P: copies of *different* rollouts packed into one chunk (prefixes of different lengths,
-    left-padded in the cache) give the naive definition's scores, for every probe and chunk size,
-    also on a model in training mode with gradient checkpointing (modes come back unchanged).
-  * OAR-G: the split forward (noise-free prefix without a graph, answer positions only through the
-    head) equals a plain full-sequence backward, noise included; so does the unsplit path taken
-    under gradient checkpointing.
-  * token_logprobs' hand-written backward equals autograd through log_softmax, for non-contiguous
-    bfloat16 input, a chunk size that does not divide B, and an arbitrary upstream gradient.
+* OAR-P: copies of *different* rollouts packed into one chunk (prefixes of different lengths,
+  left-padded in the cache) give the naive definition's scores, for every probe and chunk size,
+  also on a model in training mode with gradient checkpointing (modes come back unchanged).
+* OAR-G: the split forward (noise-free prefix without a graph, answer positions only through the
+  head) equals a plain full-sequence backward, noise included; so does the unsplit path taken
+  under gradient checkpointing.
+* token_logprobs' hand-written backward equals autograd through log_softmax, for non-contiguous
+  bfloat16 input, a chunk size that does not divide B, and an arbitrary upstream gradient.
 """
 
 import pytest
@@ -31,7 +31,14 @@ def ragged_batch(seed: int = 1, vocab_size: int = 40):
     answer, one has its reasoning right up to the answer (no marker in between)."""
     g = torch.Generator().manual_seed(seed)
     # (left pad, prompt, reasoning, marker, answer, tail)
-    layouts = [(0, 4, 9, 1, 2, 1), (3, 2, 4, 1, 3, 2), (1, 5, 6, 0, 1, 1), (2, 3, 11, 1, 2, 0), (0, 2, 3, 1, 0, 4), (4, 1, 7, 2, 1, 1)]
+    layouts = [
+        (0, 4, 9, 1, 2, 1),
+        (3, 2, 4, 1, 3, 2),
+        (1, 5, 6, 0, 1, 1),
+        (2, 3, 11, 1, 2, 0),
+        (0, 2, 3, 1, 0, 4),
+        (4, 1, 7, 2, 1, 1),
+    ]
     width = max(sum(x) for x in layouts)
     ids = torch.zeros(len(layouts), width, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -51,7 +58,9 @@ def ragged_batch(seed: int = 1, vocab_size: int = 40):
 def test_oar_p_packed_across_rollouts_equals_naive(probe, max_chunk_tokens):
     model = tiny_llama(seed=3)
     ids, attn, reas, ans = ragged_batch()
-    fast = perturbation_scores(model, ids, attn, reas, ans, probe=probe, pad_token_id=0, max_chunk_tokens=max_chunk_tokens)
+    fast = perturbation_scores(
+        model, ids, attn, reas, ans, probe=probe, pad_token_id=0, max_chunk_tokens=max_chunk_tokens
+    )
     naive = perturbation_scores_naive(model, ids, attn, reas, ans, probe=probe, pad_token_id=0, chunk_size=5)
     assert naive[reas].abs().max() > 0
     torch.testing.assert_close(fast, naive, rtol=0, atol=1e-4 * naive.abs().max().item())
@@ -125,7 +134,9 @@ def test_scores_do_not_depend_on_the_batch_or_on_reusing_the_update_forward(prob
     logits, kv = clean_forward(model, ids, attn, keep_cache=True)
     clean = outcome_from_logits(logits, ids, ans, probe)
     oar_g = lambda r, **kw: gradient_scores(model, ids[r], attn[r], reas[r], ans[r], probe=probe, noise=noise[r], **kw)
-    oar_p = lambda r, **kw: perturbation_scores(model, ids[r], attn[r], reas[r], ans[r], probe=probe, pad_token_id=0, **kw)
+    oar_p = lambda r, **kw: perturbation_scores(
+        model, ids[r], attn[r], reas[r], ans[r], probe=probe, pad_token_id=0, **kw
+    )
     for scorer in (oar_g, oar_p):
         whole = scorer(slice(None))
         alone = torch.cat([scorer(slice(i, i + 1)) for i in range(len(ids))])

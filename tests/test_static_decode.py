@@ -1,4 +1,4 @@
-"""The fixed-shape decode loop (oar/static_decode.py) gives the eager loop's rollouts (issue 20).
+"""The fixed-shape decode loop (oar/static_decode.py) gives the eager loop's rollouts (docs/sampler.md).
 
 Every family of tests/families.py runs in float64 with sdpa attention where the family has it
 (eager attention in float64 turns left-padded rows into NaN in this transformers), so the two loops'
@@ -34,13 +34,17 @@ def _prompts():
     g = torch.Generator().manual_seed(2)
     ids, mask = torch.full((3, 12), PAD), torch.zeros(3, 12, dtype=torch.long)
     for i, n in enumerate([9, 12, 7]):  # left padding
-        ids[i, 12 - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[i, 12 - n:] = 1
+        ids[i, 12 - n :] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, 12 - n :] = 1
     return ids, mask
 
 
 SETTINGS = [  # (temperature, top_p, EOS ids): greedy, sampled, top-p; the wide EOS set ends every row early
-    (0.0, 1.0, {EOS}), (1.0, 1.0, {EOS, 5, 7}), (0.8, 0.7, {EOS, 5, 7}), (1.0, 1.0, set(range(2, 30)))]
+    (0.0, 1.0, {EOS}),
+    (1.0, 1.0, {EOS, 5, 7}),
+    (0.8, 0.7, {EOS, 5, 7}),
+    (1.0, 1.0, set(range(2, 30))),
+]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -50,8 +54,15 @@ def test_the_fixed_shape_loop_gives_the_eager_loop_tokens_on_every_family(name, 
     sd._SAID.clear()
     widths = []
     for temperature, top_p, eos in SETTINGS:
-        kw = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_ids=eos, pad_token_id=PAD,
-                  seeds=list(range(6)), group_size=2)
+        kw = dict(
+            max_new_tokens=40,
+            temperature=temperature,
+            top_p=top_p,
+            eos_token_ids=eos,
+            pad_token_id=PAD,
+            seeds=list(range(6)),
+            group_size=2,
+        )
         eager, static = decode(model, ids, mask, **kw), decode(model, ids, mask, loop="static", **kw)
         assert static[0].tolist() == eager[0].tolist(), (temperature, top_p)
         torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-6, equal_nan=True)
@@ -67,8 +78,15 @@ def test_the_fixed_shape_loop_gives_the_eager_loop_tokens_on_every_family(name, 
 def test_the_output_is_cut_where_the_eager_loop_stops_whatever_the_check_interval():
     model = _double("llama")
     ids, mask = _prompts()
-    kw = dict(max_new_tokens=40, temperature=1.0, top_p=1.0, eos_token_ids=set(range(2, 8)), pad_token_id=PAD,
-              seeds=list(range(6)), group_size=2)
+    kw = dict(
+        max_new_tokens=40,
+        temperature=1.0,
+        top_p=1.0,
+        eos_token_ids=set(range(2, 8)),
+        pad_token_id=PAD,
+        seeds=list(range(6)),
+        group_size=2,
+    )
     eager = decode(model, ids, mask, **kw)
     assert 16 < eager[0].shape[1] < 40  # past the first check at 16, before the next
     for every in (1, 3, 16, 64):
@@ -113,14 +131,29 @@ def test_the_compiled_step_gives_the_same_tokens_on_a_cpu():
     model = _double("llama")
     ids, mask = _prompts()
     for temperature, top_p, eos in SETTINGS[1:3]:
-        kw = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_ids=eos, pad_token_id=PAD,
-                  seeds=list(range(6)), group_size=2)
+        kw = dict(
+            max_new_tokens=40,
+            temperature=temperature,
+            top_p=top_p,
+            eos_token_ids=eos,
+            pad_token_id=PAD,
+            seeds=list(range(6)),
+            group_size=2,
+        )
         eager, compiled = decode(model, ids, mask, **kw), decode(model, ids, mask, loop="compiled", **kw)
         assert compiled[0].tolist() == eager[0].tolist(), (temperature, top_p)
         torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
 
 
-SHORT = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD, seeds=list(range(6)), group_size=2)
+SHORT = dict(
+    max_new_tokens=12,
+    temperature=1.0,
+    top_p=1.0,
+    eos_token_ids={EOS},
+    pad_token_id=PAD,
+    seeds=list(range(6)),
+    group_size=2,
+)
 
 
 def test_the_compiled_step_takes_and_returns_no_tensor(monkeypatch):
@@ -137,6 +170,7 @@ def test_the_compiled_step_takes_and_returns_no_tensor(monkeypatch):
             out = fn()
             assert out is None
             steps.append(1)
+
         return run
 
     monkeypatch.setattr(torch, "compile", compile_spy)
@@ -181,7 +215,9 @@ def test_under_accelerate_bf16_the_static_loop_gives_the_eager_tokens_or_hands_o
     eager, static = decode(model, ids, mask, **SHORT), decode(model, ids, mask, loop="static", **SHORT)
     assert static[0].tolist() == eager[0].tolist()
     said = capsys.readouterr().err
-    keeps_each = sd.keeps_each_dtype(type(sd.static_cache_or_reason(model, 8)[0].layers[0]), torch.float32, torch.bfloat16)
+    keeps_each = sd.keeps_each_dtype(
+        type(sd.static_cache_or_reason(model, 8)[0].layers[0]), torch.float32, torch.bfloat16
+    )
     assert not (one_dtype and keeps_each)  # the emulation of the older cache holds
     assert ("under autocast to torch.bfloat16" in said) == (not keeps_each), said
 
@@ -194,14 +230,19 @@ def test_a_model_without_an_embedding_module_to_watch_still_samples_with_the_sta
 
     monkeypatch.setattr(model, "get_input_embeddings", no_embeddings)
     ids, mask = _prompts()
-    assert decode(model, ids, mask, loop="static", **SHORT)[0].tolist() == decode(model, ids, mask, **SHORT)[0].tolist()
+    assert (
+        decode(model, ids, mask, loop="static", **SHORT)[0].tolist() == decode(model, ids, mask, **SHORT)[0].tolist()
+    )
 
 
 def test_train_py_refuses_a_compiled_loop_under_fsdp_and_an_unknown_loop():
     from oar.training.checks import check_config
     from oar.training.config import Config
 
-    for kwargs, match in ((dict(decode_loop="compiled", fsdp=True), "under --fsdp"), (dict(decode_loop="graph"), "one of eager")):
+    for kwargs, match in (
+        (dict(decode_loop="compiled", fsdp=True), "under --fsdp"),
+        (dict(decode_loop="graph"), "one of eager"),
+    ):
         with pytest.raises(ValueError, match=match):
             check_config(Config(**kwargs), num_processes=2)
 
@@ -214,8 +255,25 @@ def test_a_train_py_step_with_the_static_loop_equals_the_eager_one(tiny_model, t
     rows = {}
     for loop in ("eager", "static"):
         out = tmp_path / loop
-        run_inprocess(["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out),
-                       "--steps", "2", "--save_every", "0", "--method", "oar-g", "--decode_loop", loop, *TINY])
+        run_inprocess(
+            [
+                "--model",
+                str(tiny_model),
+                "--dataset",
+                str(tiny_model / "data.jsonl"),
+                "--output_dir",
+                str(out),
+                "--steps",
+                "2",
+                "--save_every",
+                "0",
+                "--method",
+                "oar-g",
+                "--decode_loop",
+                loop,
+                *TINY,
+            ]
+        )
         rows[loop] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for eager, static in zip(rows["eager"], rows["static"]):  # the same rollouts: the same rewards and lengths
         for key in ("reward/mean", "completion/length", "completion/frac_truncated"):
@@ -238,9 +296,31 @@ def test_eval_py_with_the_static_loop_writes_the_eager_loop_records(tiny_model, 
     got = {}
     for loop in ("eager", "static"):
         out = tmp_path / loop
-        check_ok(run_script(EVAL, ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl"), "--output_dir", str(out),
-                                   "--instruction", "", "--max_new_tokens", "20", "--limit", "12", "--num_samples", "2",
-                                   "--temperature", "1.0", "--decode_loop", loop]))
+        check_ok(
+            run_script(
+                EVAL,
+                [
+                    "--model",
+                    str(tiny_model),
+                    "--dataset",
+                    str(tiny_model / "data.jsonl"),
+                    "--output_dir",
+                    str(out),
+                    "--instruction",
+                    "",
+                    "--max_new_tokens",
+                    "20",
+                    "--limit",
+                    "12",
+                    "--num_samples",
+                    "2",
+                    "--temperature",
+                    "1.0",
+                    "--decode_loop",
+                    loop,
+                ],
+            )
+        )
         got[loop] = [json.loads(line)["completion"] for line in (out / "eval.jsonl").read_text().splitlines()]
     assert got["static"] == got["eager"]
     bad = run_script(EVAL, ["--model", str(tiny_model), "--decode_loop", "graph", "--output_dir", str(tmp_path / "x")])
@@ -254,9 +334,22 @@ def test_the_static_loop_samples_through_lora_adapters():
 
     model = tiny_llama(seed=1).double()
     model.set_attn_implementation("sdpa")
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)).eval()
+    model = get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    ).eval()
     ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(0))
-    kw = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, eos_token_ids={2}, pad_token_id=0, seeds=list(range(4)), group_size=2)
-    eager, static = decode(model, ids, torch.ones_like(ids), **kw), decode(model, ids, torch.ones_like(ids), loop="static", **kw)
+    kw = dict(
+        max_new_tokens=12,
+        temperature=1.0,
+        top_p=1.0,
+        eos_token_ids={2},
+        pad_token_id=0,
+        seeds=list(range(4)),
+        group_size=2,
+    )
+    eager, static = (
+        decode(model, ids, torch.ones_like(ids), **kw),
+        decode(model, ids, torch.ones_like(ids), loop="static", **kw),
+    )
     assert static[0].tolist() == eager[0].tolist()
     torch.testing.assert_close(static[1], eager[1], rtol=0, atol=1e-6)

@@ -10,13 +10,23 @@ import torch
 
 from oar.tasks.arith import arith_solution
 from oar.training.data import Problem
-from scripts.analysis.attribution import (average_ranks, make_rollouts, pivotal_char_spans, pivotal_mask, precision_at_k, roc_auc,
-                                 spearman, token_labels, top_overlap)
+from scripts.analysis.attribution import (
+    average_ranks,
+    make_rollouts,
+    pivotal_char_spans,
+    pivotal_mask,
+    precision_at_k,
+    roc_auc,
+    spearman,
+    token_labels,
+    top_overlap,
+)
 
 SOLUTION = "37 + 48 = 85\n85 - 15 = 70\n70 * 2 = 140\n#### 140"
 
 
 # ----------------------------------------------------------------------------------------- metrics
+
 
 def test_average_ranks_share_ties():
     # sorted: 1 (rank 1), 2 2 (ranks 2, 3 -> 2.5 each), 5 (rank 4)
@@ -73,6 +83,7 @@ def test_top_overlap():
 
 # ---------------------------------------------------------------------------------- pivotal labels
 
+
 def test_pivotal_spans_of_an_arith_solution():
     assert arith_solution(Problem("Compute ((37 + 48) - 15) * 2.", "140")) == SOLUTION
     spans = pivotal_char_spans(SOLUTION)
@@ -114,6 +125,7 @@ def test_pivotal_mask_on_a_rollout_labels_its_own_text():
 
 # ---------------------------------------------------------------------------------------- heatmap
 
+
 def test_heatmap_page_on_a_tiny_random_model(tmp_path):
     from oar.tasks.tiny_arith import TinyArithRecipe, make_model, make_tokenizer
     from scripts.analysis.heatmap import heatmap_data, render_html, render_png
@@ -128,7 +140,9 @@ def test_heatmap_page_on_a_tiny_random_model(tmp_path):
     n_reasoning = int(ro.reasoning_mask.sum())
     assert sum(t["reasoning"] for t in data["tokens"]) == n_reasoning == len(SOLUTION.split("####")[0])
     for p in data["panels"].values():  # mass preservation: the reasoning weights sum to n_R
-        assert sum(w for w, t in zip(p["weights"], data["tokens"]) if t["reasoning"]) == pytest.approx(n_reasoning, rel=1e-5)
+        assert sum(w for w, t in zip(p["weights"], data["tokens"]) if t["reasoning"]) == pytest.approx(
+            n_reasoning, rel=1e-5
+        )
 
     page = render_html(data, "a <title> & more")
     assert page.count('title="w=') == 2 * n_reasoning  # one hover per reasoning token per panel
@@ -141,20 +155,53 @@ def test_heatmap_page_on_a_tiny_random_model(tmp_path):
 
 # ----------------------------------------------------------------------------------------- report
 
+
 def _fake_run(root, name, seed, method, before, after, step_s):
     """A finished run folder as train.py and study.py leave it, 4 steps, an evaluation at step 2."""
     import json
 
     d = root / f"{name}-s{seed}"
     d.mkdir(parents=True)
-    config = {"method": method, "model": "tiny-arith", "dataset": "arith", "steps": 4, "prompts_per_step": 2, "group_size": 2,
-              "max_new_tokens": 8, "learning_rate": 1e-3, "temperature": 1.0, "eval_every": 2, "eval_size": 500,
-              "gate_quantile": 0.4, "gate_boost": 2.0, "gate_floor": 0.1, "probe": "answer_mean"}
+    config = {
+        "method": method,
+        "model": "tiny-arith",
+        "dataset": "arith",
+        "steps": 4,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_new_tokens": 8,
+        "learning_rate": 1e-3,
+        "temperature": 1.0,
+        "eval_every": 2,
+        "eval_size": 500,
+        "gate_quantile": 0.4,
+        "gate_boost": 2.0,
+        "gate_floor": 0.1,
+        "probe": "answer_mean",
+    }
     (d / "config.json").write_text(json.dumps(config))
-    (d / "summary.json").write_text(json.dumps({"method": method, "steps": 4, "seconds_per_step": step_s,
-                                                "accuracy_before": before, "accuracy_after": after}))
-    rows = [{"step": s, "time/step_s": step_s, "oar/seconds_per_rollout": 0.0, "reward/mean": 0.5, "policy/entropy": 1.0,
-             "oar/ess_ratio": 1.0, **({"eval/accuracy": (before + after) / 2} if s == 2 else {})} for s in range(1, 5)]
+    (d / "summary.json").write_text(
+        json.dumps(
+            {
+                "method": method,
+                "steps": 4,
+                "seconds_per_step": step_s,
+                "accuracy_before": before,
+                "accuracy_after": after,
+            }
+        )
+    )
+    rows = [
+        {
+            "step": s,
+            "time/step_s": step_s,
+            "oar/seconds_per_rollout": 0.0,
+            "reward/mean": 0.5,
+            "policy/entropy": 1.0,
+            "oar/ess_ratio": 1.0,
+            **({"eval/accuracy": (before + after) / 2} if s == 2 else {}),
+        }
+        for s in range(1, 5)
+    ]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "study_time.json").write_text(json.dumps({"seconds": 10.0, "cpu_seconds": 9.0, "code": ["abc"]}))
-

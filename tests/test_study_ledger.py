@@ -45,7 +45,9 @@ def test_a_run_recorded_on_one_machine_is_restored_on_another_with_its_paths(tmp
     kept = ledger / "runs" / "slip" / "grpo-s0"
     assert sorted(p.name for p in kept.iterdir()) == sorted([*study_ledger.RUN_FILES, "ledger.json"])
     assert not study_ledger.record_run(ledger, a, "slip", "grpo-s0")  # kept entries are never rewritten
-    other = tmp_path / "other"  # ... and another run of the same name (another machine's, a rerun) is refused, not ignored
+    other = (
+        tmp_path / "other"
+    )  # ... and another run of the same name (another machine's, a rerun) is refused, not ignored
     _finished_run(other, model_a)
     (other / "slip" / "grpo-s0" / "summary.json").write_text(json.dumps({"accuracy_after": 0.1}))
     with pytest.raises(ValueError, match="two different runs of one name"):
@@ -53,7 +55,9 @@ def test_a_run_recorded_on_one_machine_is_restored_on_another_with_its_paths(tmp
 
     b = tmp_path / "b"
     model_b = b / "models" / "slip"  # a new machine: the kept model is copied in, not rebuilt
-    assert study_ledger.restore_model(ledger, "slip", model_b) and not study_ledger.restore_model(ledger, "slip", model_b)
+    assert study_ledger.restore_model(ledger, "slip", model_b) and not study_ledger.restore_model(
+        ledger, "slip", model_b
+    )
     assert study_ledger.weights_sha256(model_b) == study_ledger.weights_sha256(model_a)
     assert study_ledger.check_build(ledger, "slip", model_b) == "matches"
     (b / "slip" / "grpo-s0").mkdir(parents=True)  # an unfinished attempt: replaced by the finished one ...
@@ -119,10 +123,15 @@ def test_one_testbed_is_claimed_by_one_process(tmp_path):
 
     held = _claim(tmp_path, "fork")
     assert held is not None and _claim(tmp_path, "slip") is not None
-    other = "import sys; sys.path.insert(0, '.'); from pathlib import Path; from research.testbeds_v5.study_v5 import _claim; " \
-            f"print(_claim(Path({str(tmp_path)!r}), 'fork') is None, _claim(Path({str(tmp_path)!r}), 'filler') is None)"
+    other = (
+        "import sys; sys.path.insert(0, '.'); from pathlib import Path; "
+        "from research.testbeds_v5.study_v5 import _claim; "
+        f"print(_claim(Path({str(tmp_path)!r}), 'fork') is None, _claim(Path({str(tmp_path)!r}), 'filler') is None)"
+    )
     repo = Path(__file__).resolve().parents[1]
-    assert subprocess.run([sys.executable, "-c", other], cwd=repo, capture_output=True, text=True, check=True).stdout.split() == ["True", "False"]
+    assert subprocess.run(
+        [sys.executable, "-c", other], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.split() == ["True", "False"]
 
 
 def test_held_out_completions_are_added_to_a_kept_run_once_and_gzipped(tmp_path):
@@ -135,13 +144,18 @@ def test_held_out_completions_are_added_to_a_kept_run_once_and_gzipped(tmp_path)
     ledger, a, _ = _recorded(tmp_path)  # recorded without eval_final.jsonl
     kept = ledger / "runs" / "slip" / "grpo-s0"
     before = {p.name: p.read_bytes() for p in kept.iterdir()}
-    lines = "".join(json.dumps({"index": i, "completion": f"{i} + 1 = {i + 1}\n#### {i + 1}", "correct": True}) + "\n" for i in range(50))
+    lines = "".join(
+        json.dumps({"index": i, "completion": f"{i} + 1 = {i + 1}\n#### {i + 1}", "correct": True}) + "\n"
+        for i in range(50)
+    )
     (a / "slip" / "grpo-s0" / "eval_final.jsonl").write_text(lines)
     assert not study_ledger.record_run(ledger, a, "slip", "grpo-s0")  # not new, but completed
     packed = kept / "eval_final.jsonl.gz"
     assert gzip.decompress(packed.read_bytes()).decode() == lines
     assert {p.name: p.read_bytes() for p in kept.iterdir() if p.name != packed.name} == before
-    assert packed.read_bytes() == gzip.compress(lines.encode(), mtime=0)  # no file name or time in the header: any machine's bytes
+    assert packed.read_bytes() == gzip.compress(
+        lines.encode(), mtime=0
+    )  # no file name or time in the header: any machine's bytes
     assert not study_ledger.record_completions(ledger, a, "slip", "grpo-s0")  # once
     assert not study_ledger.record_completions(ledger, a, "slip", "oar-g-s0")  # no such entry: nothing made
     # another machine's run of the same name (another summary) does not lend the entry its completions

@@ -26,10 +26,14 @@ def test_a_run_finished_before_a_setting_existed_is_still_finished(tmp_path):
     (out / "config.json").write_text(json.dumps(saved | {"method": "oar-g"}))
     with pytest.raises(SystemExit, match="finished run with other settings"):
         run_one(SimpleNamespace(root=tmp_path), run)
-    (out / "config.json").write_text(json.dumps(saved | {"eval_size": 50}))  # evaluated otherwise: not the plan's measure
+    (out / "config.json").write_text(
+        json.dumps(saved | {"eval_size": 50})
+    )  # evaluated otherwise: not the plan's measure
     with pytest.raises(SystemExit, match="finished run with other settings.*eval_size"):
         run_one(SimpleNamespace(root=tmp_path), run)
-    (out / "config.json").write_text(json.dumps(saved | {"eval_batch_size": 8, "micro_batch_size": 2}))  # the same numbers
+    (out / "config.json").write_text(
+        json.dumps(saved | {"eval_batch_size": 8, "micro_batch_size": 2})
+    )  # the same numbers
     assert run_one(SimpleNamespace(root=tmp_path), run) == "done"
 
 
@@ -48,8 +52,10 @@ def test_a_train_py_that_fails_after_its_summary_is_kept_with_a_line(tmp_path, m
     run = {"name": "grpo", "seed": 0, "settings": {"model": "some/model", "method": "grpo"}}
     out = tmp_path / "grpo-s0"
     config = json.dumps(asdict(Config()) | run["settings"] | {"seed": 0})
-    script = (f"import pathlib; d = pathlib.Path({str(out)!r}); (d / 'config.json').write_text({config!r}); "
-              "(d / 'summary.json').write_text('{}'); raise SystemExit(3)")
+    script = (
+        f"import pathlib; d = pathlib.Path({str(out)!r}); (d / 'config.json').write_text({config!r}); "
+        "(d / 'summary.json').write_text('{}'); raise SystemExit(3)"
+    )
     monkeypatch.setattr(sr, "command", lambda *a: [sys.executable, "-c", script])
     args = SimpleNamespace(root=tmp_path, threads=1)
     assert sr.run_one(args, run) == "failed"
@@ -75,9 +81,17 @@ def test_a_run_held_by_another_study_process_is_busy_and_free_when_its_holder_di
     with claimed(out) as lock:
         assert lock is not None and run_one(SimpleNamespace(root=tmp_path), run) == "busy"
     assert (out / "partial").exists()
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
-                               str(tmp_path / ".grpo-s0.lock")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+            str(tmp_path / ".grpo-s0.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with claimed(out) as lock:
@@ -102,13 +116,22 @@ def test_a_study_killed_outright_leaves_its_run_held_until_its_train_py_ends(tmp
     from research.common.study_run import ROOT, claimed
 
     out, marker = tmp_path / "grpo-s0", tmp_path / "child.pid"
-    study = subprocess.Popen([sys.executable, "-c", f"""
+    study = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import pathlib, sys, types
 sys.path.insert(0, {str(ROOT)!r})
 import research.common.study_run as sr
-sr.command = lambda *a: [sys.executable, "-c", "import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
-sr.run_one(types.SimpleNamespace(root=pathlib.Path(sys.argv[1]), threads=1), {{"name": "grpo", "seed": 0, "settings": {{"model": "m"}}}})
-""", str(tmp_path)])
+sr.command = lambda *a: [sys.executable, "-c", \
+"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
+sr.run_one(types.SimpleNamespace(root=pathlib.Path(sys.argv[1]), threads=1), \
+{{"name": "grpo", "seed": 0, "settings": {{"model": "m"}}}})
+""",
+            str(tmp_path),
+        ]
+    )
     try:
         deadline = time.time() + 60
         while not (marker.exists() and marker.read_text()) and time.time() < deadline:
@@ -149,7 +172,9 @@ def test_each_invocation_records_the_machine_once(tmp_path, monkeypatch):
 
     run = {"name": "grpo", "seed": 0, "settings": {"model": "some/model", "method": "grpo"}}
     monkeypatch.setattr(sr, "command", lambda *a: [sys.executable, "-c", "raise SystemExit(1)"])
-    monkeypatch.setattr(sr, "latest_checkpoint", lambda out: out / "checkpoint-4")  # each invocation resumes the folder
+    monkeypatch.setattr(
+        sr, "latest_checkpoint", lambda out: out / "checkpoint-4"
+    )  # each invocation resumes the folder
     args = SimpleNamespace(root=tmp_path, threads=1)
     for _ in range(2):
         assert sr.run_one(args, run) == "failed"
@@ -158,4 +183,6 @@ def test_each_invocation_records_the_machine_once(tmp_path, monkeypatch):
     assert {"cpu", "simd", "cores", "python", "torch"} <= set(timing["machines"][0])
     monkeypatch.setattr(sr, "machine", lambda: {"cpu": "another"})
     assert sr.run_one(args, run) == "failed"
-    assert [m["cpu"] for m in json.loads((tmp_path / "grpo-s0" / "study_time.json").read_text())["machines"]][1:] == ["another"]
+    assert [m["cpu"] for m in json.loads((tmp_path / "grpo-s0" / "study_time.json").read_text())["machines"]][1:] == [
+        "another"
+    ]

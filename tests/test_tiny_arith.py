@@ -1,4 +1,5 @@
 """Tests of oar/tasks/tiny_arith.py and oar/tasks/tiny_arith_cache.py: the built-in policy, its build and its cache."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ def test_tiny_arith_builds_saves_and_loads_like_a_hub_model(tmp_path):
     from oar.tasks.tiny_arith import TinyArithRecipe
     from oar.tasks.tiny_arith_cache import build_tiny_arith, ensure_tiny_arith
 
-    recipe = TinyArithRecipe(hidden_size=32, num_layers=1, num_heads=2, steps=3, batch_size=4,
-                             warmup_steps=1, eval_problems=4)
+    recipe = TinyArithRecipe(
+        hidden_size=32, num_layers=1, num_heads=2, steps=3, batch_size=4, warmup_steps=1, eval_problems=4
+    )
     out = tmp_path / "tiny"
     info = build_tiny_arith(out, seed=0, recipe=recipe)
     assert 0.0 <= info["heldout_accuracy"] <= 1.0
@@ -37,12 +39,14 @@ def test_tiny_arith_builds_saves_and_loads_like_a_hub_model(tmp_path):
     ids = tok(text).input_ids
     assert len(ids) == len(text)  # one token per character, nothing added
     assert tok.decode(ids, skip_special_tokens=True) == text
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Compute (3 + 4) * 2."}],
-                                     add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Compute (3 + 4) * 2."}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == "Q: Compute (3 + 4) * 2.\nA:\n"
-    chat = tok.apply_chat_template([{"role": "user", "content": "Compute 1 + 2."},
-                                    {"role": "assistant", "content": "1 + 2 = 3\n#### 3"}],
-                                   tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Compute 1 + 2."}, {"role": "assistant", "content": "1 + 2 = 3\n#### 3"}],
+        tokenize=False,
+    )
     assert chat == "Q: Compute 1 + 2.\nA:\n1 + 2 = 3\n#### 3<eos>"
     enc = tok(["Q: 1\n", "Q: 12 + 3\n"], return_tensors="pt", padding=True)
     assert enc.input_ids[0, 0].item() == tok.pad_token_id  # left padding, as generation needs
@@ -54,8 +58,9 @@ def test_tiny_arith_overwrite_replaces_atomically(tmp_path):
     from oar.tasks.tiny_arith import TinyArithRecipe
     from oar.tasks.tiny_arith_cache import build_tiny_arith
 
-    recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=1, batch_size=2,
-                             warmup_steps=1, eval_problems=2)
+    recipe = TinyArithRecipe(
+        hidden_size=16, num_layers=1, num_heads=2, steps=1, batch_size=2, warmup_steps=1, eval_problems=2
+    )
     out = tmp_path / "tiny"
     build_tiny_arith(out, seed=0, recipe=recipe)
     info = build_tiny_arith(out, seed=1, recipe=replace(recipe, eval_problems=3), overwrite=True)
@@ -85,8 +90,12 @@ def test_sft_target_is_lazy_on_a_fixed_share_of_the_longer_problems():
     assert lazy[1] == lazy[2] == 0 and total[3] > 1000
     assert abs(lazy[3] / total[3] - 0.75) < 0.04
     # The choice is a function of the problem text alone, and a lower rate picks a subset.
-    lazy_at = lambda rate: {p.problem for p in problems if sft_target(Problem(p.problem, "0"), replace(recipe, lazy_rate=rate))
-                            != arith_solution(Problem(p.problem, "0"))}
+    lazy_at = lambda rate: {
+        p.problem
+        for p in problems
+        if sft_target(Problem(p.problem, "0"), replace(recipe, lazy_rate=rate))
+        != arith_solution(Problem(p.problem, "0"))
+    }
     assert len(lazy_at(0.75)) == lazy[3] and lazy_at(0.5) < lazy_at(0.75)
     with pytest.raises(ValueError, match="lazy_ops"):
         TinyArithRecipe(lazy_ops=1)
@@ -98,8 +107,9 @@ def test_tiny_arith_is_deterministic_for_a_seed(tmp_path):
     from oar.tasks.tiny_arith import TinyArithRecipe
     from oar.tasks.tiny_arith_cache import build_tiny_arith
 
-    recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=3, batch_size=4,
-                             warmup_steps=1, eval_problems=2)
+    recipe = TinyArithRecipe(
+        hidden_size=16, num_layers=1, num_heads=2, steps=3, batch_size=4, warmup_steps=1, eval_problems=2
+    )
     for name, seed in [("a", 0), ("b", 0), ("c", 1)]:
         build_tiny_arith(tmp_path / name, seed=seed, recipe=recipe)
     a, b, c = (load_file(tmp_path / name / "model.safetensors") for name in "abc")
@@ -124,8 +134,9 @@ def test_concurrent_builds_of_one_folder_build_it_once(tmp_path):
     from oar.tasks.tiny_arith import TinyArithRecipe
     from oar.tasks.tiny_arith_cache import build_tiny_arith, is_complete
 
-    recipe = TinyArithRecipe(hidden_size=16, num_layers=1, num_heads=2, steps=2, batch_size=2,
-                             warmup_steps=1, eval_problems=2)
+    recipe = TinyArithRecipe(
+        hidden_size=16, num_layers=1, num_heads=2, steps=2, batch_size=2, warmup_steps=1, eval_problems=2
+    )
 
     def build(_):  # the lock is per open file, so threads contend for it like processes do
         try:
@@ -179,4 +190,3 @@ def test_shipped_weights_that_do_not_hash_as_recorded_stop_with_a_message(monkey
     monkeypatch.setattr(tiny_arith_cache, "SHIPPED", copy)
     with pytest.raises(RuntimeError, match="do not hash as build_info.json records"):
         tiny_arith_cache.model_source("tiny-arith")
-

@@ -8,8 +8,22 @@ from tinyrun import TINY, run_inprocess
 
 
 def _args(model, out, *extra):
-    return ["--model", str(model), "--dataset", str(model / "data.jsonl"), "--output_dir", str(out), "--steps", "2",
-            "--save_every", "0", "--method", "grpo", *TINY, *extra]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(model / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--steps",
+        "2",
+        "--save_every",
+        "0",
+        "--method",
+        "grpo",
+        *TINY,
+        *extra,
+    ]
 
 
 def test_a_run_logged_to_tensorboard_reads_back(tiny_model, tmp_path):
@@ -27,20 +41,29 @@ def test_a_run_logged_to_tensorboard_reads_back(tiny_model, tmp_path):
         assert [s.value for s in scalars] == pytest.approx([row[name] for row in logged], rel=1e-6, abs=1e-7), name
 
 
-@pytest.mark.parametrize("name, needle", [
-    ("nosuch", "--log_with nosuch: not a tracker; choose from "),
-    ("wandb", "--log_with wandb: its package is not installed; pip install wandb, or use tensorboard"),
-])
-def test_a_tracker_that_cannot_log_stops_the_run_before_anything_loads(tiny_model, tmp_path, monkeypatch, name, needle):
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("nosuch", "--log_with nosuch: not a tracker; choose from "),
+        ("wandb", "--log_with wandb: its package is not installed; pip install wandb, or use tensorboard"),
+    ],
+)
+def test_a_tracker_that_cannot_log_stops_the_run_before_anything_loads(
+    tiny_model, tmp_path, monkeypatch, name, needle
+):
     import accelerate.tracking
 
     import train
 
-    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: ["tensorboard"])  # wandb absent, wherever this runs
+    monkeypatch.setattr(
+        accelerate.tracking, "get_available_trackers", lambda: ["tensorboard"]
+    )  # wandb absent, wherever this runs
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stop:
         run_inprocess(_args(tiny_model, out, "--log_with", f"tensorboard,{name}"))
     message = stop.value.code
-    assert isinstance(message, str) and message.startswith(f"train.py: error: {needle}") and "\n" not in message, message
+    assert isinstance(message, str) and message.startswith(f"train.py: error: {needle}") and "\n" not in message, (
+        message
+    )
     assert not out.exists()

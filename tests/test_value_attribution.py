@@ -1,4 +1,5 @@
-"""scripts/analysis/value_attribution.py: ΔV from sampled continuations, and the metrics that compare a method with it."""
+"""scripts/analysis/value_attribution.py: ΔV from sampled continuations, and the metrics that compare a method
+with it."""
 
 from __future__ import annotations
 
@@ -26,34 +27,60 @@ def test_delta_v_by_hand():
 
 
 def test_metrics_by_hand():
-    """ΔV = 0, 0, 0.75, 0, 0 on a wrong rollout, K = 8 with 6 of the 8 paired differences +1 at t = 2 (k = ceil(0.2 * 5)
-    = 1): the target ΔV² - se² peaks at t = 2, so a method that peaks there has recall 1 and Spearman 1; a constant one
-    recall 1/5 (its top-1 is any token) and Spearman 0; the sign test flags t = 2 (p = 2 / 2^6), a token that raised
-    V (ΔV > 0), so the credit -w a wrong rollout gives it disagrees: sign agreement 0."""
+    """ΔV = 0, 0, 0.75, 0, 0 on a wrong rollout, K = 8 with 6 of the 8 paired differences +1 at t = 2
+    (k = ceil(0.2 * 5) = 1): the target ΔV² - se² peaks at t = 2, so a method that peaks there has recall 1 and
+    Spearman 1; a constant one recall 1/5 (its top-1 is any token) and Spearman 0; the sign test flags t = 2
+    (p = 2 / 2^6), a token that raised V (ΔV > 0), so the credit -w a wrong rollout gives it disagrees:
+    sign agreement 0."""
     v = {"dv": [0, 0, 0.75, 0, 0], "se": [0, 0, 0.16, 0, 0], "plus": [0, 0, 6, 0, 0], "minus": [0] * 5}
     peak = va.metrics([1, 1, 3, 1, 1], v, correct=False)
-    mass = 0.75 ** 2 - 0.16 ** 2  # all of it at t = 2, which is the peak's top 1
-    assert peak == {"share_num": pytest.approx(mass), "share_base": pytest.approx(mass / 5), "mass": pytest.approx(mass),
-                    "spearman": pytest.approx(1.0), "spearman_abs": pytest.approx(1.0), "recall": pytest.approx(1.0),
-                    "recall_ceiling": pytest.approx(1.0), "sign_agree": 0.0, "sign_num": 0.0, "sign_den": 3.0,
-                    "balance": -1.0}  # its only ΔV-weighted credit sits on a token that raised V
+    mass = 0.75**2 - 0.16**2  # all of it at t = 2, which is the peak's top 1
+    assert peak == {
+        "share_num": pytest.approx(mass),
+        "share_base": pytest.approx(mass / 5),
+        "mass": pytest.approx(mass),
+        "spearman": pytest.approx(1.0),
+        "spearman_abs": pytest.approx(1.0),
+        "recall": pytest.approx(1.0),
+        "recall_ceiling": pytest.approx(1.0),
+        "sign_agree": 0.0,
+        "sign_num": 0.0,
+        "sign_den": 3.0,
+        "balance": -1.0,
+    }  # its only ΔV-weighted credit sits on a token that raised V
     flat = va.metrics([1, 1, 1, 1, 1], v, correct=False)  # GRPO's w = 1: no rank (undefined), k / n_R of the mass
     assert math.isnan(flat["spearman"]) and math.isnan(flat["spearman_abs"])
-    assert (flat["share_num"], flat["recall"], flat["sign_agree"]) == (pytest.approx(mass / 5), pytest.approx(0.2), 0.0)
-    drop = va.metrics([1, 1, 3, 1, 1], v | {"dv": [0, 0, -0.75, 0, 0], "plus": [0] * 5, "minus": [0, 0, 6, 0, 0]}, correct=False)
+    assert (flat["share_num"], flat["recall"], flat["sign_agree"]) == (
+        pytest.approx(mass / 5),
+        pytest.approx(0.2),
+        0.0,
+    )
+    drop = va.metrics(
+        [1, 1, 3, 1, 1], v | {"dv": [0, 0, -0.75, 0, 0], "plus": [0] * 5, "minus": [0, 0, 6, 0, 0]}, correct=False
+    )
     assert drop["sign_agree"] == 1.0 and math.isnan(va.metrics([1, 1, 3, 1, 1], v, correct=True)["sign_agree"])
     # the balance needs no test: credit 3 x 0.5 on a token that lowered V against 1 x 0.25 on one that raised it
     mixed = va.metrics([1, 3, 1, 1, 1], v | {"dv": [0, -0.5, 0.25, 0, 0]}, correct=False)
-    assert mixed["balance"] == pytest.approx((1.5 - 0.25) / 1.75) and math.isnan(va.metrics([1] * 5, v, correct=True)["balance"])
+    assert mixed["balance"] == pytest.approx((1.5 - 0.25) / 1.75) and math.isnan(
+        va.metrics([1] * 5, v, correct=True)["balance"]
+    )
     # three +1s of eight (ΔV = 0.375) are not significant (p = 0.25): no token to agree with
-    assert math.isnan(va.metrics([1, 1, 3, 1, 1], v | {"dv": [0, 0, 0.375, 0, 0], "plus": [0, 0, 3, 0, 0]}, correct=False)["sign_agree"])
+    assert math.isnan(
+        va.metrics([1, 1, 3, 1, 1], v | {"dv": [0, 0, 0.375, 0, 0], "plus": [0, 0, 3, 0, 0]}, correct=False)[
+            "sign_agree"
+        ]
+    )
     # a rollout whose continuations all ended alike says nothing: undefined, not 0
-    still = va.metrics([1, 1, 3, 1, 1], {"dv": [0] * 5, "se": [0] * 5, "plus": [0] * 5, "minus": [0] * 5}, correct=False)
+    still = va.metrics(
+        [1, 1, 3, 1, 1], {"dv": [0] * 5, "se": [0] * 5, "plus": [0] * 5, "minus": [0] * 5}, correct=False
+    )
     assert math.isnan(still["spearman"]) and math.isnan(still["recall"])
     # the target discounts noise: ΔV 0.5 measured to s.e. 0.1 ranks above ΔV 0.6 measured to s.e. 0.45
     noisy = va.metrics([2, 1], {"dv": [0.5, 0.6], "se": [0.1, 0.45], "plus": [4, 5], "minus": [0, 1]}, correct=True)
     assert noisy["spearman"] == pytest.approx(1.0)
-    np.testing.assert_allclose(va.top_membership([3, 1, 1, 0], 2), [1, 0.5, 0.5, 0])  # a tie at the cut shares the slot
+    np.testing.assert_allclose(
+        va.top_membership([3, 1, 1, 0], 2), [1, 0.5, 0.5, 0]
+    )  # a tie at the cut shares the slot
 
 
 def test_the_sign_test_its_chance_rate_and_the_corrections_by_hand():
@@ -92,7 +119,9 @@ def test_a_continuation_that_skips_a_prefixs_draws_replays_the_rollout(tiny_mode
     for s, rollout in enumerate(whole):
         for j in (1, 3, 6):
             prefix = torch.cat([ids, torch.tensor([rollout[:j]])], 1)
-            rest = decode(model, prefix, torch.ones_like(prefix), max_new_tokens=16 - j, seeds=[s], skip_draws=[j], **kw)[0][0].tolist()
+            rest = decode(
+                model, prefix, torch.ones_like(prefix), max_new_tokens=16 - j, seeds=[s], skip_draws=[j], **kw
+            )[0][0].tolist()
             assert rest == rollout[j:], (s, j)
 
 
@@ -113,13 +142,18 @@ def test_values_find_a_planted_wrong_result_on_the_tiny_model(tiny_model):
     ids, mask = encode_prompts(tok, [prompt], "cpu")
     planted = tok("3 + 4 = 8\n#### 8", add_special_tokens=False)["input_ids"] + [min(stop)]
     ro = build_rollout(tok, ids, mask, torch.tensor([planted]), stop)
-    values = dvm.rollout_values(model, tok, ro, ["7"], [5], k=2, max_new_tokens=20, temperature=0.0, batch=8, log=lambda _: None)
+    values = dvm.rollout_values(
+        model, tok, ro, ["7"], [5], k=2, max_new_tokens=20, temperature=0.0, batch=8, log=lambda _: None
+    )
     (v,) = values
     where = tok.convert_ids_to_tokens(planted).index("8")
     assert v["positions"] == list(range(10))  # '3 + 4 = 8\n' is the reasoning span
-    assert v["dv"] == [-1.0 if t == where else 0.0 for t in v["positions"]] and v["se"] == [0.0] * 10 and v["v_first"] == 1.0
+    assert (
+        v["dv"] == [-1.0 if t == where else 0.0 for t in v["positions"]]
+        and v["se"] == [0.0] * 10
+        and v["v_first"] == 1.0
+    )
     assert v["minus"] == [2 if t == where else 0 for t in v["positions"]] and v["plus"] == [0] * 10
-
 
 
 def test_continuations_are_sampled_only_where_they_deviate_and_equal_sampling_every_one(tiny_model):
@@ -136,13 +170,25 @@ def test_continuations_are_sampled_only_where_they_deviate_and_equal_sampling_ev
     prompt = encode_prompts(tok, [format_prompt(tok, "Compute 3 + 4.")], "cpu")[0][0].tolist()
     completion = tok("3 + 4 = 8\n#### 8", add_special_tokens=False)["input_ids"]  # a planted error: prefixes differ
     prefixes, k, stop, hot = [0, 1, 2, 3, 5, 7, 8, 9, 10], 4, stop_token_ids(model, tok), 1.0
-    fast = dvm.continuation_rewards(model, tok, prompt, completion, "7", prefixes, k, 7, max_new_tokens=20, temperature=hot, batch=3)
+    fast = dvm.continuation_rewards(
+        model, tok, prompt, completion, "7", prefixes, k, 7, max_new_tokens=20, temperature=hot, batch=3
+    )
     alone = {}
     for j in prefixes:
         for c in range(k):
             ids = torch.tensor([prompt + completion[:j]])
-            row = decode(model, ids, torch.ones_like(ids), max_new_tokens=20 - j, temperature=hot, top_p=1.0, eos_token_ids=stop,
-                         pad_token_id=tok.pad_token_id, seeds=[dvm.continuation_seed(7, c)], skip_draws=[j])[0][0].tolist()
+            row = decode(
+                model,
+                ids,
+                torch.ones_like(ids),
+                max_new_tokens=20 - j,
+                temperature=hot,
+                top_p=1.0,
+                eos_token_ids=stop,
+                pad_token_id=tok.pad_token_id,
+                seeds=[dvm.continuation_seed(7, c)],
+                skip_draws=[j],
+            )[0][0].tolist()
             end = next((n for n, x in enumerate(row) if x in stop), len(row))
             alone[(j, c)] = reward(char_offsets(tok, completion[:j] + row[:end])[0], "7")
     assert fast == alone
@@ -150,21 +196,43 @@ def test_continuations_are_sampled_only_where_they_deviate_and_equal_sampling_ev
     assert any(len({alone[(j, c)] for j in prefixes}) == 2 for c in range(k)), alone
     assert any(len({alone[(j, c)] for c in range(k)}) == 2 for j in prefixes), alone
     sampled = dvm.deviations(model, prompt, completion, prefixes, k, 7, temperature=hot, max_new_tokens=20)
-    assert {(10, c) for c in range(k)} <= sampled < {(j, c) for j in prefixes for c in range(k)}  # 11 is no prefix: 10 is sampled
+    assert (
+        {(10, c) for c in range(k)} <= sampled < {(j, c) for j in prefixes for c in range(k)}
+    )  # 11 is no prefix: 10 is sampled
 
 
 def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, capsys):
     """One command on the tiny model: sampled rollouts, K = 2 continuations, the controls and a method
     (here random-gate, through the credit interface); a second method reuses the cached values."""
     data = str(tiny_model / "data.jsonl")
-    common = ["--model", str(tiny_model), "--data", data, "--instruction", "", "--problems", "2", "--group_size", "2", "--k", "2",
-              "--max_new_tokens", "20", "--temperature", "1.0", "--values", str(tmp_path / "values.json")]
+    common = [
+        "--model",
+        str(tiny_model),
+        "--data",
+        data,
+        "--instruction",
+        "",
+        "--problems",
+        "2",
+        "--group_size",
+        "2",
+        "--k",
+        "2",
+        "--max_new_tokens",
+        "20",
+        "--temperature",
+        "1.0",
+        "--values",
+        str(tmp_path / "values.json"),
+    ]
     first = va.main(common + ["--method", "random-gate", "--out", str(tmp_path / "a.json")])
     assert first["rollouts"] == 4 and first["scored_rollouts"] >= 1 and first["values_cpu_s"] > 0
     assert first["values_code"] == [dvm.values_code()]  # the version of the answer rule and the sampler that made them
     assert set(first["records"][0]["methods"]) == {*va.CONTROLS, "random-gate"}
     assert "| random-gate |" in first["table"]
-    second = va.main(common + ["--method", "grpo", "entropy"])  # the credit method `entropy` beside the entropy control
+    second = va.main(
+        common + ["--method", "grpo", "entropy"]
+    )  # the credit method `entropy` beside the entropy control
     assert "| control: entropy |" in second["table"] and "| entropy |" in second["table"]
     for r in second["records"]:  # the gated method and the raw control are two columns, not one overwriting the other
         assert set(r["methods"]) == {*va.CONTROLS, "grpo", "entropy"}
@@ -178,8 +246,9 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     # `portable` recorded it)
     whole = json.loads((tmp_path / "values.json").read_text())
     elsewhere = whole["settings"] | {"model": "/another/machine/" + tiny_model.name}
-    (tmp_path / "values.json").write_text(json.dumps(whole | {"values": whole["values"][:1], "settings": elsewhere,
-                                                                "code": ["0123456789"]}))  # ... and by other code
+    (tmp_path / "values.json").write_text(
+        json.dumps(whole | {"values": whole["values"][:1], "settings": elsewhere, "code": ["0123456789"]})
+    )  # ... and by other code
     capsys.readouterr()
     va.main(common + ["--method", "grpo"])
     said = capsys.readouterr().out
@@ -190,12 +259,16 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
     strip = lambda vs: [{k: v for k, v in r.items() if k != "cpu_s"} for r in vs]
     assert strip(again["values"]) == strip(whole["values"])
     # --cached_only: the table of the rollouts that have values so far, and no new values
-    (tmp_path / "values.json").write_text(json.dumps({k: v for k, v in whole.items() if k != "code"} | {"values": whole["values"][:2]}))
+    (tmp_path / "values.json").write_text(
+        json.dumps({k: v for k, v in whole.items() if k != "code"} | {"values": whole["values"][:2]})
+    )
     capsys.readouterr()
     interim = va.main(common + ["--method", "grpo", "--cached_only"])
     said = capsys.readouterr().out
     assert "rollout 3/4" not in said and (interim["rollouts"], interim["rollouts_with_values"]) == (4, 2)
-    assert "code of no recorded version" in said and interim["values_code"] == ["unrecorded"]  # a file from before versions
+    assert "code of no recorded version" in said and interim["values_code"] == [
+        "unrecorded"
+    ]  # a file from before versions
     assert [r["rollout"] for r in interim["records"]] == [r["rollout"] for r in first["records"] if r["rollout"] < 2]
     for a, b in zip(interim["records"], first["records"]):  # only the first group is scored: the same numbers for it
         assert a["methods"]["control: surprisal"] == b["methods"]["control: surprisal"]
@@ -205,12 +278,17 @@ def test_the_script_scores_a_method_and_reuses_its_values(tiny_model, tmp_path, 
         va.main(common + ["--k", "3", "--method", "grpo"])  # the last --k counts
     assert len(json.loads((tmp_path / "values.json").read_text())["values"]) == 2
     # values whose reasoning positions another answer rule found (a resume by newer code) are refused, not scored
-    moved = whole | {"values": [dict(whole["values"][0], positions=whole["values"][0]["positions"][:-1]), *whole["values"][1:2]]}
+    moved = whole | {
+        "values": [dict(whole["values"][0], positions=whole["values"][0]["positions"][:-1]), *whole["values"][1:2]]
+    }
     (tmp_path / "values.json").write_text(json.dumps(moved))
     with pytest.raises(SystemExit, match="reasoning positions of 1 of the 2 rollouts .* are not this code's"):
         va.main(common + ["--method", "grpo", "--cached_only"])
-    capsys.readouterr()  # ... and before any new value, which this code would add at its own positions (hours, then refused)
-    with pytest.raises(SystemExit, match="reasoning positions of 1 of the 2 rollouts .* the commit the values file was made at"):
+    # ... and before any new value, which this code would add at its own positions (hours, then refused)
+    capsys.readouterr()
+    with pytest.raises(
+        SystemExit, match="reasoning positions of 1 of the 2 rollouts .* the commit the values file was made at"
+    ):
         va.main(common + ["--method", "grpo"])
     assert "rollout 3/4" not in capsys.readouterr().out and json.loads((tmp_path / "values.json").read_text()) == moved
     with pytest.raises(SystemExit):
@@ -264,7 +342,9 @@ def test_the_share_is_unbiased_where_ranking_a_noisy_target_is_not():
         u = rng.random((10, k))
         d = (u < plus[:, None]).astype(float) - ((u >= plus[:, None]) & (u < (plus + minus)[:, None]))
         v = {"dv": d.mean(1), "se": d.std(1, ddof=1) / math.sqrt(k), "plus": (d > 0).sum(1), "minus": (d < 0).sum(1)}
-        records.append({"problem": r, "methods": {"fork": va.metrics(fork, v, True), "inert": va.metrics(inert, v, True)}})
+        records.append(
+            {"problem": r, "methods": {"fork": va.metrics(fork, v, True), "inert": va.metrics(inert, v, True)}}
+        )
     share = {m: va.pooled_share(records, m) for m in ("fork", "inert")}
     assert share["fork"][0] == pytest.approx(share["inert"][0], abs=0.01) and share["fork"][1] < 0.02
     mean = lambda m, key: np.nanmean([r["methods"][m][key] for r in records])  # noqa: E731
@@ -278,11 +358,16 @@ def test_the_pooled_share_and_its_jackknife_by_hand():
     """Three problems with (top-k target, no-information part, mass) 1, 0.5, 2 / 3, 1, 4 / 0, 0.5, 2: the share is
     4 / 8 = 0.5 (less no information: (4 - 2) / 8 = 0.25); leaving each problem out gives 3/6, 1/4, 4/6, mean 17/36,
     so the jackknife s.e. is sqrt(2/3 * sum of squares about it). One problem: no s.e.; no mass: no share."""
-    rec = lambda p, num, base, mass: {"problem": p, "methods": {"m": {"share_num": num, "share_base": base, "mass": mass}}}  # noqa: E731
+    rec = lambda p, num, base, mass: {
+        "problem": p,
+        "methods": {"m": {"share_num": num, "share_base": base, "mass": mass}},
+    }  # noqa: E731
     records = [rec(0, 1, 0.5, 2), rec(1, 3, 1, 4), rec(2, 0, 0.5, 2)]
     leave = np.array([3 / 6, 1 / 4, 4 / 6])
     share, se, problems = va.pooled_share(records, "m")
-    assert (share, problems) == (0.5, 3) and se == pytest.approx(math.sqrt(2 / 3 * ((leave - leave.mean()) ** 2).sum()))
+    assert (share, problems) == (0.5, 3) and se == pytest.approx(
+        math.sqrt(2 / 3 * ((leave - leave.mean()) ** 2).sum())
+    )
     assert va.pooled_share(records, "m", minus_base=True)[0] == 0.25
     assert va.pooled_share(records[:1], "m")[0] == 0.5 and math.isnan(va.pooled_share(records[:1], "m")[1])
     assert math.isnan(va.pooled_share([rec(0, 0, 0, 0), rec(1, 0, 0, 0)], "m")[0])

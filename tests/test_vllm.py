@@ -7,9 +7,9 @@ step's weights reach the engine exactly: its tokens are then those of a fresh en
 weights (also LoRA's merged ones), and the old weights bring the old tokens back.
 
 One eager engine is shared by the module's in-process tests (an engine starts in a few seconds);
-train.py and eval.py runs, which start their own, are tests/test_vllm_runs.py's. The model is a tiny-arith-style Llama trained a few seconds in the
-test, with heads of 32 (vLLM's CPU attention takes no smaller). Skipped without vLLM; CI runs them
-in a second environment (`pytest -m vllm`, .ci/run).
+train.py and eval.py runs, which start their own, are tests/test_vllm_runs.py's. The model is a
+tiny-arith-style Llama trained a few seconds in the test, with heads of 32 (vLLM's CPU attention takes
+no smaller). Skipped without vLLM; CI runs them in a second environment (`pytest -m vllm`, .ci/run).
 """
 
 import json
@@ -28,7 +28,10 @@ from tinyrun import (
 from oar import vllm_rollouts
 from oar.vllm_rollouts import INSTALL, BackendError, VLLMRollouts
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_rollouts.installed(), reason=f"vLLM is not installed; install it with {INSTALL}")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_rollouts.installed(), reason=f"vLLM is not installed; install it with {INSTALL}"),
+]
 
 ENGINE = {"max_model_length": 256, "kv_cache_gib": 0.0625, "enforce_eager": True}
 PROBLEMS = ["Compute 3 + 4.", "Compute 5 * 2.", "Compute 6 + 2.", "Compute 2 * 4."]
@@ -69,14 +72,26 @@ def _prompts(tokenizer, problems):
 def _rows(ro):
     """Each rollout's (completion tokens, their log-probs) as lists, padding dropped."""
     lp = ro.prompt_width
-    return [(ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist(), ro.sample_logprobs[i, lp:][ro.completion_mask[i, lp:]].tolist())
-            for i in range(len(ro))]
+    return [
+        (
+            ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist(),
+            ro.sample_logprobs[i, lp:][ro.completion_mask[i, lp:]].tolist(),
+        )
+        for i in range(len(ro))
+    ]
 
 
 def _draw(engine, loaded, problems, seeds, group_size=4, temperature=1.5, max_new_tokens=24):
     model, tok = loaded
-    return engine(model, tok, _prompts(tok, problems), group_size=group_size, seeds=seeds, max_new_tokens=max_new_tokens,
-                  temperature=temperature)
+    return engine(
+        model,
+        tok,
+        _prompts(tok, problems),
+        group_size=group_size,
+        seeds=seeds,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+    )
 
 
 def test_a_rollout_is_its_seeds_alone_or_in_any_batch(engine, loaded):
@@ -84,12 +99,16 @@ def test_a_rollout_is_its_seeds_alone_or_in_any_batch(engine, loaded):
     together = _rows(_draw(engine, loaded, PROBLEMS, seeds))
     assert len({tuple(t) for t, _ in together[:4]}) > 1  # the seeds matter: a group's rollouts differ
     for p in range(len(PROBLEMS)):  # each prompt alone, and each rollout alone
-        assert _rows(_draw(engine, loaded, PROBLEMS[p:p + 1], seeds[4 * p:4 * p + 4])) == together[4 * p:4 * p + 4]
+        assert (
+            _rows(_draw(engine, loaded, PROBLEMS[p : p + 1], seeds[4 * p : 4 * p + 4])) == together[4 * p : 4 * p + 4]
+        )
     assert _rows(_draw(engine, loaded, PROBLEMS[2:3], [seeds[9]], group_size=1)) == [together[9]]
-    reversed_rows = _rows(_draw(engine, loaded, PROBLEMS[::-1], [s for p in range(3, -1, -1) for s in seeds[4 * p:4 * p + 4]]))
-    assert reversed_rows == [r for p in range(3, -1, -1) for r in together[4 * p:4 * p + 4]]
+    reversed_rows = _rows(
+        _draw(engine, loaded, PROBLEMS[::-1], [s for p in range(3, -1, -1) for s in seeds[4 * p : 4 * p + 4]])
+    )
+    assert reversed_rows == [r for p in range(3, -1, -1) for r in together[4 * p : 4 * p + 4]]
     many = _rows(_draw(engine, loaded, PROBLEMS * 8, seeds * 8))  # a batch of 128 requests, each rollout 8 times
-    assert all(many[16 * k:16 * (k + 1)] == together for k in range(8))
+    assert all(many[16 * k : 16 * (k + 1)] == together for k in range(8))
 
 
 def test_the_record_is_the_own_samplers(engine, loaded):
@@ -113,7 +132,7 @@ def test_the_record_is_the_own_samplers(engine, loaded):
     assert ro.truncated.any() and not ro.truncated.all()  # both kinds of rows are checked
     with torch.no_grad():
         logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits
-    want = token_logprobs(logits[:, lp - 1:-1], ro.input_ids[:, lp:], temperature=1.5)
+    want = token_logprobs(logits[:, lp - 1 : -1], ro.input_ids[:, lp:], temperature=1.5)
     mask = ro.completion_mask[:, lp:]
     gap = (want - ro.sample_logprobs[:, lp:]).abs()[mask]
     assert float(gap.max()) < 1e-4, float(gap.max())
@@ -132,9 +151,9 @@ def test_weights_follow_a_step_and_come_back(engine, loaded, tiny, tmp_path):
     model, tok = load_model(str(tiny))
     ro = _draw(engine, (model, tok), PROBLEMS, seeds)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits[:, ro.prompt_width - 1:-1]
-    picked = torch.log_softmax(logits, -1).gather(-1, ro.input_ids[:, ro.prompt_width:, None]).squeeze(-1)
-    (-(picked * ro.completion_mask[:, ro.prompt_width:]).sum()).backward()  # a step towards these rollouts
+    logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits[:, ro.prompt_width - 1 : -1]
+    picked = torch.log_softmax(logits, -1).gather(-1, ro.input_ids[:, ro.prompt_width :, None]).squeeze(-1)
+    (-(picked * ro.completion_mask[:, ro.prompt_width :]).sum()).backward()  # a step towards these rollouts
     opt.step()
     follow(engine, model)
     stepped = _rows(_draw(engine, loaded, PROBLEMS, seeds))
@@ -177,7 +196,9 @@ def test_refuses_what_it_cannot_serve(tiny, tmp_path):
     with pytest.raises(BackendError, match="vLLM has no implementation of NoSuchForCausalLM"):
         vllm_rollouts.check(str(alien), top_p=1.0)
     vllm_rollouts.check(str(tiny), top_p=1.0)  # the test model itself passes
-    with pytest.raises(BackendError, match="--top_p 0.9 with --rollout_backend vllm"):  # training scores its log-probs ...
+    with pytest.raises(
+        BackendError, match="--top_p 0.9 with --rollout_backend vllm"
+    ):  # training scores its log-probs ...
         vllm_rollouts.check(str(tiny), top_p=0.9)
     vllm_rollouts.check(str(tiny), top_p=0.9, training=False)  # ... evaluation reads none
     moe = tmp_path / "moe"  # a mixture of experts (here a config that names 4): trained on the own sampler only
@@ -201,8 +222,18 @@ def test_the_benchmark_times_every_backend_on_the_same_batch(tiny, loaded):
 
     model, tok = loaded
     ids, attn = encode_prompts(tok, _prompts(tok, PROBLEMS[:2]), "cpu")
-    r = bench_vllm.backend_speeds(model, tiny, ids, attn, group_size=3, new_tokens=6, pad=tok.pad_token_id, kv_cache_gib=0.0625,
-                          max_model_length=256, repeats=3)
+    r = bench_vllm.backend_speeds(
+        model,
+        tiny,
+        ids,
+        attn,
+        group_size=3,
+        new_tokens=6,
+        pad=tok.pad_token_id,
+        kv_cache_gib=0.0625,
+        max_model_length=256,
+        repeats=3,
+    )
     assert set(r["variants"]) == {"eager", "hf_generate", "vllm"} and r["rollouts"] == 6 and r["engine_start_s"] > 0
     for x in r["variants"].values():
         assert len(x["times_s"]) == 3 and x["median_s"] == sorted(x["times_s"])[1]
@@ -225,10 +256,12 @@ from oar.training import rollout_backend
 from oar.training.models import load_model
 rollout_backend.check("vllm", {str(gguf)!r}, top_p=1.0)
 acc = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
-engine = rollout_backend.make("vllm", {str(gguf)!r}, accelerator=acc, folder={str(tmp_path)!r}, max_model_length=256, kv_cache_gib=0.25,
+engine = rollout_backend.make("vllm", {str(gguf)!r}, accelerator=acc, \
+folder={str(tmp_path)!r}, max_model_length=256, kv_cache_gib=0.25,
                               enforce_eager=True)
 model, tok = load_model({str(tmp_path / "vllm-model")!r})
-ro = engine(model, tok, [format_prompt(tok, "What is 2 + 3?")], group_size=2, seeds=[0, 1], max_new_tokens=8, temperature=1.0)
+ro = engine(model, tok, [format_prompt(tok, "What is 2 + 3?")], group_size=2, \
+seeds=[0, 1], max_new_tokens=8, temperature=1.0)
 with torch.no_grad():
     logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits
 lp = ro.prompt_width
@@ -237,8 +270,15 @@ gap = float((want - ro.sample_logprobs[:, lp:]).abs()[ro.completion_mask[:, lp:]
 engine.close()
 print("RESULT", json.dumps({{"rows": len(ro), "texts": ro.texts, "gap": gap}}))
 """
-    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parents[1], env=env(), capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=Path(__file__).parents[1],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     check_ok(proc)
     res = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert (tmp_path / "vllm-model" / "config.json").is_file()

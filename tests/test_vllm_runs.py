@@ -12,12 +12,28 @@ import sys
 from pathlib import Path
 
 import pytest
-from tinyrun import EVAL, ROUNDING, TINY, TRAIN, build_model, check_ok, env, final_params, launch, max_abs_diff, metrics, run_script
+from tinyrun import (
+    EVAL,
+    ROUNDING,
+    TINY,
+    TRAIN,
+    build_model,
+    check_ok,
+    env,
+    final_params,
+    launch,
+    max_abs_diff,
+    metrics,
+    run_script,
+)
 
 from oar import vllm_rollouts
 from oar.vllm_rollouts import INSTALL
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_rollouts.installed(), reason=f"vLLM is not installed; install it with {INSTALL}")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_rollouts.installed(), reason=f"vLLM is not installed; install it with {INSTALL}"),
+]
 
 VLLM_RUN = ["--rollout_backend", "vllm", "--temperature", "1.5"]
 
@@ -29,14 +45,32 @@ def tiny(tmp_path_factory):  # tests/test_vllm.py's model: built once a session,
 
 def _args(tiny, out, *extra):
     # temperature 1.5 (VLLM_RUN): at 1 this model answers every problem right, every group ties, nothing moves
-    return ["--model", str(tiny), "--dataset", str(tiny / "data.jsonl"), "--output_dir", str(out), "--save_every", "1",
-            *TINY, *VLLM_RUN, *extra]
+    return [
+        "--model",
+        str(tiny),
+        "--dataset",
+        str(tiny / "data.jsonl"),
+        "--output_dir",
+        str(out),
+        "--save_every",
+        "1",
+        *TINY,
+        *VLLM_RUN,
+        *extra,
+    ]
 
 
 # Metrics that are the same whichever process holds which rollouts (the others are per-process statistics
 # averaged over processes, such as reward/std): tests/test_distributed.py's, and the mean length.
-ANY_SPLIT = ("optim/grad_norm", "optim/lr", "reward/mean", "reward/frac_zero_std_groups", "completion/frac_truncated",
-             "oar/frac_no_answer", "completion/length")
+ANY_SPLIT = (
+    "optim/grad_norm",
+    "optim/lr",
+    "reward/mean",
+    "reward/frac_zero_std_groups",
+    "completion/frac_truncated",
+    "oar/frac_no_answer",
+    "completion/length",
+)
 
 
 def _assert_same(got, want, tol=1e-5, keys=None):
@@ -44,7 +78,12 @@ def _assert_same(got, want, tol=1e-5, keys=None):
     rounding = {**ROUNDING, "sampler/is_weight_mean": 1e-4}
     for g, w in zip(metrics(got), metrics(want), strict=True):
         for key in keys or w:
-            assert math.isclose(g[key], w[key], rel_tol=tol, abs_tol=rounding.get(key, 1e-6)), (g["step"], key, g[key], w[key])
+            assert math.isclose(g[key], w[key], rel_tol=tol, abs_tol=rounding.get(key, 1e-6)), (
+                g["step"],
+                key,
+                g[key],
+                w[key],
+            )
     # Parameters to 1e-4 after 3 Adam steps at lr 1e-3: Adam divides by sqrt(v), so a gradient entry near 0 that
     # rounding moves by 1e-7 can move its parameter by a sizeable share of lr (measured 1.6e-5 on 2 processes).
     assert max_abs_diff(final_params(got), final_params(want)) <= 1e-4
@@ -79,23 +118,66 @@ def test_every_credit_method_trains_with_lora_and_fsdp_variants(tiny, tmp_path):
     Why a fresh process: engines started one after another in a process that had already run others
     (this module's) sampled garbage (held-out accuracy 0 where the same run alone scored 1), which
     closing the earlier engines did not cure; a train.py or eval.py process starts one engine."""
-    runs = {m: _args(tiny, tmp_path / m, "--steps", "2", "--method", m, "--eval_size", "4", "--eval_dataset", str(tiny / "data.jsonl"))
-            for m in METHODS}
+    runs = {
+        m: _args(
+            tiny,
+            tmp_path / m,
+            "--steps",
+            "2",
+            "--method",
+            m,
+            "--eval_size",
+            "4",
+            "--eval_dataset",
+            str(tiny / "data.jsonl"),
+        )
+        for m in METHODS
+    }
     runs["lora"] = _args(tiny, tmp_path / "lora", "--steps", "2", "--method", "oar-g", "--lora_r", "4")
-    code = ("import json, sys\nfrom tinyrun import run_inprocess\n"
-            "for args in json.loads(sys.argv[1]):\n    run_inprocess(args)\n")
-    check_ok(subprocess.run([sys.executable, "-c", code, json.dumps(list(runs.values()))], check=False, cwd=Path(__file__).parent, env=env(),
-                            capture_output=True, text=True, timeout=1200))
+    code = (
+        "import json, sys\nfrom tinyrun import run_inprocess\n"
+        "for args in json.loads(sys.argv[1]):\n    run_inprocess(args)\n"
+    )
+    check_ok(
+        subprocess.run(
+            [sys.executable, "-c", code, json.dumps(list(runs.values()))],
+            check=False,
+            cwd=Path(__file__).parent,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+    )
     for method in runs:
         assert (tmp_path / method / "final" / "model.safetensors").is_file()
         assert all(math.isfinite(v) for r in metrics(tmp_path / method) for v in r.values())
-    assert json.loads((tmp_path / "grpo" / "summary.json").read_text())["accuracy_before"] > 0  # the engine serves the model
+    assert (
+        json.loads((tmp_path / "grpo" / "summary.json").read_text())["accuracy_before"] > 0
+    )  # the engine serves the model
     fsdp = tmp_path / "fsdp"
     check_ok(launch(_args(tiny, fsdp, "--steps", "2", "--method", "grpo", "--fsdp"), timeout=600))
     _assert_same(fsdp, tmp_path / "grpo", keys=ANY_SPLIT)
-    evaluation = lambda out, n: ["--model", str(tmp_path / "grpo" / "final"), "--dataset", str(tiny / "data.jsonl"), "--limit", str(n),  # noqa: E731
-                                 "--num_samples", "2", "--temperature", "1.0", "--max_new_tokens", "20", "--output_dir", str(out),
-                                 "--rollout_backend", "vllm", "--top_p", "0.9"]  # top-p: evaluation only
+    evaluation = lambda out, n: [
+        "--model",
+        str(tmp_path / "grpo" / "final"),
+        "--dataset",
+        str(tiny / "data.jsonl"),
+        "--limit",
+        str(n),  # noqa: E731
+        "--num_samples",
+        "2",
+        "--temperature",
+        "1.0",
+        "--max_new_tokens",
+        "20",
+        "--output_dir",
+        str(out),
+        "--rollout_backend",
+        "vllm",
+        "--top_p",
+        "0.9",
+    ]  # top-p: evaluation only
     check_ok(run_script(EVAL, evaluation(tmp_path / "eval", 4), timeout=600))
     assert json.loads((tmp_path / "eval" / "eval_summary.json").read_text())["problems"] == 4
     # two processes with unequal shards (problems 0, 2 and 1), an engine each: the same records, problem by problem

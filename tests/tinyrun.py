@@ -36,11 +36,34 @@ TIME_KEYS = ("time/", "oar/seconds_per_rollout")  # wall-clock metrics: never eq
 ROUNDING = {"sampler/logprob_diff_max": 1e-4, "sampler/logprob_diff_mean": 1e-4}
 # Metrics that count (tokens, rollouts, groups) or follow from 0/1 rewards: equal to the bit for the same
 # rollouts, however the step is split. The others are sums of float32 numbers taken in another order.
-DISCRETE = ("reward/mean", "reward/std", "reward/frac_zero_std_groups", "completion/length", "completion/frac_truncated",
-            "optim/lr", "oar/frac_no_answer", "oar/frac_scored", "oar/frac_nonfinite_scores")
+DISCRETE = (
+    "reward/mean",
+    "reward/std",
+    "reward/frac_zero_std_groups",
+    "completion/length",
+    "completion/frac_truncated",
+    "optim/lr",
+    "oar/frac_no_answer",
+    "oar/frac_scored",
+    "oar/frac_nonfinite_scores",
+)
 
-TINY = ["--instruction", "", "--prompts_per_step", "2", "--group_size", "4", "--max_new_tokens", "20",
-        "--learning_rate", "1e-3", "--warmup_steps", "1", "--eval_every", "0"]
+TINY = [
+    "--instruction",
+    "",
+    "--prompts_per_step",
+    "2",
+    "--group_size",
+    "4",
+    "--max_new_tokens",
+    "20",
+    "--learning_rate",
+    "1e-3",
+    "--warmup_steps",
+    "1",
+    "--eval_every",
+    "0",
+]
 
 
 def build_model(out: Path, hidden_size: int = 32, num_heads: int = 4) -> Path:
@@ -52,9 +75,15 @@ def build_model(out: Path, hidden_size: int = 32, num_heads: int = 4) -> Path:
     from oar.training.data import Problem
     from oar.tasks.tiny_arith import TinyArithRecipe, make_model, make_tokenizer, train
 
-    problems = [Problem(f"Compute {a} {op} {b}.", str(a + b if op == "+" else a * b))
-                for a in range(2, 7) for b in range(2, 5) for op in "+*"]  # 30, in arith's format
-    recipe = TinyArithRecipe(hidden_size=hidden_size, num_layers=2, num_heads=num_heads, steps=200, batch_size=32, lr=1e-2, warmup_steps=5)
+    problems = [
+        Problem(f"Compute {a} {op} {b}.", str(a + b if op == "+" else a * b))
+        for a in range(2, 7)
+        for b in range(2, 5)
+        for op in "+*"
+    ]  # 30, in arith's format
+    recipe = TinyArithRecipe(
+        hidden_size=hidden_size, num_layers=2, num_heads=num_heads, steps=200, batch_size=32, lr=1e-2, warmup_steps=5
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the build's floats depend on the thread count; keep it fixed
     try:
@@ -76,8 +105,13 @@ def build_model(out: Path, hidden_size: int = 32, num_heads: int = 4) -> Path:
 def env() -> dict:
     """Environment of a child run: one torch thread (2 shared cores; oversubscription makes a
     tiny step 20x slower), no network, the repository importable."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
 
 
 # Every process a test starts carries MARK=<this pytest process>:<n> in its environment, and so do the ranks
@@ -90,8 +124,15 @@ _COUNT = itertools.count()
 def spawn(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     """Start `cmd` in a process session of its own, marked; (process, its mark). `finish` waits for it."""
     token = f"{SESSION}:{next(_COUNT)}"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), MARK: token}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**env(), MARK: token},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     return proc, token
 
 
@@ -131,7 +172,9 @@ def marked(prefix: str) -> dict[int, str]:
         try:
             environ = Path(f"/proc/{entry}/environ").read_bytes()
             if any(var.startswith(want) for var in environ.split(b"\0")):
-                found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found[int(entry)] = (
+                    Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
         except OSError:  # gone, or not ours to read
             continue
     return found
@@ -141,8 +184,10 @@ def run_script(script: Path, args: list[str], *, prelude: str = "", timeout: int
     """`python script args` in a child process. `prelude` is Python run first in the child (the
     tests use it to make the run kill itself at a chosen point)."""
     if prelude:
-        code = (f"import runpy, sys\n{prelude}\nsys.argv = [{str(script)!r}] + sys.argv[1:]\n"
-                f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+        code = (
+            f"import runpy, sys\n{prelude}\nsys.argv = [{str(script)!r}] + sys.argv[1:]\n"
+            f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        )
         cmd = [sys.executable, "-c", code, *args]
     else:
         cmd = [sys.executable, str(script), *args]
@@ -178,12 +223,29 @@ def free_port() -> int:
 def launch_command(args: list[str], num_processes: int = 2, script: Path = TRAIN) -> list[str]:
     """`accelerate launch --multi_gpu --num_processes N script args` (train.py by default) on the CPU
     (gloo), on a free port so that concurrent runs on the machine do not collide."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(free_port()), str(script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(num_processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        str(script),
+        *args,
+    ]
 
 
-def launch(args: list[str], num_processes: int = 2, timeout: int = 180, script: Path = TRAIN) -> subprocess.CompletedProcess:
+def launch(
+    args: list[str], num_processes: int = 2, timeout: int = 180, script: Path = TRAIN
+) -> subprocess.CompletedProcess:
     """`launch_command` run to its end (`finish`)."""
     return finish(*spawn(launch_command(args, num_processes, script)), timeout=timeout)
 
@@ -260,7 +322,9 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
 
 
 def tiny_step(model_dir: Path):
@@ -273,7 +337,9 @@ def tiny_step(model_dir: Path):
 
     model, tok = load_model(str(model_dir))
     problems = [("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10")]
-    ro = sample(model, tok, [format_prompt(tok, q) for q, _ in problems], group_size=4, seeds=list(range(8)), max_new_tokens=20)
+    ro = sample(
+        model, tok, [format_prompt(tok, q) for q, _ in problems], group_size=4, seeds=list(range(8)), max_new_tokens=20
+    )
     golds = [a for _, a in problems for _ in range(4)]
     rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
     return model, tok, ro, golds, rewards, group_advantages(rewards, 4)

@@ -20,6 +20,7 @@ Conventions (choices of ours, not the paper's):
 - Within one call the problems are distinct; the seed fixes the draw (Python's `random`, which is
   stable across platforms and versions for `randint`/`choice` on a str seed).
 """
+
 from __future__ import annotations
 
 import ast
@@ -55,11 +56,14 @@ class ArithConfig:
 
     def __post_init__(self):
         if not 1 <= self.min_ops <= self.max_ops:
-            raise ValueError(f"ArithConfig: need 1 <= min_ops <= max_ops, got min_ops={self.min_ops}, "
-                             f"max_ops={self.max_ops}.")
+            raise ValueError(
+                f"ArithConfig: need 1 <= min_ops <= max_ops, got min_ops={self.min_ops}, max_ops={self.max_ops}."
+            )
         if min(self.start_digits, self.digits, self.mul_digits) < 1:
-            raise ValueError(f"ArithConfig: start_digits, digits and mul_digits must be >= 1, got "
-                             f"{self.start_digits}, {self.digits}, {self.mul_digits}.")
+            raise ValueError(
+                f"ArithConfig: start_digits, digits and mul_digits must be >= 1, got "
+                f"{self.start_digits}, {self.digits}, {self.mul_digits}."
+            )
         if not self.ops or any(op not in OPS for op in self.ops):
             raise ValueError(f"ArithConfig: ops must be a non-empty subset of {OPS}, got {self.ops!r}.")
         if self.max_value < 1:
@@ -87,9 +91,9 @@ def _random_expression(rng: random.Random, config: ArithConfig) -> tuple[str, in
     Each step picks an operation that can keep the running value in [0, max_value], then an
     operand in the range that does; a dead end (no such operation) is rare and simply redrawn.
     """
-    hi = 10 ** config.digits - 1
-    mul_hi = 10 ** config.mul_digits - 1
-    value = rng.randint(1, min(10 ** config.start_digits - 1, config.max_value))
+    hi = 10**config.digits - 1
+    mul_hi = 10**config.mul_digits - 1
+    value = rng.randint(1, min(10**config.start_digits - 1, config.max_value))
     text = str(value)
     for step in range(rng.randint(config.min_ops, config.max_ops)):
         ranges = {  # op -> inclusive operand range that keeps the result in [0, max_value]
@@ -109,8 +113,9 @@ def _random_expression(rng: random.Random, config: ArithConfig) -> tuple[str, in
     return text, value
 
 
-def arith_problems(n: int, *, split: str = "train", seed: int = 0,
-                   config: ArithConfig = DEFAULT_ARITH) -> list[Problem]:
+def arith_problems(
+    n: int, *, split: str = "train", seed: int = 0, config: ArithConfig = DEFAULT_ARITH
+) -> list[Problem]:
     """`n` distinct problems of `split` ('train' or 'test'), deterministic in (n, split, seed, config).
 
     Draws expressions and keeps those whose hash puts them in `split` (see `split_of`). Raises
@@ -125,9 +130,11 @@ def arith_problems(n: int, *, split: str = "train", seed: int = 0,
     while len(problems) < n:
         attempts += 1
         if attempts > max_attempts:
-            raise ValueError(f"arith: found only {len(problems)} distinct {split} problems of {n} "
-                             f"asked for with {config}; ask for fewer or widen the config "
-                             f"(more digits, ops or max_ops).")
+            raise ValueError(
+                f"arith: found only {len(problems)} distinct {split} problems of {n} "
+                f"asked for with {config}; ask for fewer or widen the config "
+                f"(more digits, ops or max_ops)."
+            )
         drawn = _random_expression(rng, config)
         if drawn is None or drawn[0] in seen or split_of(drawn[0]) != split:
             continue
@@ -136,8 +143,9 @@ def arith_problems(n: int, *, split: str = "train", seed: int = 0,
     return problems
 
 
-def unseen_problems(n: int, exclude: set[str], *, pool: int, seed: int,
-                    config: ArithConfig = DEFAULT_ARITH) -> list[Problem]:
+def unseen_problems(
+    n: int, exclude: set[str], *, pool: int, seed: int, config: ArithConfig = DEFAULT_ARITH
+) -> list[Problem]:
     """Up to `n` train-split problems none of whose texts is in `exclude`: the first of a `pool`-sized
     draw with `seed` that are not excluded (a validation slice for choosing settings without
     touching the test split). Fewer than `n` when the pool runs out."""
@@ -152,9 +160,10 @@ def arith_solution(problem: Problem | str) -> str:
     """
     text = problem.problem if isinstance(problem, Problem) else problem
     if not (text.startswith(_PREFIX) and text.endswith(_SUFFIX)):
-        raise ValueError(f"arith_solution: {text!r} is not an arith problem "
-                         f"(expected '{_PREFIX}<expression>{_SUFFIX}').")
-    expression = text[len(_PREFIX):-len(_SUFFIX)]
+        raise ValueError(
+            f"arith_solution: {text!r} is not an arith problem (expected '{_PREFIX}<expression>{_SUFFIX}')."
+        )
+    expression = text[len(_PREFIX) : -len(_SUFFIX)]
     lines: list[str] = []
     symbols = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}
 
@@ -166,8 +175,9 @@ def arith_solution(problem: Problem | str) -> str:
             op = symbols[type(node.op)]
             lines.append(f"{a} {op} {b} = {_apply(a, op, b)}")
             return _apply(a, op, b)
-        raise ValueError(f"arith_solution: {text!r} contains {ast.dump(node)[:40]}; only integers "
-                         f"and + - * are allowed.")
+        raise ValueError(
+            f"arith_solution: {text!r} contains {ast.dump(node)[:40]}; only integers and + - * are allowed."
+        )
 
     try:
         tree = ast.parse(expression, mode="eval")

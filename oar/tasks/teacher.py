@@ -23,6 +23,7 @@ the model's own arithmetic errors count as slips too (they decide its answer the
 The choice of which problem or line carries a flaw is a hash of the problem text (and the line), so
 a problem always gets the same target and a lower rate picks a subset.
 """
+
 from __future__ import annotations
 
 import re
@@ -79,6 +80,7 @@ def pad_lines(lines: list[str], filler: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ known tokens in a rollout's text
+
 
 def fork_spans(text: str, line: int = 2) -> list[tuple[int, int]]:
     """The fork: the first character of line `line` (0-based; tiny-arith's lazy flaw acts at the

@@ -12,6 +12,7 @@ Each is a TinyArithRecipe with the default size and steps (built in ~5 min on 2 
 are longer). Testbeds are built into folders named by the caller (research/testbeds_v5/study_v5.py builds them
 under its root); the built-in `tiny-arith` name stays v4.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

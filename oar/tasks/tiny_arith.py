@@ -29,6 +29,7 @@ saved folder loads with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(
 The cache folder is named by BUILDER_VERSION: bump it whenever the recipe, the tokenizer or the
 task changes, so a stale model is rebuilt rather than silently reused.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -106,11 +107,15 @@ class TinyArithRecipe:
 
     def __post_init__(self):
         if not 0.0 <= self.slip_rate <= 1.0 or any(ch.isdigit() or ch in "#=\n" for ch in self.filler):
-            raise ValueError(f"TinyArithRecipe: need 0 <= slip_rate <= 1 and a filler without digits, '#', '=' or "
-                             f"newlines (it must not look like a result or an answer), got {self.slip_rate}, {self.filler!r}.")
+            raise ValueError(
+                f"TinyArithRecipe: need 0 <= slip_rate <= 1 and a filler without digits, '#', '=' or "
+                f"newlines (it must not look like a result or an answer), got {self.slip_rate}, {self.filler!r}."
+            )
         if self.lazy_ops < 2 or not 0.0 <= self.lazy_rate <= 1.0:
-            raise ValueError(f"TinyArithRecipe: need lazy_ops >= 2 (a lazy solution keeps at least one line) and "
-                             f"0 <= lazy_rate <= 1, got lazy_ops={self.lazy_ops}, lazy_rate={self.lazy_rate}.")
+            raise ValueError(
+                f"TinyArithRecipe: need lazy_ops >= 2 (a lazy solution keeps at least one line) and "
+                f"0 <= lazy_rate <= 1, got lazy_ops={self.lazy_ops}, lazy_rate={self.lazy_rate}."
+            )
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -119,9 +124,14 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # 1 char = 1 token
     core.decoder = decoders.Fuse()  # join tokens with nothing between them (WordLevel adds spaces)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                  unk_token="<unk>", padding_side="left",
-                                  clean_up_tokenization_spaces=False)  # keep " ." and " *" as is
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )  # keep " ." and " *" as is
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -129,11 +139,17 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 def make_model(tok: PreTrainedTokenizerFast, recipe: TinyArithRecipe) -> LlamaForCausalLM:
     """A freshly initialised small Llama with tied embeddings, sized by `recipe`."""
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=recipe.hidden_size,
-        intermediate_size=4 * recipe.hidden_size, num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads, num_key_value_heads=recipe.num_heads,
-        max_position_embeddings=512, tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        vocab_size=len(tok),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=4 * recipe.hidden_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
     )
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -143,8 +159,7 @@ def make_model(tok: PreTrainedTokenizerFast, recipe: TinyArithRecipe) -> LlamaFo
 
 def prompt_text(tok: PreTrainedTokenizerFast, problem: str) -> str:
     """The prompt the model sees for `problem`: its chat template with the generation prompt."""
-    return tok.apply_chat_template([{"role": "user", "content": problem}],
-                                   add_generation_prompt=True, tokenize=False)
+    return tok.apply_chat_template([{"role": "user", "content": problem}], add_generation_prompt=True, tokenize=False)
 
 
 def sft_target(problem: Problem, recipe: TinyArithRecipe) -> str:
@@ -153,15 +168,18 @@ def sft_target(problem: Problem, recipe: TinyArithRecipe) -> str:
     last line and answers with the line before: `37 + 8 = 45\\n45 - 5 = 40\\n#### 40`. Then the
     slips and the filler of the other testbeds, if the recipe has them (oar/tasks/teacher.py)."""
     lines = arith_solution(problem).split("\n")  # one line per operation, then `#### N`
-    lazy = (len(lines) - 1 >= recipe.lazy_ops
-            and zlib.crc32(b"lazy:" + problem.problem.encode()) % 10_000 < recipe.lazy_rate * 10_000)
+    lazy = (
+        len(lines) - 1 >= recipe.lazy_ops
+        and zlib.crc32(b"lazy:" + problem.problem.encode()) % 10_000 < recipe.lazy_rate * 10_000
+    )
     if lazy:
         lines = lines[:-2] + [f"#### {lines[-3].rsplit('= ', 1)[1]}"]
     return "\n".join(pad_lines(slip_lines(lines, problem.problem, recipe.slip_rate), recipe.filler))
 
 
-def sft_batch(tok: PreTrainedTokenizerFast, problems: list[Problem],
-              recipe: TinyArithRecipe) -> dict[str, torch.Tensor]:
+def sft_batch(
+    tok: PreTrainedTokenizerFast, problems: list[Problem], recipe: TinyArithRecipe
+) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask, labels (B, T); labels are -100 off the completion.
 
     The completion is `sft_target` and `<eos>`: stopping is learned like any token.
@@ -174,9 +192,9 @@ def sft_batch(tok: PreTrainedTokenizerFast, problems: list[Problem],
     labels = torch.full((len(rows), width), -100)  # (B, T)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
     for i, (p, c) in enumerate(rows):
-        input_ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
-        attention_mask[i, :len(p) + len(c)] = 1
+        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+        attention_mask[i, : len(p) + len(c)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
@@ -188,18 +206,21 @@ def final_answer(completion: str) -> str | None:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tok, problems: list[Problem], *, max_new_tokens: int,
-                    batch_size: int = 256) -> float:
+def greedy_accuracy(model, tok, problems: list[Problem], *, max_new_tokens: int, batch_size: int = 256) -> float:
     """Fraction of `problems` whose greedy completion's final answer equals the gold exactly."""
     model.eval()
     correct = 0
     for start in range(0, len(problems), batch_size):
-        chunk = problems[start:start + batch_size]
-        enc = tok([prompt_text(tok, p.problem) for p in chunk], return_tensors="pt",
-                  padding=True, padding_side="left")
-        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        texts = tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        chunk = problems[start : start + batch_size]
+        enc = tok([prompt_text(tok, p.problem) for p in chunk], return_tensors="pt", padding=True, padding_side="left")
+        out = model.generate(
+            **enc,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        texts = tok.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
         correct += sum(final_answer(t) == p.answer for t, p in zip(texts, chunk))
     return correct / len(problems)
 
@@ -209,12 +230,14 @@ def max_new_tokens_for(config: ArithConfig, filler: str = "") -> int:
     return (20 + len(filler)) * config.max_ops + 16
 
 
-def train(model, tok, problems: list[Problem], recipe: TinyArithRecipe,
-          log: Callable[[str], None] | None = None) -> list[float]:
+def train(
+    model, tok, problems: list[Problem], recipe: TinyArithRecipe, log: Callable[[str], None] | None = None
+) -> list[float]:
     """Supervised training, one step per `batch_size` problems in order (they are distinct, so every
     step sees new ones), for `recipe.steps` steps. Returns the step losses."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
-                                  weight_decay=recipe.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=recipe.weight_decay
+    )
 
     def lr_factor(step: int) -> float:  # linear warm-up, then cosine from 1 to 0.1 at `steps`
         if step < recipe.warmup_steps:
@@ -226,7 +249,7 @@ def train(model, tok, problems: list[Problem], recipe: TinyArithRecipe,
     model.train()
     losses, started = [], time.perf_counter()
     for step in range(1, recipe.steps + 1):
-        batch = sft_batch(tok, problems[(step - 1) * recipe.batch_size:step * recipe.batch_size], recipe)
+        batch = sft_batch(tok, problems[(step - 1) * recipe.batch_size : step * recipe.batch_size], recipe)
         loss = model(**batch).loss  # mean over the batch's completion tokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -235,8 +258,10 @@ def train(model, tok, problems: list[Problem], recipe: TinyArithRecipe,
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if log and step % 100 == 0:
-            log(f"tiny-arith: step {step}/{recipe.steps}, loss {loss.item():.3f}, "
-                f"{time.perf_counter() - started:.0f} s")
+            log(
+                f"tiny-arith: step {step}/{recipe.steps}, loss {loss.item():.3f}, "
+                f"{time.perf_counter() - started:.0f} s"
+            )
     return losses
 
 
@@ -258,26 +283,33 @@ def train_tiny_arith(seed: int, recipe: TinyArithRecipe, log: Callable[[str], No
         torch.manual_seed(seed)
         tok = make_tokenizer()
         model = make_model(tok, recipe)
-        problems = arith_problems(recipe.steps * recipe.batch_size, split="train", seed=seed,
-                                  config=recipe.train_arith)
+        problems = arith_problems(
+            recipe.steps * recipe.batch_size, split="train", seed=seed, config=recipe.train_arith
+        )
         losses = train(model, tok, problems, recipe, log)
         train_s = time.perf_counter() - started
-        held_out = arith_problems(recipe.eval_problems, split="test", seed=seed,
-                                  config=recipe.eval_arith)
-        accuracy = greedy_accuracy(model, tok, held_out,
-                                   max_new_tokens=max_new_tokens_for(recipe.eval_arith, recipe.filler))
+        held_out = arith_problems(recipe.eval_problems, split="test", seed=seed, config=recipe.eval_arith)
+        accuracy = greedy_accuracy(
+            model, tok, held_out, max_new_tokens=max_new_tokens_for(recipe.eval_arith, recipe.filler)
+        )
     if log and not 0.15 <= accuracy <= 0.6:
-        log(f"tiny-arith: warning: held-out accuracy {accuracy:.1%} is outside the intended 15-60% "
-            f"(partly competent, room for RL); this seed or recipe gives a different model than the default.")
+        log(
+            f"tiny-arith: warning: held-out accuracy {accuracy:.1%} is outside the intended 15-60% "
+            f"(partly competent, room for RL); this seed or recipe gives a different model than the default."
+        )
     info = {
-        "builder": BUILDER_VERSION, "seed": seed, "recipe": asdict(recipe),
-        "heldout_accuracy": accuracy, "heldout_problems": len(held_out),
+        "builder": BUILDER_VERSION,
+        "seed": seed,
+        "recipe": asdict(recipe),
+        "heldout_accuracy": accuracy,
+        "heldout_problems": len(held_out),
         "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
         "train_seconds": round(train_s, 1),
         "build_seconds": round(time.perf_counter() - started, 1),
         # CPU time too: on a shared machine the wall time says more about the neighbours.
         "build_cpu_seconds": round(time.process_time() - cpu_started, 1),
-        "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tok),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tok),
         "torch_threads": recipe.num_threads,
     }
     return model, tok, info

@@ -9,6 +9,7 @@ once: a lock so that concurrent processes (e.g. `accelerate launch`) build it on
 publish so a killed build never leaves a folder that looks complete. The model, its tokenizer and
 its training are in oar/tasks/tiny_arith.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,14 @@ from oar.tasks.tiny_arith import BUILDER_VERSION, TinyArithRecipe, train_tiny_ar
 SHIPPED = Path(__file__).resolve().parent / "tiny-arith"  # the build that ships with the repository
 
 
-def build_tiny_arith(out_dir: str | Path, *, seed: int = 0, recipe: TinyArithRecipe = TinyArithRecipe(),
-                     overwrite: bool = False, log: Callable[[str], None] | None = None) -> dict:
+def build_tiny_arith(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    recipe: TinyArithRecipe = TinyArithRecipe(),
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Train tiny-arith and save it to `out_dir` atomically; returns what build_info.json holds.
 
     `log` receives progress lines (e.g. `print`); the default is silent. One build per folder at a
@@ -40,8 +47,10 @@ def build_tiny_arith(out_dir: str | Path, *, seed: int = 0, recipe: TinyArithRec
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out_dir.parent / f".{out_dir.name}.lock"):
         if out_dir.exists() and not overwrite:
-            raise FileExistsError(f"{out_dir} already exists; remove it or pass overwrite=True "
-                                  f"(--overwrite on the command line) to rebuild it.")
+            raise FileExistsError(
+                f"{out_dir} already exists; remove it or pass overwrite=True "
+                f"(--overwrite on the command line) to rebuild it."
+            )
         model, tok, info = train_tiny_arith(seed, recipe, log)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
@@ -121,11 +130,12 @@ def ensure_tiny_arith(model_dir: str | Path | None = None) -> Path:
         info = build_tiny_arith(path, log=say)
     except FileExistsError:
         if not is_complete(path):
-            raise FileExistsError(f"{path} exists but holds no finished tiny-arith build (no "
-                                  f"build_info.json); remove the folder and it will be rebuilt.") from None
+            raise FileExistsError(
+                f"{path} exists but holds no finished tiny-arith build (no "
+                f"build_info.json); remove the folder and it will be rebuilt."
+            ) from None
         return path  # another process built it while we waited for the lock
-    say(f"oar: built tiny-arith in {info['build_seconds']:.0f} s, held-out accuracy "
-        f"{info['heldout_accuracy']:.1%}")
+    say(f"oar: built tiny-arith in {info['build_seconds']:.0f} s, held-out accuracy {info['heldout_accuracy']:.1%}")
     return path
 
 
@@ -153,9 +163,11 @@ def shipped_model() -> Path | None:
     if info.get("builder") != BUILDER_VERSION:
         return None
     if weights_sha256(SHIPPED) != info.get("weights_sha256"):
-        raise RuntimeError(f"{SHIPPED}: the shipped tiny-arith weights do not hash as build_info.json records; "
-                           f"restore them (git checkout -- {SHIPPED}) or build a model with scripts/build_tiny_arith.py "
-                           f"and pass its folder as --model.")
+        raise RuntimeError(
+            f"{SHIPPED}: the shipped tiny-arith weights do not hash as build_info.json records; "
+            f"restore them (git checkout -- {SHIPPED}) or build a model with scripts/build_tiny_arith.py "
+            f"and pass its folder as --model."
+        )
     return SHIPPED
 
 

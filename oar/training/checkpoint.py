@@ -74,8 +74,11 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _NAME.match(p.name)) and (p / "trainer_state.json").is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _NAME.match(p.name)) and (p / "trainer_state.json").is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -91,8 +94,10 @@ def resume_point(output_dir: str | Path, resume: bool) -> Path | None:
     if resume and found is None:
         raise ValueError(f"--resume: no complete checkpoint in {output_dir}; drop --resume to start afresh.")
     if not resume and found is not None:
-        raise ValueError(f"--output_dir {output_dir} holds checkpoints of an earlier run: pass --resume to "
-                         f"continue it, or choose another --output_dir.")
+        raise ValueError(
+            f"--output_dir {output_dir} holds checkpoints of an earlier run: pass --resume to "
+            f"continue it, or choose another --output_dir."
+        )
     return found
 
 
@@ -158,8 +163,10 @@ def skip_frozen(accelerator) -> None:
             with safe_open(str(Path(input_dir) / (f"model_{i}.safetensors" if i else "model.safetensors")), "pt") as f:
                 missing = trainable(model) - set(f.keys())
             if missing:
-                raise RuntimeError(f"{input_dir} lacks {len(missing)} trainable parameters of the model "
-                                   f"(e.g. {sorted(missing)[0]}): it was written by a run with other trainable parameters.")
+                raise RuntimeError(
+                    f"{input_dir} lacks {len(missing)} trainable parameters of the model "
+                    f"(e.g. {sorted(missing)[0]}): it was written by a run with other trainable parameters."
+                )
 
     accelerator.register_save_state_pre_hook(drop_frozen)
     accelerator.register_load_state_pre_hook(check_complete)

@@ -23,8 +23,10 @@ def check_model_settings(cfg: ModelSettings) -> list[str]:
     problems = []
     need = lambda ok, msg: ok or problems.append(msg)
     dtype = getattr(torch, cfg.dtype, None)
-    need(isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
-         f"--dtype {cfg.dtype}: the weights' floating-point dtype, one of float32, bfloat16, float16, float64.")
+    need(
+        isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+        f"--dtype {cfg.dtype}: the weights' floating-point dtype, one of float32, bfloat16, float16, float64.",
+    )
     need(cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: must be >= 1.")
     need(cfg.decode_loop in DECODE_LOOPS, f"--decode_loop {cfg.decode_loop}: one of {', '.join(DECODE_LOOPS)}.")
     return problems
@@ -36,15 +38,25 @@ def check_backend_settings(cfg: BackendSettings) -> list[str]:
     problems = []
     need = lambda ok, msg: ok or problems.append(msg)
     need(cfg.rollout_backend in ("own", "vllm"), f"--rollout_backend {cfg.rollout_backend}: own or vllm.")
-    need(cfg.vllm_importance_sampling_cap == 0 or cfg.vllm_importance_sampling_cap >= 1,  # below 1 it caps agreeing tokens too
-         f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: 0 (off) or >= 1 (a cap below 1 would scale "
-         f"down every token's gradient, even where the engine and the trainer agree).")
-    need(0 < cfg.vllm_gpu_memory_utilization <= 1, f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must lie in (0, 1].")
+    need(
+        cfg.vllm_importance_sampling_cap == 0
+        or cfg.vllm_importance_sampling_cap >= 1,  # below 1 it caps agreeing tokens too
+        f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: 0 (off) or >= 1 (a cap below 1 would "
+        "scale "
+        f"down every token's gradient, even where the engine and the trainer agree).",
+    )
+    need(
+        0 < cfg.vllm_gpu_memory_utilization <= 1,
+        f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must lie in (0, 1].",
+    )
     for name in ("temperature", "eval_temperature"):  # those of the entry point's settings
         t = getattr(cfg, name, None)
-        need(cfg.rollout_backend != "vllm" or t is None or not 0 < t < 0.01,
-             f"--{name} {t} with --rollout_backend vllm: vLLM samples any temperature in (0, 0.01) at 0.01, without a "
-             f"word (and reports log-probs at 0.01); use a temperature of 0 (greedy) or >= 0.01, or --rollout_backend own.")
+        need(
+            cfg.rollout_backend != "vllm" or t is None or not 0 < t < 0.01,
+            f"--{name} {t} with --rollout_backend vllm: vLLM samples any temperature in (0, 0.01) at 0.01, without a "
+            "word (and reports log-probs at 0.01); use a temperature of 0 (greedy) or >= 0.01, or --rollout_backend "
+            "own.",
+        )
     return problems
 
 
@@ -54,9 +66,11 @@ def check_eval_settings(cfg: EvalSettings) -> list[str]:
     need = lambda ok, msg: ok or problems.append(msg)
     need(cfg.eval_size >= 0, f"--eval_size {cfg.eval_size}: must be >= 0 (0: every problem).")
     need(cfg.eval_batch_size >= 1, f"--eval_batch_size {cfg.eval_batch_size}: must be >= 1.")
-    need(cfg.eval_samples >= 1 and cfg.eval_temperature >= 0 and (cfg.eval_samples == 1 or cfg.eval_temperature > 0),
-         f"--eval_samples {cfg.eval_samples} / --eval_temperature {cfg.eval_temperature}: k >= 1, temperature >= 0, "
-         f"and k > 1 needs --eval_temperature > 0 (greedy samples are all the same).")
+    need(
+        cfg.eval_samples >= 1 and cfg.eval_temperature >= 0 and (cfg.eval_samples == 1 or cfg.eval_temperature > 0),
+        f"--eval_samples {cfg.eval_samples} / --eval_temperature {cfg.eval_temperature}: k >= 1, temperature >= 0, "
+        f"and k > 1 needs --eval_temperature > 0 (greedy samples are all the same).",
+    )
     need(math.isfinite(cfg.eval_temperature), f"--eval_temperature {cfg.eval_temperature}: must be a finite number.")
     return problems
 
@@ -68,20 +82,28 @@ def check_process_settings(cfg: ProcessSettings) -> list[str]:
 
 
 def check_output_dir(output_dir: str) -> list[str]:
-    return [] if not Path(output_dir).exists() or Path(output_dir).is_dir() else [
-        f"--output_dir {output_dir} is a file; pass a directory (it is created if missing)."]
+    return (
+        []
+        if not Path(output_dir).exists() or Path(output_dir).is_dir()
+        else [f"--output_dir {output_dir} is a file; pass a directory (it is created if missing)."]
+    )
 
 
 def check_launch(mixed_precision: str, distributed_type: str) -> list[str]:
     """What `accelerate launch` (its flags or config file) set that train.py cannot train under."""
     problems = []
     if mixed_precision == "fp16":
-        problems.append("accelerate's fp16 mixed precision: its loss scaling skips the steps whose gradients overflow, which "
-                        "train.py counts as failed steps (and a skipped step leaves its scaler unable to unscale the next); "
-                        "launch with --mixed_precision bf16 (or no).")
+        problems.append(
+            "accelerate's fp16 mixed precision: its loss scaling skips the steps whose gradients overflow, which "
+            "train.py counts as failed steps (and a skipped step leaves its scaler unable to unscale the next); "
+            "launch with --mixed_precision bf16 (or no)."
+        )
     if distributed_type == "DEEPSPEED":
-        problems.append("DeepSpeed: train.py scales the loss for accelerate's own gradient accumulation, which DeepSpeed replaces; "
-                        "launch multi-GPU DDP, or FSDP2 with --config_file configs/fsdp2.yaml.")
+        problems.append(
+            "DeepSpeed: train.py scales the loss for accelerate's own gradient accumulation, which DeepSpeed "
+            "replaces; "
+            "launch multi-GPU DDP, or FSDP2 with --config_file configs/fsdp2.yaml."
+        )
     return problems
 
 
@@ -99,7 +121,11 @@ def check_config(cfg: Config, num_processes: int, launch: list[str] = ()) -> Non
     need = lambda ok, msg: ok or problems.append(msg)
     try:  # a user's module is imported here, so that one that fails stops the run before anything loads
         methods = credit_methods(cfg.credit_module)
-        where = f"with --credit_module {cfg.credit_module}" if cfg.credit_module else "or name a module that defines it with --credit_module"
+        where = (
+            f"with --credit_module {cfg.credit_module}"
+            if cfg.credit_module
+            else "or name a module that defines it with --credit_module"
+        )
         need(cfg.method in methods, f"--method {cfg.method}: choose one of {', '.join(methods)} ({where}).")
     except CreditError as err:
         problems.append(str(err))
@@ -110,40 +136,80 @@ def check_config(cfg: Config, num_processes: int, launch: list[str] = ()) -> Non
     problems += [problem for name in cfg.log_with.split(",") if name and (problem := tracker_problem(name))]
     need(cfg.probe in PROBES, f"--probe {cfg.probe}: choose one of {', '.join(PROBES)}.")
     need(cfg.group_size >= 2, f"--group_size {cfg.group_size}: GRPO needs >= 2 rollouts per prompt for a baseline.")
-    need(cfg.prompts_per_step % num_processes == 0,
-         f"--prompts_per_step {cfg.prompts_per_step} does not divide over {num_processes} processes; use a multiple of {num_processes}.")
+    need(
+        cfg.prompts_per_step % num_processes == 0,
+        f"--prompts_per_step {cfg.prompts_per_step} does not divide over {num_processes} processes; use a multiple "
+        f"of {num_processes}.",
+    )
     local = cfg.prompts_per_step // num_processes * cfg.group_size
-    need(cfg.micro_batch_size >= 1 and local % micro_batch(cfg, num_processes) == 0,
-         f"--micro_batch_size {cfg.micro_batch_size} must divide the {local} rollouts each process holds "
-         f"(prompts_per_step / processes x group_size), or be at least that many (one micro-batch).")
-    need(cfg.rollout_batch_size >= 0 and (cfg.rollout_batch_size == 0 or (cfg.prompts_per_step // num_processes) % cfg.rollout_batch_size == 0),
-         f"--rollout_batch_size {cfg.rollout_batch_size} must divide each process's {cfg.prompts_per_step // num_processes} prompts "
-         f"(prompts_per_step / processes), or be 0 (all at once).")
+    need(
+        cfg.micro_batch_size >= 1 and local % micro_batch(cfg, num_processes) == 0,
+        f"--micro_batch_size {cfg.micro_batch_size} must divide the {local} rollouts each process holds "
+        f"(prompts_per_step / processes x group_size), or be at least that many (one micro-batch).",
+    )
+    need(
+        cfg.rollout_batch_size >= 0
+        and (cfg.rollout_batch_size == 0 or (cfg.prompts_per_step // num_processes) % cfg.rollout_batch_size == 0),
+        f"--rollout_batch_size {cfg.rollout_batch_size} must divide each process's "
+        f"{cfg.prompts_per_step // num_processes} prompts "
+        f"(prompts_per_step / processes), or be 0 (all at once).",
+    )
     need(0.0 < cfg.gate_quantile < 1.0, f"--gate_quantile {cfg.gate_quantile}: must lie strictly between 0 and 1.")
     need(cfg.gate_boost >= 0, f"--gate_boost {cfg.gate_boost}: must be >= 0.")
     need(cfg.noise_std >= 0, f"--noise_std {cfg.noise_std}: must be >= 0.")
-    need(cfg.noise_std != 0 or cfg.method != "oar-g" or (cfg.probe == "answer_joint" and cfg.probe_warmup == 0),
-         f"--noise_std 0 with --probe {'last (--probe_warmup)' if cfg.probe_warmup else cfg.probe}: OAR-G's distribution probes "
-         f"need the noise (at the clean point the KL's gradient is 0 and the scores would be float rounding); "
-         f"use --noise_std > 0, or --probe answer_joint without --probe_warmup.")
-    for name in ("temperature", "learning_rate", "noise_std", "gate_boost", "kl_beta", "clip_low", "clip_high", "max_grad_norm",
-                 "weight_decay"):
+    need(
+        cfg.noise_std != 0 or cfg.method != "oar-g" or (cfg.probe == "answer_joint" and cfg.probe_warmup == 0),
+        f"--noise_std 0 with --probe {'last (--probe_warmup)' if cfg.probe_warmup else cfg.probe}: OAR-G's "
+        "distribution probes "
+        f"need the noise (at the clean point the KL's gradient is 0 and the scores would be float rounding); "
+        f"use --noise_std > 0, or --probe answer_joint without --probe_warmup.",
+    )
+    for name in (
+        "temperature",
+        "learning_rate",
+        "noise_std",
+        "gate_boost",
+        "kl_beta",
+        "clip_low",
+        "clip_high",
+        "max_grad_norm",
+        "weight_decay",
+    ):
         need(math.isfinite(getattr(cfg, name)), f"--{name} {getattr(cfg, name)}: must be a finite number.")
     need(cfg.temperature > 0, f"--temperature {cfg.temperature}: rollouts need sampling (> 0).")
     need(0 < cfg.top_p <= 1, f"--top_p {cfg.top_p}: must lie in (0, 1].")
-    need(not (cfg.fsdp and cfg.decode_loop == "compiled"), "--decode_loop compiled with --fsdp: the gathered parameters move "
-         "every step, so a captured step would not replay; use --decode_loop static under --fsdp.")
+    need(
+        not (cfg.fsdp and cfg.decode_loop == "compiled"),
+        "--decode_loop compiled with --fsdp: the gathered parameters move "
+        "every step, so a captured step would not replay; use --decode_loop static under --fsdp.",
+    )
     need(cfg.aggregation in ("seq_mean", "token_mean"), f"--aggregation {cfg.aggregation}: seq_mean or token_mean.")
-    need(cfg.advantage_scale in ("group", "batch", "none"), f"--advantage_scale {cfg.advantage_scale}: group, batch or none.")
-    need(cfg.outcome_source in ("rollout", "reference"), f"--outcome_source {cfg.outcome_source}: rollout or reference.")
+    need(
+        cfg.advantage_scale in ("group", "batch", "none"),
+        f"--advantage_scale {cfg.advantage_scale}: group, batch or none.",
+    )
+    need(
+        cfg.outcome_source in ("rollout", "reference"), f"--outcome_source {cfg.outcome_source}: rollout or reference."
+    )
     need(cfg.steps >= 1, f"--steps {cfg.steps}: must be >= 1.")
-    need(cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0 (it seeds numpy's data order, which takes no negative seed).")
+    need(
+        cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0 (it seeds numpy's data order, which takes no negative seed)."
+    )
     need(cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: must be >= 1.")
-    need(cfg.perturb_mode in PERTURB_MODES, f"--perturb_mode {cfg.perturb_mode}: choose one of {', '.join(PERTURB_MODES)}.")
+    need(
+        cfg.perturb_mode in PERTURB_MODES,
+        f"--perturb_mode {cfg.perturb_mode}: choose one of {', '.join(PERTURB_MODES)}.",
+    )
     need(cfg.perturb_window >= 0, f"--perturb_window {cfg.perturb_window}: must be >= 0.")
-    need(not cfg.fsdp or num_processes >= 2, "--fsdp shards over processes: start 2 or more with "
-         "`accelerate launch --multi_gpu --num_processes N train.py --fsdp ...`, or drop --fsdp.")
-    need(cfg.num_iterations >= 1, f"--num_iterations {cfg.num_iterations}: must be >= 1 (1 = one update per batch of rollouts).")
+    need(
+        not cfg.fsdp or num_processes >= 2,
+        "--fsdp shards over processes: start 2 or more with "
+        "`accelerate launch --multi_gpu --num_processes N train.py --fsdp ...`, or drop --fsdp.",
+    )
+    need(
+        cfg.num_iterations >= 1,
+        f"--num_iterations {cfg.num_iterations}: must be >= 1 (1 = one update per batch of rollouts).",
+    )
     need(cfg.keep_checkpoints >= 1, f"--keep_checkpoints {cfg.keep_checkpoints}: must be >= 1.")
     need(cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0.")
     need(cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0.")
@@ -154,9 +220,19 @@ def check_config(cfg: Config, num_processes: int, launch: list[str] = ()) -> Non
     need(cfg.kl_beta >= 0, f"--kl_beta {cfg.kl_beta}: must be >= 0 (0 turns the penalty off).")
     for name in ("warmup_steps", "probe_warmup", "eval_every", "save_every"):
         need(getattr(cfg, name) >= 0, f"--{name} {getattr(cfg, name)}: must be >= 0.")
-    problems += check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg) + check_process_settings(cfg)
+    problems += (
+        check_model_settings(cfg)
+        + check_eval_settings(cfg)
+        + check_backend_settings(cfg)
+        + check_process_settings(cfg)
+    )
     problems += check_output_dir(cfg.output_dir)
-    problems += lora.check_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_target_modules,
-                                    default_alpha=Config.lora_alpha, default_targets=Config.lora_target_modules)
+    problems += lora.check_settings(
+        cfg.lora_r,
+        cfg.lora_alpha,
+        cfg.lora_target_modules,
+        default_alpha=Config.lora_alpha,
+        default_targets=Config.lora_target_modules,
+    )
     if problems:
         raise ValueError("\n".join(problems))

@@ -21,9 +21,16 @@ from oar.training.flags import Alias, FlagParser
 
 # Flags this version fixes to a constant (only tuning studies turned them), and the value it runs
 # with. A checkpoint that ran with another value of one is refused on resume (oar/training/resume.py).
-REMOVED = {"train_size": 10_000, "max_bad_steps": 3, "gate_floor": cs.GATE_FLOOR, "entropy_top": cs.ENTROPY_TOP,
-           "perturb_span": cs.PERTURB_SPAN, "perturb_auto_length": cs.PERTURB_AUTO_LENGTH,
-           "perturb_chunk_tokens": cs.PERTURB_CHUNK_TOKENS, "reference_template": cs.REFERENCE_TEMPLATE}
+REMOVED = {
+    "train_size": 10_000,
+    "max_bad_steps": 3,
+    "gate_floor": cs.GATE_FLOOR,
+    "entropy_top": cs.ENTROPY_TOP,
+    "perturb_span": cs.PERTURB_SPAN,
+    "perturb_auto_length": cs.PERTURB_AUTO_LENGTH,
+    "perturb_chunk_tokens": cs.PERTURB_CHUNK_TOKENS,
+    "reference_template": cs.REFERENCE_TEMPLATE,
+}
 
 
 @dataclass(frozen=True)
@@ -189,13 +196,58 @@ class Config(ModelSettings, EvalSettings, BackendSettings, ProcessSettings, Cred
 
 BACKEND_FLAGS = ("rollout_backend", "vllm_importance_sampling_cap", "vllm_gpu_memory_utilization")
 GROUPS = {  # --help's sections, in this order; every field in exactly one (tests/test_flags.py)
-    "run": ("model", "dataset", "reward", "reward_module", "output_dir", "resume", "seed", "steps", "instruction", "dtype", "log_with",
-            "save_every", "keep_checkpoints", "progress"),
-    "sampling": ("prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p", "rollout_batch_size", "decode_loop"),
-    "GRPO": ("learning_rate", "warmup_steps", "weight_decay", "max_grad_norm", "num_iterations", "clip_low", "clip_high",
-             "kl_beta", "aggregation", "advantage_scale", "mask_truncated"),
-    "OAR and other token credit": ("method", "credit_module", "probe", "probe_warmup", "outcome_source", "gate_quantile",
-                                   "gate_boost", "preserve_mass", "score_all", "noise_std", "perturb_mode", "perturb_window"),
+    "run": (
+        "model",
+        "dataset",
+        "reward",
+        "reward_module",
+        "output_dir",
+        "resume",
+        "seed",
+        "steps",
+        "instruction",
+        "dtype",
+        "log_with",
+        "save_every",
+        "keep_checkpoints",
+        "progress",
+    ),
+    "sampling": (
+        "prompts_per_step",
+        "group_size",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "rollout_batch_size",
+        "decode_loop",
+    ),
+    "GRPO": (
+        "learning_rate",
+        "warmup_steps",
+        "weight_decay",
+        "max_grad_norm",
+        "num_iterations",
+        "clip_low",
+        "clip_high",
+        "kl_beta",
+        "aggregation",
+        "advantage_scale",
+        "mask_truncated",
+    ),
+    "OAR and other token credit": (
+        "method",
+        "credit_module",
+        "probe",
+        "probe_warmup",
+        "outcome_source",
+        "gate_quantile",
+        "gate_boost",
+        "preserve_mass",
+        "score_all",
+        "noise_std",
+        "perturb_mode",
+        "perturb_window",
+    ),
     "evaluation": ("eval_dataset", "eval_every", "eval_size", "eval_samples", "eval_temperature", "eval_batch_size"),
     "LoRA": ("lora_r", "lora_alpha", "lora_target_modules"),
     "vLLM rollouts": BACKEND_FLAGS,
@@ -209,8 +261,12 @@ ALIASES = (
     Alias("beta", "kl_beta"),
     Alias("epsilon", "clip_low", also=("clip_high",), note="also sets --clip_high unless that is given"),
     Alias("epsilon_high", "clip_high"),
-    Alias("loss_type", "aggregation", values={"grpo": "seq_mean", "dapo": "token_mean"},
-          note="grpo = seq_mean, dapo = token_mean"),
+    Alias(
+        "loss_type",
+        "aggregation",
+        values={"grpo": "seq_mean", "dapo": "token_mean"},
+        note="grpo = seq_mean, dapo = token_mean",
+    ),
     Alias("mask_truncated_completions", "mask_truncated"),
     Alias("report_to", "log_with", values={"none": ""}, other_values=True),
     Alias("model_name_or_path", "model"),
@@ -219,15 +275,19 @@ ALIASES = (
     Alias("save_steps", "save_every", origin="transformers' name"),
     Alias("save_total_limit", "keep_checkpoints", origin="transformers' name"),
     Alias("eval_steps", "eval_every", origin="transformers' name"),
-    Alias("scale_rewards", "advantage_scale", values={"true": "group", "True": "group", "false": "none", "False": "none"},
-          other_values=True,
-          note="group | batch | none (TRL's true = group, false = none)"),
+    Alias(
+        "scale_rewards",
+        "advantage_scale",
+        values={"true": "group", "True": "group", "false": "none", "False": "none"},
+        other_values=True,
+        note="group | batch | none (TRL's true = group, false = none)",
+    ),
 )
 
 # TRL names with no alias, because the setting here means something else (docs/flags.md's table).
 UNMAPPED = {
     "per_device_train_batch_size": "the step's batch is --prompts_per_step x --group_size; --micro_batch_size only "
-                                   "splits it into forward/backward passes (memory, not the update)",
+    "splits it into forward/backward passes (memory, not the update)",
     "gradient_accumulation_steps": "accumulation follows from --prompts_per_step x --group_size / --micro_batch_size",
     "max_steps": "--steps counts batches of rollouts, each --num_iterations optimizer steps",
     "top_entropy_quantile": "the forking-tokens mask is a credit method here: --method entropy-mask (rho 0.2)",
@@ -236,13 +296,16 @@ UNMAPPED = {
     "use_vllm": "--rollout_backend vllm samples with a vLLM engine in each process (docs/vllm.md)",
 }
 
-DESCRIPTION = ("Train a policy with GRPO, OAR-G, OAR-P or another token-credit method (arXiv 2601.07408).\n"
-               "TRL's and transformers' names are accepted where they mean the same thing (docs/flags.md).")
+DESCRIPTION = (
+    "Train a policy with GRPO, OAR-G, OAR-P or another token-credit method (arXiv 2601.07408).\n"
+    "TRL's and transformers' names are accepted where they mean the same thing (docs/flags.md)."
+)
 
 
 def parser() -> FlagParser:
-    return FlagParser(Config, prog="train.py", description=DESCRIPTION, groups=GROUPS, aliases=ALIASES,
-                      unmapped=UNMAPPED)
+    return FlagParser(
+        Config, prog="train.py", description=DESCRIPTION, groups=GROUPS, aliases=ALIASES, unmapped=UNMAPPED
+    )
 
 
 def parse_args(argv=None) -> Config:

@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 
 # The step line (RunLog.step), explained once at the start of a run's log and in docs/flags.md.
-LEGEND = ("step line: reward = mean reward of the step's rollouts | len = mean completion tokens | "
-          "H = policy entropy per token (nats) | clip = share of tokens whose ratio was clipped | "
-          "ess = effective sample size of OAR's weights, (sum w)^2 / (n sum w^2), 1 = all equal | "
-          "|g| = gradient norm before clipping | s = seconds for the step | held-out = evaluation accuracy")
+LEGEND = (
+    "step line: reward = mean reward of the step's rollouts | len = mean completion tokens | "
+    "H = policy entropy per token (nats) | clip = share of tokens whose ratio was clipped | "
+    "ess = effective sample size of OAR's weights, (sum w)^2 / (n sum w^2), 1 = all equal | "
+    "|g| = gradient norm before clipping | s = seconds for the step | held-out = evaluation accuracy"
+)
 
 
 class _Null:
@@ -113,7 +115,11 @@ def plot_metrics(run_dir: str | Path, before: float | None = None, after: float 
             points = [(r["step"], r[key]) for r in rows if key in r]
             if key == "eval/accuracy":
                 last = rows[-1]["step"] if rows else 0
-                points = ([(0, before)] if before is not None else []) + points + ([(last, after)] if after is not None else [])
+                points = (
+                    ([(0, before)] if before is not None else [])
+                    + points
+                    + ([(last, after)] if after is not None else [])
+                )
             if points:
                 ax.plot(*zip(*points), marker="o" if len(points) < 20 else None, label=label)
         if len(series) > 1:

@@ -42,16 +42,29 @@ def synthetic_step(tokenizer, problem: str, gold: str, group_size: int, instruct
     width = max(map(len, ids))
     completion = torch.full((group_size, width), tokenizer.pad_token_id, dtype=torch.long)
     for i, row in enumerate(ids):
-        completion[i, :len(row)] = torch.tensor(row)
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, [format_prompt(tokenizer, problem, instruction)] * group_size, "cpu")
+        completion[i, : len(row)] = torch.tensor(row)
+    prompt_ids, prompt_mask = encode_prompts(
+        tokenizer, [format_prompt(tokenizer, problem, instruction)] * group_size, "cpu"
+    )
     ro = build_rollout(tokenizer, prompt_ids, prompt_mask, completion, {eos})
     for name in ("input_ids", "attention_mask", "completion_mask", "reasoning_mask", "answer_mask", "truncated"):
         setattr(ro, name, getattr(ro, name).to(device))
     return ro, [gold] * group_size
 
 
-def try_credit(settings: CreditSettings, model, tokenizer, problem: str, gold: str, *, instruction: str, probe: str,
-               device, keep_cache: bool = True, gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> None:
+def try_credit(
+    settings: CreditSettings,
+    model,
+    tokenizer,
+    problem: str,
+    gold: str,
+    *,
+    instruction: str,
+    probe: str,
+    device,
+    keep_cache: bool = True,
+    gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+) -> None:
     """Run `settings.method` twice on a synthetic step (module docstring); CreditError naming the
     method and what it did wrong, else None. A method from --credit_module that raises is reported in
     one line with the file and line it raised at; a built-in's exception propagates (a bug, with its
@@ -68,10 +81,21 @@ def try_credit(settings: CreditSettings, model, tokenizer, problem: str, gold: s
 
     def once() -> torch.Tensor:
         with torch.no_grad():  # the update forward's logits, detached as train.py hands them over
-            logits, kv = clean_forward(model, ro.input_ids, ro.attention_mask, logits_to_keep=ro.input_ids.shape[1] - lp + 1,
-                                       keep_cache=reuse and keep_cache)
-        clean = outcome_from_logits(logits, ro.input_ids[:, lp - 1:], ro.answer_mask[:, lp - 1:], probe) if reuse else None
-        weigh = step_credit(settings, model, tokenizer, ro, rewards, advantages, scored, seeds, golds, probe, gather=gather)
+            logits, kv = clean_forward(
+                model,
+                ro.input_ids,
+                ro.attention_mask,
+                logits_to_keep=ro.input_ids.shape[1] - lp + 1,
+                keep_cache=reuse and keep_cache,
+            )
+        clean = (
+            outcome_from_logits(logits, ro.input_ids[:, lp - 1 :], ro.answer_mask[:, lp - 1 :], probe)
+            if reuse
+            else None
+        )
+        weigh = step_credit(
+            settings, model, tokenizer, ro, rewards, advantages, scored, seeds, golds, probe, gather=gather
+        )
         return weigh(slice(0, len(ro)), ro, logits, clean, kv)[0]  # shape and finiteness checked there
 
     # The global random state is left as it was: the run's numbers are those it would have without the trial.
@@ -84,11 +108,15 @@ def try_credit(settings: CreditSettings, model, tokenizer, problem: str, gold: s
         if settings.method in METHODS:
             raise
         where = traceback.extract_tb(err.__traceback__)[-1]
-        raise CreditError(f"credit method {settings.method!r} (--credit_module {settings.credit_module}) raised "
-                          f"{type(err).__name__}: {err} at {where.filename}:{where.lineno}, on a synthetic step of "
-                          f"{len(ro)} rollouts tried before training.") from None
+        raise CreditError(
+            f"credit method {settings.method!r} (--credit_module {settings.credit_module}) raised "
+            f"{type(err).__name__}: {err} at {where.filename}:{where.lineno}, on a synthetic step of "
+            f"{len(ro)} rollouts tried before training."
+        ) from None
     # Two calls on one step must agree; a tolerance, not equality, because GPU kernels may add in another order.
     if not torch.allclose(first, second, rtol=1e-4, atol=1e-5):
-        raise CreditError(f"credit method {settings.method!r}: two calls on the same step gave different weights "
-                          f"(largest difference {float((first - second).abs().max()):.3g}); draw randomness from "
-                          f"step.seeds (each rollout's own seed), so a resume and every process see the same weights.")
+        raise CreditError(
+            f"credit method {settings.method!r}: two calls on the same step gave different weights "
+            f"(largest difference {float((first - second).abs().max()):.3g}); draw randomness from "
+            f"step.seeds (each rollout's own seed), so a resume and every process see the same weights."
+        )

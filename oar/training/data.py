@@ -13,6 +13,7 @@ ignored; in a file, blank lines are skipped. A step's prompts and rollout seeds 
 `prompt_order`, `rollout_seeds`) are functions of the run's seed and the step alone, so a resumed run
 and any process count see the same data.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,24 +49,32 @@ def _problem_from_record(record: Any, where: str) -> Problem:
         present = [k for k in keys if k in record]  # a hub table gives every row every column, None where absent
         key = next((k for k in present if record[k] is not None), present[0] if present else None)
         if key is None:
-            raise DataError(f"{where}: missing key '{keys[0]}' (or '{keys[1]}'; keys present: {sorted(record)}); "
-                            f"{_FIX}. Add '{keys[0]}' or remove the row.")
+            raise DataError(
+                f"{where}: missing key '{keys[0]}' (or '{keys[1]}'; keys present: {sorted(record)}); "
+                f"{_FIX}. Add '{keys[0]}' or remove the row."
+            )
         value = record[key]
         if not isinstance(value, str):
-            raise DataError(f"{where}: key '{key}' must be a string, got {type(value).__name__} "
-                            f"({value!r:.40}); quote it, e.g. \"{key}\": \"{value}\".")
+            raise DataError(
+                f"{where}: key '{key}' must be a string, got {type(value).__name__} "
+                f'({value!r:.40}); quote it, e.g. "{key}": "{value}".'
+            )
         if key == "solution":
             value = reference_answer(value)
             if not value:
-                raise DataError(f"{where}: key 'solution' holds no final answer (no \\boxed{{..}}, '####' or 'the answer is'); "
-                                f"add an 'answer' key or remove the row.")
+                raise DataError(
+                    f"{where}: key 'solution' holds no final answer (no \\boxed{{..}}, '####' or 'the answer is'); "
+                    f"add an 'answer' key or remove the row."
+                )
         elif key == "answer":
             value = gsm8k_final_answer(value)
             if _worked_solution(value):  # in the answer field: its final answer
                 value = reference_answer(value)
                 if not value:
-                    raise DataError(f"{where}: key 'answer' holds a worked solution with no final answer (no \\boxed{{..}}, "
-                                    f"'####' or 'the answer is'); give the answer alone, or remove the row.")
+                    raise DataError(
+                        f"{where}: key 'answer' holds a worked solution with no final answer (no \\boxed{{..}}, "
+                        f"'####' or 'the answer is'); give the answer alone, or remove the row."
+                    )
         if not value.strip():
             raise DataError(f"{where}: key '{key}' is empty; give it a value or remove the row.")
         texts.append(value)
@@ -115,12 +124,15 @@ def load_jsonl(path: str | Path) -> list[Problem]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg} at column "
-                                    f"{err.colno}); {_FIX}. Fix or remove the line.") from None
+                    raise DataError(
+                        f"{path}:{lineno}: invalid JSON ({err.msg} at column "
+                        f"{err.colno}); {_FIX}. Fix or remove the line."
+                    ) from None
                 problems.append(_problem_from_record(record, f"{path}:{lineno}"))
     except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); "
-                        f"re-save the file as UTF-8.") from None
+        raise DataError(
+            f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); re-save the file as UTF-8."
+        ) from None
     if not problems:
         raise DataError(f"{path}: no problems (the file is empty or only blank lines); {_FIX}.")
     return problems
@@ -147,14 +159,17 @@ def _load_hf(name: str, split: str) -> list[Problem]:
     try:
         rows = datasets.load_dataset(path, config or None, split=split)
     except Exception as err:  # the hub raises many types; all mean "cannot load this name"
-        raise DataError(f"{name!r}: could not load it as a Hugging Face dataset (split {split!r}): "
-                        f"{type(err).__name__}: {err}. Check the name, config and split, or pass "
-                        f"a .jsonl path or 'arith'.") from None
+        raise DataError(
+            f"{name!r}: could not load it as a Hugging Face dataset (split {split!r}): "
+            f"{type(err).__name__}: {err}. Check the name, config and split, or pass "
+            f"a .jsonl path or 'arith'."
+        ) from None
     return problems_from_records(rows, f"{name}[{split}]")
 
 
-def load_problems(name: str, *, split: str = "train", limit: int | None = None, seed: int = 0,
-                  arith: ArithConfig | None = None) -> list[Problem]:
+def load_problems(
+    name: str, *, split: str = "train", limit: int | None = None, seed: int = 0, arith: ArithConfig | None = None
+) -> list[Problem]:
     """Problems from `name`: 'arith', a .jsonl file, a folder holding `<split>.jsonl`, or a HF dataset.
 
     - 'arith': the built-in task (oar/tasks/arith.py) at difficulty `arith` (default DEFAULT_ARITH);
@@ -180,9 +195,11 @@ def load_problems(name: str, *, split: str = "train", limit: int | None = None, 
     if path.suffix == ".jsonl" or path.exists():
         return load_jsonl(path)[:limit]
     if importlib.util.find_spec("datasets") is None:
-        raise DataError(f"{name!r}: not 'arith', not an existing .jsonl file or folder, and the `datasets` package "
-                        f"that hub names need is not installed (pip install -r requirements.txt); pass 'arith' or "
-                        f"a path to a .jsonl file, or install it.")
+        raise DataError(
+            f"{name!r}: not 'arith', not an existing .jsonl file or folder, and the `datasets` package "
+            f"that hub names need is not installed (pip install -r requirements.txt); pass 'arith' or "
+            f"a path to a .jsonl file, or install it."
+        )
     return _load_hf(name, split)[:limit]
 
 
@@ -203,8 +220,9 @@ def seen_in_training(train: list[Problem], held_out: list[Problem]) -> int:
     return sum(p.problem.strip() in seen for p in held_out)
 
 
-def step_prompts(step: int, rank: int, local: int, n_problems: int, prompts_per_step: int, group_size: int,
-                 seed: int) -> tuple[list[int], list[int]]:
+def step_prompts(
+    step: int, rank: int, local: int, n_problems: int, prompts_per_step: int, group_size: int, seed: int
+) -> tuple[list[int], list[int]]:
     """This process's `local` prompts at `step` (indices into the problems, `prompt_order`) and one seed
     per rollout, G of them per prompt (`rollout_seeds`, from the prompts' global slots)."""
     slots = [step * prompts_per_step + rank * local + k for k in range(local)]
@@ -226,4 +244,8 @@ def prompt_order(step: int, local: int, rank: int, n_problems: int, prompts_per_
 def rollout_seeds(seed: int, step: int, global_prompts: list[int], group_size: int) -> list[int]:
     """One seed per rollout, from (run seed, step, global prompt slot, sample): independent of
     which process or micro-batch the rollout lands in."""
-    return [(seed * 1_000_003 + step) * 10_007 * group_size + p * group_size + g for p in global_prompts for g in range(group_size)]
+    return [
+        (seed * 1_000_003 + step) * 10_007 * group_size + p * group_size + g
+        for p in global_prompts
+        for g in range(group_size)
+    ]

@@ -4,7 +4,8 @@ Problems are sharded across processes (problem i on process i mod n), each probl
 one process, and the per-problem records are gathered and put back in order. Scoring uses the same
 `rewards` functions as training, so "correct" means the same thing in both.
 
-  avg@k     mean over problems of the fraction of its k samples that are correct (pass@1 at k=1: greedy at temperature 0)
+  avg@k     mean over problems of the fraction of its k samples that are correct (pass@1 at k=1: greedy at temperature
+  0)
   pass@j    unbiased estimator 1 - C(n - c, j) / C(n, j) per problem (Chen et al., 2021), j <= k
 """
 
@@ -20,9 +21,23 @@ from oar.rewards import reward
 from oar.sampler import format_prompt, sample
 
 
-def evaluate(model, tokenizer, problems, *, accelerator=None, instruction: str = "", batch_size: int = 64,
-             max_new_tokens: int = 256, num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, loop: str = "eager", progress: bool = False, sampler=sample) -> tuple[list[dict], dict]:
+def evaluate(
+    model,
+    tokenizer,
+    problems,
+    *,
+    accelerator=None,
+    instruction: str = "",
+    batch_size: int = 64,
+    max_new_tokens: int = 256,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    loop: str = "eager",
+    progress: bool = False,
+    sampler=sample,
+) -> tuple[list[dict], dict]:
     """Returns (records in problem order, summary). `batch_size` counts sequences (prompts x samples);
     `loop` is the sampler's (oar.sampler.decode); `progress`: draw a bar with an ETA over the main
     process's problems (oar/training/console.py decides where bars are wanted); `sampler` draws the samples
@@ -38,19 +53,35 @@ def evaluate(model, tokenizer, problems, *, accelerator=None, instruction: str =
         idx = mine[start : start + per_batch]
         prompts = [format_prompt(tokenizer, problems[i].problem, instruction) for i in idx]
         seeds = [seed * 1_000_003 + i * num_samples + s for i in idx for s in range(num_samples)]
-        out = sampler(model, tokenizer, prompts, group_size=num_samples, seeds=seeds,
-                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, loop=loop)
+        out = sampler(
+            model,
+            tokenizer,
+            prompts,
+            group_size=num_samples,
+            seeds=seeds,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            loop=loop,
+        )
         for j, i in enumerate(idx):
             texts = out.texts[j * num_samples : (j + 1) * num_samples]
             correct = [reward(t, problems[i].answer) == 1.0 for t in texts]
             extracted = [extract_answer(t) for t in texts]
             one = num_samples == 1
-            records.append({
-                "index": i, "problem": problems[i].problem, "gold": problems[i].answer,
-                "completion": texts[0] if one else texts, "extracted": extracted[0] if one else extracted,
-                "correct": correct[0] if one else correct,
-                "truncated": bool(out.truncated[j * num_samples]) if one else out.truncated[j * num_samples : (j + 1) * num_samples].tolist(),
-            })
+            records.append(
+                {
+                    "index": i,
+                    "problem": problems[i].problem,
+                    "gold": problems[i].answer,
+                    "completion": texts[0] if one else texts,
+                    "extracted": extracted[0] if one else extracted,
+                    "correct": correct[0] if one else correct,
+                    "truncated": bool(out.truncated[j * num_samples])
+                    if one
+                    else out.truncated[j * num_samples : (j + 1) * num_samples].tolist(),
+                }
+            )
         shown.update(len(idx))
     shown.close()
     model.train(was_training)
@@ -67,11 +98,14 @@ def summarize(records: list[dict], num_samples: int) -> dict:
     as_list = lambda v: v if isinstance(v, list) else [v]
     correct = torch.tensor([sum(as_list(r["correct"])) for r in records], dtype=torch.float64)
     n = num_samples
-    summary = {"problems": len(records), "num_samples": n,
-               "accuracy": float(correct.mean() / n) if records else 0.0,
-               "frac_no_answer": _mean([e is None for r in records for e in as_list(r["extracted"])]),
-               "frac_truncated": _mean([t for r in records for t in as_list(r["truncated"])])}
-    for j in sorted({2 ** i for i in range(n.bit_length())} | {n}):
+    summary = {
+        "problems": len(records),
+        "num_samples": n,
+        "accuracy": float(correct.mean() / n) if records else 0.0,
+        "frac_no_answer": _mean([e is None for r in records for e in as_list(r["extracted"])]),
+        "frac_truncated": _mean([t for r in records for t in as_list(r["truncated"])]),
+    }
+    for j in sorted({2**i for i in range(n.bit_length())} | {n}):
         summary[f"pass@{j}"] = _mean([1.0 - comb(n - int(c), j) / comb(n, j) for c in correct.tolist()])
     return summary
 

@@ -52,8 +52,13 @@ def field_docs(cls) -> dict[str, str]:
             continue
         body = tree.body[0].body
         for node, after in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -73,6 +78,7 @@ def _typed(kind: type, name: str) -> Callable[[str], object]:
             return kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+
     convert.__name__ = kind.__name__  # argparse names the type in its messages
     return convert
 
@@ -87,7 +93,9 @@ class _OneLine(argparse.ArgumentParser):
         if close and close.group(1) in self.unmapped:  # another library's flag with no equivalent: say why
             message = f"--{close.group(1)} is not a flag here: {self.unmapped[close.group(1)]} (docs/flags.md)"
         elif close:  # a flag of another library: say what is near, and where the mapping is
-            near = difflib.get_close_matches(f"--{close.group(1)}", [o for a in self._actions for o in a.option_strings], n=1)
+            near = difflib.get_close_matches(
+                f"--{close.group(1)}", [o for a in self._actions for o in a.option_strings], n=1
+            )
             message += f" (did you mean {near[0]}?" if near else " ("
             message += (" " if near else "") + "every flag: --help; other libraries' names: docs/flags.md)"
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -100,21 +108,37 @@ def _show(value) -> str:
 class FlagParser:
     """The command line of `cls` (a dataclass whose every field has a default of type int, float, str or bool)."""
 
-    def __init__(self, cls, *, prog: str, description: str = "", groups: dict[str, tuple[str, ...]] | None = None,
-                 aliases: tuple[Alias, ...] = (), unmapped: dict[str, str] | None = None):
+    def __init__(
+        self,
+        cls,
+        *,
+        prog: str,
+        description: str = "",
+        groups: dict[str, tuple[str, ...]] | None = None,
+        aliases: tuple[Alias, ...] = (),
+        unmapped: dict[str, str] | None = None,
+    ):
         self.cls, self.prog = cls, prog
         self.fields = {f.name: f for f in dataclasses.fields(cls)}
         self.docs = field_docs(cls)
         self.aliases = {a.name: a for a in aliases}
         groups = dict(groups or {"settings": tuple(self.fields)})
         placed = [n for names in groups.values() for n in names]
-        assert len(placed) == len(set(placed)) and set(placed) <= set(self.fields), ("a group names a field twice or none", placed)
+        assert len(placed) == len(set(placed)) and set(placed) <= set(self.fields), (
+            "a group names a field twice or none",
+            placed,
+        )
         unplaced = tuple(n for n in self.fields if n not in placed)
         if unplaced:  # a field added without a place still parses (tests/test_flags.py asks for its group)
             groups["other settings"] = unplaced
         assert all(a.target in self.fields for a in aliases), [a.name for a in aliases if a.target not in self.fields]
-        self.parser = _OneLine(prog=prog, description=description, allow_abbrev=False, usage=f"{prog} [--flag value ...]",
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.parser = _OneLine(
+            prog=prog,
+            description=description,
+            allow_abbrev=False,
+            usage=f"{prog} [--flag value ...]",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         self.parser.unmapped = dict(unmapped or {})
         for title, names in groups.items():
             group = self.parser.add_argument_group(title)
@@ -130,18 +154,34 @@ class FlagParser:
         also = "; ".join(f"--{a.name}: {a.origin}" + (f", {a.note}" if a.note else "") for a in others)
         if kind is bool:
             help_text = f"{doc} (default: {'on' if default else 'off'}; --no_{name} turns it off)"
-            group.add_argument(*spelled, dest=name, nargs="?", const=True, default=None, type=_bool, metavar="BOOL",
-                               help=help_text + (f" [{also}]" if also else ""))
+            group.add_argument(
+                *spelled,
+                dest=name,
+                nargs="?",
+                const=True,
+                default=None,
+                type=_bool,
+                metavar="BOOL",
+                help=help_text + (f" [{also}]" if also else ""),
+            )
             group.add_argument(f"--no_{name}", dest=name, action="store_false", default=None, help=argparse.SUPPRESS)
             return
         assert kind in (int, float, str), f"{name}: a flag of type {kind.__name__}"
         plain = [a for a in others if not a.values]
         mapped = [a for a in others if a.values]
-        group.add_argument(f"--{name}", *[f"--{a.name}" for a in plain], dest=name, default=None, type=_typed(kind, name),
-                           metavar=name.upper(), help=f"{doc} (default: {_show(default)})" + (f" [{also}]" if also else ""))
+        group.add_argument(
+            f"--{name}",
+            *[f"--{a.name}" for a in plain],
+            dest=name,
+            default=None,
+            type=_typed(kind, name),
+            metavar=name.upper(),
+            help=f"{doc} (default: {_show(default)})" + (f" [{also}]" if also else ""),
+        )
         for a in mapped:  # a name whose values are spelled otherwise: its own option, mapped after parsing
-            group.add_argument(f"--{a.name}", dest=f"alias:{a.name}", default=None, metavar=a.name.upper(),
-                               help=argparse.SUPPRESS)
+            group.add_argument(
+                f"--{a.name}", dest=f"alias:{a.name}", default=None, metavar=a.name.upper(), help=argparse.SUPPRESS
+            )
 
     def parse(self, argv: list[str]):
         """A `cls` from `argv`; on a bad flag or value: one line on stderr and exit status 2."""

@@ -33,7 +33,9 @@ def make_accelerator(collective_timeout: float | None = None, **kwargs):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    if kwargs.get("log_with"):  # a name that cannot log is check_config's to report (tracker_problem), not accelerate's
+    if kwargs.get(
+        "log_with"
+    ):  # a name that cannot log is check_config's to report (tracker_problem), not accelerate's
         kwargs["log_with"] = [name for name in kwargs["log_with"] if not tracker_problem(name)] or None
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout))] if collective_timeout else []
@@ -53,9 +55,12 @@ def stop_on_sigterm(script: str, hint: str = RESUME_HINT) -> None:
     The handler raises `Stopped`, so the code unwinds as from an error (no checkpoint is half-written:
     they are written to a temporary name and renamed); the entry point then ends with `exit_at_once`.
     `hint`: what to do next (train.py's resumes; eval.py's starts again)."""
+
     def stop(signum, frame):
-        raise Stopped(f"{script}: stopped by SIGTERM: the launcher stops every process once one of them has died "
-                      f"or failed, or the job was cancelled. {hint}")
+        raise Stopped(
+            f"{script}: stopped by SIGTERM: the launcher stops every process once one of them has died "
+            f"or failed, or the job was cancelled. {hint}"
+        )
 
     signal.signal(signal.SIGTERM, stop)
 
@@ -68,13 +73,20 @@ def lost_process(err: BaseException, script: str, collective_timeout: float, hin
     if not torch.distributed.is_available():
         return None
     text = str(err).strip()
-    gloo = any(s in text for s in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
+    gloo = any(
+        s in text
+        for s in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting")
+    )
     if not (isinstance(err, torch.distributed.DistError) or (torch.distributed.is_initialized() and gloo)):
         return None
-    what = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__)  # without gloo's source path
+    what = re.sub(
+        r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__
+    )  # without gloo's source path
     what = what if len(what) <= 200 else what[:200].rsplit(" ", 1)[0] + " ..."  # cut between words, and said
-    return (f"{script}: error: another process of this run died or stalled (a collective operation failed: {what}; "
-            f"--collective_timeout is {collective_timeout:g} s). This process stops too. {hint}")
+    return (
+        f"{script}: error: another process of this run died or stalled (a collective operation failed: {what}; "
+        f"--collective_timeout is {collective_timeout:g} s). This process stops too. {hint}"
+    )
 
 
 def exit_at_once(message: str) -> None:
@@ -125,11 +137,17 @@ def tracker_problem(name: str) -> str | None:
     if name == "all":  # accelerate's name for every tracker installed
         return None
     if name not in LOGGER_TYPE_TO_CLASS:
-        return (f"--log_with {name}: not a tracker; choose from {', '.join(LOGGER_TYPE_TO_CLASS)} or all (comma-separated; "
-                f"tensorboard is installed by requirements.txt).")
+        return (
+            f"--log_with {name}: not a tracker; choose from {', '.join(LOGGER_TYPE_TO_CLASS)} or all "
+            "(comma-separated; "
+            f"tensorboard is installed by requirements.txt)."
+        )
     if name not in {getattr(t, "value", t) for t in get_available_trackers()}:  # LoggerType members
-        fix = "pip install -r requirements.txt" if name == "tensorboard" else \
-            f"pip install {name.replace('_', '-')}, or use tensorboard (installed by requirements.txt)"
+        fix = (
+            "pip install -r requirements.txt"
+            if name == "tensorboard"
+            else f"pip install {name.replace('_', '-')}, or use tensorboard (installed by requirements.txt)"
+        )
         return f"--log_with {name}: its package is not installed; {fix}."
     return None
 

@@ -55,8 +55,12 @@ class Learner:
         the policy with its adapters off (gathered when sharded: peft's switch reaches into submodules), in
         the policy's precision: under bf16 the frozen copy would otherwise compute in float32 while the
         policy autocasts, and pi_ref != pi_theta at step 0."""
-        with torch.no_grad(), lora.adapters_off(self.policy) if self.peft is not None else nullcontext(), \
-                self.gathered(self.peft is not None), self.autocast():
+        with (
+            torch.no_grad(),
+            lora.adapters_off(self.policy) if self.peft is not None else nullcontext(),
+            self.gathered(self.peft is not None),
+            self.autocast(),
+        ):
             model = self.reference if self.reference is not None else self.policy
             logits = forward_logits(model, input_ids, attention_mask, logits_to_keep=labels.shape[1] + 1)
             return token_logprobs(logits[:, :-1], labels, temperature=temperature)
@@ -73,10 +77,12 @@ class Learner:
         return lora.final_weights(self.peft, full, main=main) if self.peft is not None else (full, None)
 
 
-HALF_WEIGHTS = ("--dtype {dtype} without LoRA trains {dtype} weights with a plain AdamW: an update below "
-                "about 1/256 of its weight is rounded away (at --learning_rate {lr:g}, most of them). Keep "
-                "float32 weights (the default --dtype) and launch with --mixed_precision bf16 to compute in "
-                "bfloat16, or shard with configs/fsdp2.yaml (accelerate's FSDP2 keeps float32 masters).")
+HALF_WEIGHTS = (
+    "--dtype {dtype} without LoRA trains {dtype} weights with a plain AdamW: an update below "
+    "about 1/256 of its weight is rounded away (at --learning_rate {lr:g}, most of them). Keep "
+    "float32 weights (the default --dtype) and launch with --mixed_precision bf16 to compute in "
+    "bfloat16, or shard with configs/fsdp2.yaml (accelerate's FSDP2 keeps float32 masters)."
+)
 
 
 def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:

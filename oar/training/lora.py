@@ -46,13 +46,26 @@ def parse_targets(text: str) -> str | list[str]:
 def check_settings(r: int, alpha: float, targets: str, *, default_alpha: float, default_targets: str) -> list[str]:
     """Impossible LoRA settings, each named with its fix (train.py's check_config adds them to its list)."""
     if r == 0:  # full fine-tuning: a LoRA flag without a rank would be silently ignored
-        stray = [f"--{n} {v}" for n, v, d in (("lora_alpha", alpha, default_alpha), ("lora_target_modules", targets, default_targets)) if v != d]
-        return [f"{', '.join(stray)} without --lora_r: pass --lora_r > 0 (e.g. 16) to train LoRA adapters, or drop them for full fine-tuning."] if stray else []
+        stray = [
+            f"--{n} {v}"
+            for n, v, d in (("lora_alpha", alpha, default_alpha), ("lora_target_modules", targets, default_targets))
+            if v != d
+        ]
+        return (
+            [
+                f"{', '.join(stray)} without --lora_r: pass --lora_r > 0 (e.g. 16) to train LoRA adapters, or drop "
+                "them for full fine-tuning."
+            ]
+            if stray
+            else []
+        )
     problems = []
     if r < 0:
         problems.append(f"--lora_r {r}: the LoRA rank must be > 0 (e.g. 16), or 0 for full fine-tuning.")
     if not alpha > 0:
-        problems.append(f"--lora_alpha {alpha}: must be > 0 (the update is scaled by lora_alpha / lora_r; 2 x lora_r is common).")
+        problems.append(
+            f"--lora_alpha {alpha}: must be > 0 (the update is scaled by lora_alpha / lora_r; 2 x lora_r is common)."
+        )
     if not parse_targets(targets):
         problems.append(f"--lora_target_modules {targets!r}: name modules, e.g. q_proj,v_proj, or pass {ALL_LINEAR}.")
     return problems
@@ -86,13 +99,19 @@ def check_targets(model: str, targets: str) -> None:
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError) as err:  # no config there, an unknown architecture, a hub id not reachable
-        raise ModelError(f"--model {model}: could not read its config to check --lora_target_modules ({type(err).__name__}: "
-                         f"{str(err).strip()[:300]}). Pass a folder written by save_pretrained, a .gguf file or a reachable hub id.") from None
+        raise ModelError(
+            f"--model {model}: could not read its config to check --lora_target_modules ({type(err).__name__}: "
+            f"{str(err).strip()[:300]}). Pass a folder written by save_pretrained, a .gguf file or a reachable hub id."
+        ) from None
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     names = linear_names(skeleton)
     head = skeleton.get_output_embeddings()
-    tied = {n for n, m in skeleton.named_modules() if m is head} if getattr(config, "tie_word_embeddings", False) else set()
+    tied = (
+        {n for n, m in skeleton.named_modules() if m is head}
+        if getattr(config, "tie_word_embeddings", False)
+        else set()
+    )
     matches = lambda t: [n for n in names if n == t or n.endswith("." + t)]
     missing = [t for t in wanted if not matches(t)]
     not_linear = [t for t in wanted if matches(t) and not any(names[n] for n in matches(t))]
@@ -102,12 +121,19 @@ def check_targets(model: str, targets: str) -> None:
     tied_head = [t for t in wanted if set(matches(t)) & tied]
     kinds = sorted({n.rsplit(".", 1)[-1] for n, lin in names.items() if lin and n not in tied})
     if missing or not_linear or tied_head:
-        what = "; ".join([f"{', '.join(missing)}: no such module in {type(skeleton).__name__}"] * bool(missing)
-                         + [f"{', '.join(not_linear)}: not a linear layer (LoRA here adapts linear layers only)"] * bool(not_linear)
-                         + [f"{', '.join(tied_head)}: the output head shares its weight with the input embeddings "
-                            f"(tie_word_embeddings)"] * bool(tied_head))
-        raise ValueError(f"--lora_target_modules {targets}: {what}. Its linear layers: {', '.join(kinds)}; "
-                         f"or pass {ALL_LINEAR} (every one but the output head).")
+        what = "; ".join(
+            [f"{', '.join(missing)}: no such module in {type(skeleton).__name__}"] * bool(missing)
+            + [f"{', '.join(not_linear)}: not a linear layer (LoRA here adapts linear layers only)"] * bool(not_linear)
+            + [
+                f"{', '.join(tied_head)}: the output head shares its weight with the input embeddings "
+                f"(tie_word_embeddings)"
+            ]
+            * bool(tied_head)
+        )
+        raise ValueError(
+            f"--lora_target_modules {targets}: {what}. Its linear layers: {', '.join(kinds)}; "
+            f"or pass {ALL_LINEAR} (every one but the output head)."
+        )
 
 
 def add_adapters(model, *, r: int, alpha: float, targets: str):
@@ -115,8 +141,14 @@ def add_adapters(model, *, r: int, alpha: float, targets: str):
     parameter frozen (requires_grad False), B = 0. `model` is adapted in place: `inner(result)` is it."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=parse_targets(targets), lora_dropout=0.0, bias="none",
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=parse_targets(targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config, adapter_name=ADAPTER)
 
 
@@ -146,8 +178,9 @@ def adapters_off(model):
             m.enable_adapters(True)
 
 
-def merged_state_dict(state_dict: dict[str, torch.Tensor], scaling: float, *, fan_in_fan_out: bool = False,
-                      adapter: str = ADAPTER) -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    state_dict: dict[str, torch.Tensor], scaling: float, *, fan_in_fan_out: bool = False, adapter: str = ADAPTER
+) -> dict[str, torch.Tensor]:
     """The inner model's state dict (peft's names) -> the plain model's: for every adapted layer
     `p`, p.weight = W + scaling * B @ A (computed in float32, stored in W's dtype; transposed for
     fan_in_fan_out layers such as GPT-2's Conv1D), p.bias as it was; the LoRA tensors dropped.
@@ -161,7 +194,10 @@ def merged_state_dict(state_dict: dict[str, torch.Tensor], scaling: float, *, fa
             continue
         layer, leaf = key.split(".base_layer.")
         if leaf == "weight":
-            a, b = state_dict[f"{layer}.lora_A.{adapter}.weight"], state_dict[f"{layer}.lora_B.{adapter}.weight"]  # (r, d_in), (d_out, r)
+            a, b = (
+                state_dict[f"{layer}.lora_A.{adapter}.weight"],
+                state_dict[f"{layer}.lora_B.{adapter}.weight"],
+            )  # (r, d_in), (d_out, r)
             delta = scaling * (b.float() @ a.float())  # (d_out, d_in)
             value = (value.float() + (delta.T if fan_in_fan_out else delta)).to(value.dtype)
         out[f"{layer}.{leaf}"] = value
@@ -181,6 +217,8 @@ def final_weights(peft_model, full_state: dict[str, torch.Tensor] | None, *, mai
     merged = merged_state_dict(state, config.lora_alpha / config.r, fan_in_fan_out=config.fan_in_fan_out)
 
     def save_adapter(folder: Path) -> None:  # peft names its keys from the PeftModel: base_model.model.<inner name>
-        peft_model.save_pretrained(str(Path(folder) / "adapter"), state_dict={f"base_model.model.{k}": v for k, v in state.items()})
+        peft_model.save_pretrained(
+            str(Path(folder) / "adapter"), state_dict={f"base_model.model.{k}": v for k, v in state.items()}
+        )
 
     return merged, save_adapter

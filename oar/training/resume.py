@@ -17,10 +17,27 @@ from oar.training.config import REMOVED, Config
 # Settings a resumed run may change: they change neither the data, the rollouts nor the updates
 # (micro-batching and processes give the same update, tests/test_distributed.py). Any other setting
 # must match the checkpoint's, or a resume would splice two different runs into one.
-RESUMABLE = {"steps", "output_dir", "resume", "eval_dataset", "eval_every", "eval_size", "eval_batch_size",
-             "save_every", "keep_checkpoints", "log_with", "max_bad_steps", "micro_batch_size",
-             "gradient_checkpointing", "perturb_chunk_tokens", "score_all", "decode_loop", "progress",
-             "collective_timeout", "vllm_gpu_memory_utilization"}
+RESUMABLE = {
+    "steps",
+    "output_dir",
+    "resume",
+    "eval_dataset",
+    "eval_every",
+    "eval_size",
+    "eval_batch_size",
+    "save_every",
+    "keep_checkpoints",
+    "log_with",
+    "max_bad_steps",
+    "micro_batch_size",
+    "gradient_checkpointing",
+    "perturb_chunk_tokens",
+    "score_all",
+    "decode_loop",
+    "progress",
+    "collective_timeout",
+    "vllm_gpu_memory_utilization",
+}
 
 
 def check_resume(cfg: Config, state: dict, where, facts: dict | None = None) -> None:
@@ -31,26 +48,42 @@ def check_resume(cfg: Config, state: dict, where, facts: dict | None = None) -> 
     checkpoint's: the training problems ("train_data", data.problems_digest; an edited file at the same
     path would reorder the data silently) and accelerate's "mixed_precision" (every forward's floats)."""
     if cfg.steps < state.get("step", 0):
-        raise ValueError(f"--resume: {where} is at step {state['step']}, past --steps {cfg.steps}: pass --steps >= "
-                         f"{state['step']} to continue it (its final model is already the later one).")
+        raise ValueError(
+            f"--resume: {where} is at step {state['step']}, past --steps {cfg.steps}: pass --steps >= "
+            f"{state['step']} to continue it (its final model is already the later one)."
+        )
     recorded, facts = state.get("history", {}), facts or {}
-    if None not in (recorded.get("train_data"), facts.get("train_data")) and recorded["train_data"] != facts["train_data"]:
-        raise ValueError(f"--resume: {where} trained on other problems than --dataset {cfg.dataset} now holds (an edited file, "
-                         f"another hub revision): its data order would not continue. Restore the data, or start a new run.")
+    if (
+        None not in (recorded.get("train_data"), facts.get("train_data"))
+        and recorded["train_data"] != facts["train_data"]
+    ):
+        raise ValueError(
+            f"--resume: {where} trained on other problems than --dataset {cfg.dataset} now holds (an edited file, "
+            f"another hub revision): its data order would not continue. Restore the data, or start a new run."
+        )
     ran, now = recorded.get("mixed_precision"), facts.get("mixed_precision")
     if None not in (ran, now) and ran != now:
-        raise ValueError(f"--resume: {where} ran under accelerate's mixed precision {ran}, this launch's is {now}: every "
-                         f"forward would compute otherwise. Launch with --mixed_precision {ran} to continue it.")
+        raise ValueError(
+            f"--resume: {where} ran under accelerate's mixed precision {ran}, this launch's is {now}: every "
+            f"forward would compute otherwise. Launch with --mixed_precision {ran} to continue it."
+        )
     saved = {**asdict(Config()), **state.get("config", {})}
-    changed = [f"--{k} {v} (the checkpoint has {saved[k]})" for k, v in asdict(cfg).items()
-               if k not in RESUMABLE and k in saved and saved[k] != v]
+    changed = [
+        f"--{k} {v} (the checkpoint has {saved[k]})"
+        for k, v in asdict(cfg).items()
+        if k not in RESUMABLE and k in saved and saved[k] != v
+    ]
     if changed:
-        raise ValueError(f"--resume: {where} belongs to a run with other settings: {'; '.join(changed)}. Pass the "
-                         f"checkpoint's values to continue it, or choose another --output_dir to start a new run.")
+        raise ValueError(
+            f"--resume: {where} belongs to a run with other settings: {'; '.join(changed)}. Pass the "
+            f"checkpoint's values to continue it, or choose another --output_dir to start a new run."
+        )
     fixed = refixed(saved)
     if fixed:
-        raise ValueError(f"--resume: {where} ran with {fixed}, a setting this version no longer takes "
-                         f"(docs/flags.md); continue it with the version that wrote it, or start a new run.")
+        raise ValueError(
+            f"--resume: {where} ran with {fixed}, a setting this version no longer takes "
+            f"(docs/flags.md); continue it with the version that wrote it, or start a new run."
+        )
 
 
 def check_model(state: dict, where, digest: dict) -> None:
@@ -60,16 +93,21 @@ def check_model(state: dict, where, digest: dict) -> None:
     ran = state.get("history", {}).get("model_files")
     if ran is not None and ran != digest:
         changed = ", ".join(sorted(k for k in ran.keys() | digest.keys() if ran.get(k) != digest.get(k)))
-        raise ValueError(f"--resume: {where} started from other --model files than those there now ({changed}: "
-                         f"edited, added, removed or another hub revision): the run would go on from another model. "
-                         f"Restore them, or start a new run.")
+        raise ValueError(
+            f"--resume: {where} started from other --model files than those there now ({changed}: "
+            f"edited, added, removed or another hub revision): the run would go on from another model. "
+            f"Restore them, or start a new run."
+        )
 
 
 def refixed(saved: dict) -> str:
     """The settings a recorded config ran at another value than the one this version fixes (REMOVED),
     as one readable line ('' when none)."""
-    return "; ".join(f"{k} {saved[k]!r} (now fixed at {v!r})" for k, v in REMOVED.items()
-                     if k not in RESUMABLE and k in saved and saved[k] != v)
+    return "; ".join(
+        f"{k} {saved[k]!r} (now fixed at {v!r})"
+        for k, v in REMOVED.items()
+        if k not in RESUMABLE and k in saved and saved[k] != v
+    )
 
 
 # Flags removed without a fixed value because they never changed an update: the vLLM engine's own sizes (f6e6ae1)

@@ -107,7 +107,8 @@ def policy_weights(policy, peft_model=None) -> Iterator[tuple[str, torch.Tensor]
 
 
 def _adapted_layer(name: str) -> str:
-    """The layer a LoRA-wrapped parameter belongs to (its base weight and adapters share it); any other its own name."""
+    """The layer a LoRA-wrapped parameter belongs to (its base weight and adapters share it); any other
+    parameter: its own name."""
     for part in (".base_layer.", ".lora_"):
         if part in name:
             return name.split(part)[0]

@@ -17,12 +17,23 @@ from oar.training.checkpoint import fsync_tree, write_json_atomic, write_text_at
 from oar.gating import weight_stats
 
 
-SAMPLER_DRIFT = 0.1  # nats a token, mean |log pi_sample - log pi_old|; rounding: < 1e-4 in float32, <= 1.3e-5 in bf16 on an H200 (docs/sampler.md)
+# nats a token, mean |log pi_sample - log pi_old|; float rounding gives < 1e-4 in float32, <= 1.3e-5 in bf16 on an H200
+# (docs/sampler.md)
+SAMPLER_DRIFT = 0.1
 
 
 class RunLog:
-    def __init__(self, accelerator, output_dir: str, config: dict, *, resume: bool, total_steps: int, start_step: int = 0,
-                 progress: bool = False):
+    def __init__(
+        self,
+        accelerator,
+        output_dir: str,
+        config: dict,
+        *,
+        resume: bool,
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = False,
+    ):
         self.acc, self.dir = accelerator, Path(output_dir)
         self.main = accelerator.is_main_process
         self.bars = console.bars_wanted(self.main, progress)  # stderr a terminal, or --progress
@@ -39,7 +50,9 @@ class RunLog:
         elif not resume:
             self.metrics_path.write_text("")
         if accelerator.log_with:
-            accelerator.init_trackers("oar", config={k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))})
+            accelerator.init_trackers(
+                "oar", config={k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
+            )
         if self.bars:
             from tqdm.auto import tqdm
 
@@ -68,26 +81,34 @@ class RunLog:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        line = (f"step {step:4d} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/length']:5.1f}"
-                f" | H {metrics['policy/entropy']:.2f} | clip {metrics['loss/clip_frac']:.3f}"
-                f" | ess {metrics['oar/ess_ratio']:.2f} | |g| {metrics['optim/grad_norm']:.2f} | {metrics['time/step_s']:.1f}s")
+        line = (
+            f"step {step:4d} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/length']:5.1f}"
+            f" | H {metrics['policy/entropy']:.2f} | clip {metrics['loss/clip_frac']:.3f}"
+            f" | ess {metrics['oar/ess_ratio']:.2f} | |g| {metrics['optim/grad_norm']:.2f} | "
+            f"{metrics['time/step_s']:.1f}s"
+        )
         if "eval/accuracy" in metrics:
             line += f" | held-out {metrics['eval/accuracy']:.3f}"
         self.say(line)
         drift = metrics.get("sampler/logprob_diff_mean", 0.0)
         if drift > SAMPLER_DRIFT and not self.drift_said:  # once a run: the metric keeps the rest
             self.drift_said = True
-            self.say(f"warning: step {step}: the sampler's log-probs differ from the trainer's by {drift:.3f} a token on "
-                     f"average (sampler/logprob_diff_mean; above {SAMPLER_DRIFT}): the rollouts come from another policy "
-                     f"than the one trained (an engine whose weights did not follow, or half-precision kernels far apart)")
+            self.say(
+                f"warning: step {step}: the sampler's log-probs differ from the trainer's by {drift:.3f} a token on "
+                f"average (sampler/logprob_diff_mean; above {SAMPLER_DRIFT}): the rollouts come from another policy "
+                f"than the one trained (an engine whose weights did not follow, or half-precision kernels far apart)"
+            )
         if self.bar:
             self.bar.update(1)
 
     def step_once(self, step: int, metrics: dict) -> None:
         """`step(step, metrics)` unless metrics.jsonl holds that step already: the last line, written after the
         final checkpoint and evaluation, by an invocation that was killed before it ended."""
-        if self.main and self.metrics_path.exists() and any(
-                _step_of(line) == step for line in self.metrics_path.read_text().splitlines()):
+        if (
+            self.main
+            and self.metrics_path.exists()
+            and any(_step_of(line) == step for line in self.metrics_path.read_text().splitlines())
+        ):
             return
         self.step(step, metrics)
 
@@ -114,8 +135,12 @@ class RunLog:
             if self.acc.log_with and evaluation:  # the trackers had the step's line, without the final evaluation
                 self.acc.log(evaluation, step=step)
             lines = self.metrics_path.read_text().splitlines()
-            write_text_atomic(self.metrics_path, "".join((json.dumps({"step": step, **metrics}) if _step_of(ln) == step else ln)
-                                                         + "\n" for ln in lines))
+            write_text_atomic(
+                self.metrics_path,
+                "".join(
+                    (json.dumps({"step": step, **metrics}) if _step_of(ln) == step else ln) + "\n" for ln in lines
+                ),
+            )
 
     def records(self, name: str, rows: list[dict]) -> None:
         if self.main:
@@ -153,7 +178,9 @@ def _step_of(line: str) -> float:
         return float("inf")
 
 
-def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, lr, accelerator, *, nonfinite: int = 0) -> dict:
+def step_metrics(
+    ro, rewards, scored, group_size, stats, weights, grad_norm, lr, accelerator, *, nonfinite: int = 0
+) -> dict:
     """maths §6 diagnostics of one step over every process's rollouts, the numbers one process logs for
     the same rollouts: what a diagnostic needs is gathered (the rewards, for their std and groups) or
     summed over processes (counts, token-weighted sums of the micro-batches' token means) before the
@@ -168,39 +195,67 @@ def step_metrics(ro, rewards, scored, group_size, stats, weights, grad_norm, lr,
     grouped = everyone.view(-1, group_size)
     has_answer = ro.answer_mask.any(1)
     # Counts (exact in float32 below 2^24), summed, then divided once: a fraction is the same for any split.
-    counts = torch.tensor([len(ro), ro.completion_mask.sum(), ro.truncated.sum(), (~has_answer).sum(), (scored & has_answer).sum(),
-                           nonfinite], dtype=torch.float32)
+    counts = torch.tensor(
+        [
+            len(ro),
+            ro.completion_mask.sum(),
+            ro.truncated.sum(),
+            (~has_answer).sum(),
+            (scored & has_answer).sum(),
+            nonfinite,
+        ],
+        dtype=torch.float32,
+    )
     n, length, truncated, no_answer, scored_n, nonfinite_n = all_sum(counts)
     m = {
-        "reward/mean": float(everyone.mean()), "reward/std": float(everyone.std()) if len(everyone) > 1 else 0.0,
+        "reward/mean": float(everyone.mean()),
+        "reward/std": float(everyone.std()) if len(everyone) > 1 else 0.0,
         # one reward in the group: exact equality, as group_advantages decides it (a float std of 0.1 x 8 is not 0)
         "reward/frac_zero_std_groups": float((grouped == grouped[:, :1]).all(1).float().mean()),
-        "completion/length": float(length / n), "completion/frac_truncated": float(truncated / n),
+        "completion/length": float(length / n),
+        "completion/frac_truncated": float(truncated / n),
     }
     means = token_means(stats, ("clip_frac", "approx_kl", "entropy", "kl_ref", "is_weight_mean"), all_sum)
-    m |= {"loss/clip_frac": means["clip_frac"], "loss/approx_kl": means["approx_kl"], "policy/entropy": means["entropy"],
-          "optim/grad_norm": float(grad_norm), "optim/lr": float(lr),
-          "oar/frac_no_answer": float(no_answer / n), "oar/frac_scored": float(scored_n / n),
-          "oar/frac_nonfinite_scores": float(nonfinite_n / n)}
+    m |= {
+        "loss/clip_frac": means["clip_frac"],
+        "loss/approx_kl": means["approx_kl"],
+        "policy/entropy": means["entropy"],
+        "optim/grad_norm": float(grad_norm),
+        "optim/lr": float(lr),
+        "oar/frac_no_answer": float(no_answer / n),
+        "oar/frac_scored": float(scored_n / n),
+        "oar/frac_nonfinite_scores": float(nonfinite_n / n),
+    }
     if "kl_ref" in means:
         m["loss/kl_ref"] = means["kl_ref"]
     if "is_weight_mean" in means:  # --rollout_backend vllm: the truncated importance weights' token mean
         m["sampler/is_weight_mean"] = means["is_weight_mean"]
-    m |= {f"oar/{k}": v for k, v in weight_stats(weights, ro.reasoning_mask & scored[:, None], all_sum=all_sum,
-                                                 all_max=lambda t: accelerator.gather(t)).items()}
+    m |= {
+        f"oar/{k}": v
+        for k, v in weight_stats(
+            weights, ro.reasoning_mask & scored[:, None], all_sum=all_sum, all_max=lambda t: accelerator.gather(t)
+        ).items()
+    }
     return m
 
 
 def reward_term_metrics(reward_parts: dict[str, list[float]], accelerator) -> dict:
-    """reward/<term>: each --reward term's mean over every process's rollouts (unweighted), summed then divided once."""
-    parts = torch.tensor([[sum(v), len(v)] for v in reward_parts.values()], dtype=torch.float64, device=accelerator.device)
+    """reward/<term>: each --reward term's mean over every process's rollouts (unweighted), summed then
+    divided once."""
+    parts = torch.tensor(
+        [[sum(v), len(v)] for v in reward_parts.values()], dtype=torch.float64, device=accelerator.device
+    )
     parts = accelerator.reduce(parts, "sum") if len(reward_parts) else parts
     return {f"reward/{name}": float(s / n) for name, (s, n) in zip(reward_parts, parts.tolist())}
 
 
 def mean_over_processes(values: dict[str, float], accelerator) -> dict:
     """Each process's own numbers (its timings), averaged over processes."""
-    return dict(zip(values, accelerator.reduce(torch.tensor(list(values.values()), device=accelerator.device), "mean").tolist()))
+    return dict(
+        zip(
+            values, accelerator.reduce(torch.tensor(list(values.values()), device=accelerator.device), "mean").tolist()
+        )
+    )
 
 
 def as_logged(metrics: dict) -> dict[str, float]:
@@ -220,7 +275,9 @@ def token_means(stats: list[dict], keys, all_sum) -> dict:
     and "tokens" per micro-batch) hold: each mean times its tokens, summed over micro-batches and then
     processes (`all_sum`, in float64), over the step's tokens, clamped to 1 (a batch with no valid token)."""
     keys = [k for k in keys if stats and k in stats[0]]
-    sums = torch.tensor([sum(s[k] * s["tokens"] for s in stats) for k in keys] + [sum(s["tokens"] for s in stats)], dtype=torch.float64)
+    sums = torch.tensor(
+        [sum(s[k] * s["tokens"] for s in stats) for k in keys] + [sum(s["tokens"] for s in stats)], dtype=torch.float64
+    )
     *weighted, tokens = all_sum(sums).tolist()
     return {k: v / max(tokens, 1.0) for k, v in zip(keys, weighted)}
 
@@ -232,7 +289,10 @@ def sampler_gap_metrics(gaps: list, accelerator) -> dict:
     d = torch.cat(gaps) if gaps else torch.zeros(0, device=accelerator.device)
     total = accelerator.reduce(torch.stack([d.sum(), torch.tensor(float(d.numel()), device=d.device)]), "sum")
     largest = accelerator.gather(d.max().reshape(1) if d.numel() else torch.zeros(1, device=d.device)).max()
-    return {"sampler/logprob_diff_max": float(largest), "sampler/logprob_diff_mean": float(total[0] / total[1].clamp(min=1))}
+    return {
+        "sampler/logprob_diff_max": float(largest),
+        "sampler/logprob_diff_mean": float(total[0] / total[1].clamp(min=1)),
+    }
 
 
 def pass_metrics(passes: list[list[dict]], grad_norms: list, accelerator) -> dict:
@@ -243,5 +303,9 @@ def pass_metrics(passes: list[list[dict]], grad_norms: list, accelerator) -> dic
     out = {}
     for k, (stats, norm) in enumerate(zip(passes, grad_norms, strict=True), start=2):
         means = token_means(stats, ("clip_frac", "approx_kl"), _all_sum(accelerator))
-        out |= {f"iter{k}/clip_frac": means["clip_frac"], f"iter{k}/approx_kl": means["approx_kl"], f"iter{k}/grad_norm": float(norm)}
+        out |= {
+            f"iter{k}/clip_frac": means["clip_frac"],
+            f"iter{k}/approx_kl": means["approx_kl"],
+            f"iter{k}/grad_norm": float(norm),
+        }
     return out

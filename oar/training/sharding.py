@@ -40,7 +40,9 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     what accelerate's TRANSFORMER_BASED_WRAP wraps by default."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
-    assert layers, f"{type(model).__name__} names no decoder layer class in _no_split_modules; cannot shard it per layer."
+    assert layers, (
+        f"{type(model).__name__} names no decoder layer class in _no_split_modules; cannot shard it per layer."
+    )
     return layers
 
 
@@ -49,7 +51,11 @@ def shard(model, mixed_precision: torch.dtype | None = None):
     class). `mixed_precision`: parameter dtype for compute (reduction stays float32), else none."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -154,7 +160,9 @@ def load_sharded(model, optimizer, path: Path) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+    )
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor] | None:

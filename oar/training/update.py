@@ -78,8 +78,21 @@ class Update:
         return torch.cat([k.weights for k in self.kept])
 
 
-def update(cfg, learner: Learner, accelerator, ro: Rollout, advantages: torch.Tensor, credit,
-           method: CreditMethod, *, micro: int, probe: str, log, step: int, bad_steps: int) -> Update:
+def update(
+    cfg,
+    learner: Learner,
+    accelerator,
+    ro: Rollout,
+    advantages: torch.Tensor,
+    credit,
+    method: CreditMethod,
+    *,
+    micro: int,
+    probe: str,
+    log,
+    step: int,
+    bad_steps: int,
+) -> Update:
     """The step's --num_iterations passes (module docstring). `advantages` (B,) A_i; `credit`: step_credit's
     weigh for this step; `log`: the RunLog (bars, warnings); `step`, `bad_steps`: for the warnings."""
     lp, n_micro, n_proc = ro.prompt_width, len(ro) // micro, accelerator.num_processes
@@ -100,16 +113,21 @@ def update(cfg, learner: Learner, accelerator, ro: Rollout, advantages: torch.Te
             with accelerator.accumulate(learner.model):
                 # a. OAR's clean pass comes for free from the first pass's forward (the sampling policy)
                 reuse = it == 0 and method.uses_clean and cfg.outcome_source == "rollout"
-                logits, clean_kv = clean_forward(learner.model, mb.input_ids, mb.attention_mask,
-                                                 logits_to_keep=mb.input_ids.shape[1] - lp + 1,
-                                                 keep_cache=reuse and not cfg.gradient_checkpointing)
+                logits, clean_kv = clean_forward(
+                    learner.model,
+                    mb.input_ids,
+                    mb.attention_mask,
+                    logits_to_keep=mb.input_ids.shape[1] - lp + 1,
+                    keep_cache=reuse and not cfg.gradient_checkpointing,
+                )
                 labels = mb.input_ids[:, lp:]  # (b, T)
                 logprobs = token_logprobs(logits[:, :-1], labels, temperature=cfg.temperature)  # b. (b, T)
                 if it == 0:  # c.
                     clean = None
                     if reuse:
-                        clean = outcome_from_logits(logits.detach(), mb.input_ids[:, lp - 1:],
-                                                    mb.answer_mask[:, lp - 1:], probe)
+                        clean = outcome_from_logits(
+                            logits.detach(), mb.input_ids[:, lp - 1 :], mb.answer_mask[:, lp - 1 :], probe
+                        )
                     # the method calls submodules: gathered when sharded; in the update's precision
                     with learner.gathered(method.scores), learner.autocast():
                         weights, secs, nonfinite = credit(rows, mb, logits.detach(), clean, clean_kv)
@@ -117,8 +135,7 @@ def update(cfg, learner: Learner, accelerator, ro: Rollout, advantages: torch.Te
                     out.gaps.append((logprobs.detach() - sampled[rows].to(logprobs.device)).abs()[valid])
                     ref = None
                     if cfg.kl_beta > 0:
-                        ref = learner.reference_logprobs(mb.input_ids, mb.attention_mask, labels,
-                                                         cfg.temperature)
+                        ref = learner.reference_logprobs(mb.input_ids, mb.attention_mask, labels, cfg.temperature)
                     out.kept.append(Kept(weights, logprobs.detach(), ref))
                 kept = out.kept[m]
                 token_adv = advantages[rows, None] * kept.weights[:, lp:]  # (b, T): A_it = A_i w_it
@@ -126,10 +143,20 @@ def update(cfg, learner: Learner, accelerator, ro: Rollout, advantages: torch.Te
                 if is_cap:  # truncated importance sampling (oar/grpo.py truncated_is_weights)
                     sample_logprobs = sampled[rows].to(logprobs.device)
                     is_weights = truncated_is_weights(kept.old_logprobs, sample_logprobs, valid, is_cap)
-                loss, s = policy_loss(logprobs, kept.old_logprobs, token_adv, valid,  # d.
-                                      clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_beta=cfg.kl_beta,
-                                      ref_logprobs=kept.ref_logprobs, aggregation=cfg.aggregation,
-                                      num_sequences=n_seq, num_tokens=n_tok, is_weights=is_weights)
+                loss, s = policy_loss(
+                    logprobs,
+                    kept.old_logprobs,
+                    token_adv,
+                    valid,  # d.
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    kl_beta=cfg.kl_beta,
+                    ref_logprobs=kept.ref_logprobs,
+                    aggregation=cfg.aggregation,
+                    num_sequences=n_seq,
+                    num_tokens=n_tok,
+                    is_weights=is_weights,
+                )
                 bad_loss += int(not torch.isfinite(loss))
                 accelerator.backward(loss * n_micro * n_proc)  # e.
                 entropy = token_entropy(logits[:, :-1].detach())  # (b, T)
@@ -143,8 +170,7 @@ def update(cfg, learner: Learner, accelerator, ro: Rollout, advantages: torch.Te
         if what:
             out.skipped += 1
             where = f" (pass {it + 1} of {cfg.num_iterations})" if cfg.num_iterations > 1 else ""
-            log.say(f"warning: step {step + 1}{where}: {what}, update skipped "
-                    f"({bad_steps + 1} skipped so far)")
+            log.say(f"warning: step {step + 1}{where}: {what}, update skipped ({bad_steps + 1} skipped so far)")
         out.passes.append(stats)
         out.grad_norms.append(grad_norm)
     return out
@@ -159,7 +185,8 @@ def optimizer_step(learner: Learner, accelerator, max_grad_norm: float, bad_loss
     # phase with the micro-batches would skip or split this step without a word, so it is checked here
     assert accelerator.sync_gradients, (
         "the optimizer step is not at the end of an accumulation cycle (micro-batches != the accelerator's "
-        "gradient_accumulation_steps): it would be skipped or split")
+        "gradient_accumulation_steps): it would be skipped or split"
+    )
     params = learner.model.parameters()
     grad_norm = sharding.full_tensor(accelerator.clip_grad_norm_(params, max_grad_norm))  # sharded: a DTensor
     bad_loss = int(accelerator.reduce(torch.tensor(float(bad_loss), device=accelerator.device), "sum"))
@@ -179,6 +206,8 @@ def count_bad_steps(history: dict, skipped: int, max_bad_steps: int) -> str | No
     history["bad_steps"] += int(skipped > 0)
     if history["bad_in_a_row"] < max_bad_steps:
         return None
-    return (f"train.py: error: {history['bad_in_a_row']} steps in a row had a non-finite loss or gradient "
-            f"(a run stops at {max_bad_steps}); stopping. Lower --learning_rate, check the model's "
-            f"dtype, or resume from the last checkpoint.")
+    return (
+        f"train.py: error: {history['bad_in_a_row']} steps in a row had a non-finite loss or gradient "
+        f"(a run stops at {max_bad_steps}); stopping. Lower --learning_rate, check the model's "
+        f"dtype, or resume from the last checkpoint."
+    )

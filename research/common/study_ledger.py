@@ -1,13 +1,14 @@
 """A study's finished work kept in the repository, so that it resumes on another machine.
 
 A study's root (models, checkpoints, logs) lives on one machine and is lost with it; this ledger keeps
-what resuming and the report need: each testbed's starting model (3 MB: tiny-arith v4's recipe and
-seed give bitwise one model on one machine whatever the thread count or torch version, but another
-machine built another one, 23.4% against 45.2% held-out, so a rebuild cannot be trusted to match), its build record with a hash of its weights, its attribution, and each finished
-run's config.json, summary.json, metrics.jsonl and study_time.json (a few kB). On a new machine the
-study copies the kept models into its root instead of building them; a testbed built anew is
-checked against the recorded hash, and the ledger's runs are restored only when it matches,
-otherwise the study stops: a report mixing two starting models would be silently wrong.
+what resuming and the report need: each testbed's starting model (3 MB: tiny-arith v4's recipe and seed
+give bitwise one model on one machine whatever the thread count or torch version, but another machine
+built another one, 23.4% against 45.2% held-out, so a rebuild cannot be trusted to match), its build
+record with a hash of its weights, its attribution, and each finished run's config.json, summary.json,
+metrics.jsonl and study_time.json (a few kB). On a new machine the study copies the kept models into
+its root instead of building them; a testbed built anew is checked against the recorded hash, and the
+ledger's runs are restored only when it matches, otherwise the study stops: a report mixing two
+starting models would be silently wrong.
 
     ledger/models/<testbed>/                  the starting model, as built
     ledger/builds/<testbed>.json              build_info.json + weights_sha256
@@ -43,20 +44,26 @@ def check_build(ledger: Path, testbed: str, model_dir: Path) -> str:
     """Record the testbed's build in the ledger ('recorded'), or check that the model at `model_dir`
     is the recorded one ('matches'; a stop otherwise); the ledger keeps a copy of the model either way."""
     path, kept = Path(ledger) / "builds" / f"{testbed}.json", Path(ledger) / "models" / testbed
-    built = json.loads((Path(model_dir) / "build_info.json").read_text()) | {"weights_sha256": weights_sha256(model_dir)}
+    built = json.loads((Path(model_dir) / "build_info.json").read_text()) | {
+        "weights_sha256": weights_sha256(model_dir)
+    }
     status = "matches" if path.exists() else "recorded"
     if status == "recorded":
         if any((Path(ledger) / "runs" / testbed).glob("*")):
-            raise SystemExit(f"study: error: {Path(ledger) / 'runs' / testbed} holds runs but {path} is missing: "
-                             f"which model they started from is unknown; restore the file or use another --ledger.")
+            raise SystemExit(
+                f"study: error: {Path(ledger) / 'runs' / testbed} holds runs but {path} is missing: "
+                f"which model they started from is unknown; restore the file or use another --ledger."
+            )
         _write(path, built)
     recorded = json.loads(path.read_text())
     if recorded["weights_sha256"] != built["weights_sha256"]:
         raise SystemExit(
             f"study: error: testbed {testbed} at {model_dir} is not the model the ledger's runs started from "
-            f"(weights hash {built['weights_sha256'][:12]} here, {recorded['weights_sha256'][:12]} in {path}; held-out "
-            f"accuracy {built.get('heldout_accuracy')} vs {recorded.get('heldout_accuracy')}). A rebuild on another "
-            f"machine can differ; use another --ledger to start a new study.")
+            f"(weights hash {built['weights_sha256'][:12]} here, {recorded['weights_sha256'][:12]} in {path}; "
+            f"held-out accuracy {built.get('heldout_accuracy')} vs {recorded.get('heldout_accuracy')}). "
+            f"A rebuild on another "
+            f"machine can differ; use another --ledger to start a new study."
+        )
     if not kept.exists():
         _copy_folder(Path(model_dir), kept)
     return status
@@ -85,11 +92,16 @@ def restore(ledger: Path, root: Path, testbed: str, model_dir: Path) -> int:
             continue
         missing = [n for n in (*RUN_FILES, "ledger.json") if not (kept / n).is_file()]
         if missing or json.loads((kept / "ledger.json").read_text())["weights_sha256"] != weights:
-            raise SystemExit(f"study: error: {kept} is {'incomplete (no ' + ', '.join(missing) + ')' if missing else 'from other weights than the build'}; "
-                             f"delete it and the run is made again.")
+            raise SystemExit(
+                f"study: error: {kept} is "
+                f"{'incomplete (no ' + ', '.join(missing) + ')' if missing else 'from other weights than the build'}; "
+                f"delete it and the run is made again."
+            )
         with claimed(out) as lock:
             if lock is None:  # another study process (or its train.py) is running it here: not replaced under it
-                print(f"[study] {out.name} is running in another study process: not restored from the ledger", flush=True)
+                print(
+                    f"[study] {out.name} is running in another study process: not restored from the ledger", flush=True
+                )
                 continue
             if (out / "summary.json").exists():  # looked at again under the lock: a run that another process
                 continue  # finished between the first look and the lock is its result, not the ledger's to replace
@@ -118,10 +130,16 @@ def record_run(ledger: Path, root: Path, testbed: str, run_name: str) -> bool:
 
 def _record_claimed(ledger: Path, root: Path, testbed: str, run_name: str, src: Path, dst: Path) -> bool:
     new = not dst.exists()
-    if not new and (dst / "summary.json").is_file() and (dst / "summary.json").read_bytes() != (src / "summary.json").read_bytes():
-        raise ValueError(f"{src} and the ledger's {dst} are two different runs of one name (their summary.json differ): "
-                         f"keep one. To keep the ledger's, delete {src} (the study restores it); to keep this one, "
-                         f"delete {dst}.")
+    if (
+        not new
+        and (dst / "summary.json").is_file()
+        and (dst / "summary.json").read_bytes() != (src / "summary.json").read_bytes()
+    ):
+        raise ValueError(
+            f"{src} and the ledger's {dst} are two different runs of one name (their summary.json differ): "
+            f"keep one. To keep the ledger's, delete {src} (the study restores it); to keep this one, "
+            f"delete {dst}."
+        )
     if new:
         with _staged(dst) as tmp:
             tmp.mkdir()
@@ -144,7 +162,9 @@ def record_completions(ledger: Path, root: Path, testbed: str, run_name: str) ->
     if (src / "summary.json").read_bytes() != (entry / "summary.json").read_bytes():
         return False
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(gzip.compress((src / "eval_final.jsonl").read_bytes(), mtime=0))  # no name, no time: the same bytes anywhere
+    tmp.write_bytes(
+        gzip.compress((src / "eval_final.jsonl").read_bytes(), mtime=0)
+    )  # no name, no time: the same bytes anywhere
     tmp.rename(dst)
     return True
 

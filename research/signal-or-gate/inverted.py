@@ -1,4 +1,4 @@
-"""The inverted-score control of the signal-or-gate study (issue 30): OAR-G's scores, inverted, through the same gate.
+"""The inverted-score control of the signal-or-gate study: OAR-G's scores, inverted, through the same gate.
 
     train.py --credit_module research/signal-or-gate/inverted.py --method oar-g-inverted ...
 
@@ -14,11 +14,11 @@ method inverts the scores in the gate's own log space, per rollout over its reas
 
 (the token OAR-G ranks first gets OAR-G's last place, and the gaps between tokens are kept). Every
 other step is OAR-G's: the same noise (each rollout's own seed, oar_grad.seeded_noise), the same clean outcome from
-the update forward, the same probe, the same gate settings (--gate_quantile, --gate_boost, --preserve_mass,
-and the fixed floor, oar.credit_settings.GATE_FLOOR). If OAR's scores carry information about which tokens matter, this arm should learn
-worse than `random-gate` (which gates scores that carry none); if only the reshaping matters, the
-three gated arms should tie. tests/test_signal_or_gate.py checks that with the inversion switched
-off the weights are the built-in oar-g's, and with it on they are the gate of 1 - n.
+the update forward, the same probe, the same gate settings (--gate_quantile, --gate_boost, --preserve_mass, and the
+fixed floor, oar.credit_settings.GATE_FLOOR). If OAR's scores carry information about which tokens matter, this arm
+should learn worse than `random-gate` (which gates scores that carry none); if only the reshaping matters, the three
+gated arms should tie. tests/test_signal_or_gate.py checks that with the inversion switched off the weights are the
+built-in oar-g's, and with it on they are the gate of 1 - n.
 
 Scope: outcome_source=rollout (the study's); other settings stop the run with a message.
 Preserves what the gate preserves (mass with preserve_mass, the sign of A_i).
@@ -39,12 +39,24 @@ def oar_g_scores(step: Step, micro: MicroBatch) -> tuple[torch.Tensor, torch.Ten
     oar_grad.seeded_noise; the update forward's clean outcome)."""
     s, mb, rows = step.settings, micro.rollouts, micro.rows
     if s.outcome_source != "rollout":
-        raise CreditError(f"oar-g-inverted: outcome_source {s.outcome_source!r} is not supported; use --outcome_source rollout.")
+        raise CreditError(
+            f"oar-g-inverted: outcome_source {s.outcome_source!r} is not supported; use --outcome_source rollout."
+        )
     reasoning = mb.reasoning_mask & step.scored[rows][:, None]  # (b, L)
     if not reasoning.any():
         return torch.zeros(mb.input_ids.shape, device=mb.input_ids.device), reasoning
-    scores = gradient_scores(step.model, mb.input_ids, mb.attention_mask, reasoning, mb.answer_mask, probe=step.probe,
-                             noise_std=s.noise_std, seeds=step.seeds[rows], clean=micro.clean, clean_kv=micro.clean_kv)
+    scores = gradient_scores(
+        step.model,
+        mb.input_ids,
+        mb.attention_mask,
+        reasoning,
+        mb.answer_mask,
+        probe=step.probe,
+        noise_std=s.noise_std,
+        seeds=step.seeds[rows],
+        clean=micro.clean,
+        clean_kv=micro.clean_kv,
+    )
     width = min(scores.shape[1], mb.input_ids.shape[1])
     full = torch.zeros(mb.input_ids.shape, device=scores.device)
     full[:, :width] = scores[:, :width]

@@ -1,6 +1,7 @@
 """The signal-or-gate study's report, from its ledger alone: the pre-registered metrics and decision rule, in code.
 
-    python research/signal-or-gate/report.py                  # research/signal-or-gate/ledger -> summary.json, curves.png, the page's table
+    python research/signal-or-gate/report.py   # research/signal-or-gate/ledger -> summary.json, curves.png,
+                                               # the page's table
 
 Written with the pre-registration (README.md), before any result: what it computes is what the page
 fixed. Per run (ledger/runs/<task>/<arm>-s<seed>/): the mean of `reward/mean` over all steps (the
@@ -43,9 +44,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from study import ARMS as ARM_RUNS  # noqa: E402  (what each arm's runs must have set)
 from report_tables import SHAPE, table  # noqa: E402  (the page's block)
+
 ARMS = ("grpo", "oar-g-q25", "random-gate-q25", "oar-g-q40", "inverted-q25")
-COMPARISONS = (("oar-g-q25", "random-gate-q25"), ("oar-g-q25", "oar-g-q40"), ("oar-g-q25", "grpo"), ("random-gate-q25", "grpo"),
-               ("oar-g-q40", "grpo"), ("inverted-q25", "grpo"), ("inverted-q25", "random-gate-q25"))
+COMPARISONS = (
+    ("oar-g-q25", "random-gate-q25"),
+    ("oar-g-q25", "oar-g-q40"),
+    ("oar-g-q25", "grpo"),
+    ("random-gate-q25", "grpo"),
+    ("oar-g-q40", "grpo"),
+    ("inverted-q25", "grpo"),
+    ("inverted-q25", "random-gate-q25"),
+)
 ALPHA, MIN_SEEDS = 0.05, 3
 # What an arm sets (study.py's ARMS), and what may differ between runs of one study without changing what is
 # trained or measured: where the run and its model lie, and study_run's UNMEASURED settings
@@ -67,31 +76,50 @@ def run_metrics(path: Path) -> dict | None:
     summary = json.loads((path / "summary.json").read_text())
     rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     reward = [r["reward/mean"] for r in rows]
-    # the first step whose mean with the two before it reaches 0.5: a full window of three steps, so step 3 at the earliest
-    # (less 1e-6: rewards are logged in float32, and a true mean of 0.5, e.g. 21, 23, 28 of 48, sums a hair below it)
-    reached = next((i + 1 for i in range(2, len(reward)) if sum(reward[i - 2: i + 1]) / 3 >= 0.5 - 1e-6), summary["steps"] + 1)
+    # the first step whose mean with the two before it reaches 0.5: a full window of three steps, so step 3 at the
+    # earliest (less 1e-6: rewards are logged in float32, and a true mean of 0.5, e.g. 21, 23, 28 of 48, sums a hair
+    # below it)
+    reached = next(
+        (i + 1 for i in range(2, len(reward)) if sum(reward[i - 2 : i + 1]) / 3 >= 0.5 - 1e-6), summary["steps"] + 1
+    )
     held = {0: (summary["accuracy_before"], (summary.get("pass_before") or {}).get("pass@2"))}
     held |= {r["step"]: (r["eval/accuracy"], r.get("eval/pass@2")) for r in rows if "eval/accuracy" in r}
     held[summary["steps"]] = (summary["accuracy_after"], (summary.get("pass_after") or {}).get("pass@2"))
     timing = json.loads((path / "study_time.json").read_text()) if (path / "study_time.json").is_file() else {}
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
-    build = json.loads((path / "ledger.json").read_text()).get("weights_sha256") if (path / "ledger.json").is_file() else None
+    build = (
+        json.loads((path / "ledger.json").read_text()).get("weights_sha256")
+        if (path / "ledger.json").is_file()
+        else None
+    )
     timed = fully_timed(timing, config or {})  # every invocation recorded its time
-    return {"mean_reward": sum(reward) / len(reward), "reward": reward, "steps_to_50": reached, "final_entropy": rows[-1]["policy/entropy"],
-            "heldout": {str(s): {"avg": a, "pass@2": p} for s, (a, p) in sorted(held.items())},
-            "cpu_seconds": timing.get("cpu_seconds") if timed else None,
-            # what study_time.json measured, whole or not (`timed`: every invocation recorded): the table of runs
-            "wall_seconds_timed": timing.get("seconds"), "cpu_seconds_timed": timing.get("cpu_seconds"),
-            "invocations": timing.get("invocations"), "timed": timed,
-            "resumed": timing.get("invocations", 1) > 1 or bool(timing.get("unmeasured")),
-            # the CPU of the training steps alone, each counted once (a resume drops the lines after its checkpoint
-            # and logs them again): comparable between runs that stopped and ran straight, unlike cpu_seconds
-            "step_cpu_seconds": sum(r["time/step_cpu_s"] for r in rows) if all("time/step_cpu_s" in r for r in rows) else None,
-            "steps": summary["steps"], "steps_logged": [r["step"] for r in rows], "config": config, "build": build,
-            # a run whose study process was killed while its train.py finished alone records no code version:
-            # unknown, not the same as the others'
-            "code": timing.get("code") or ["unrecorded"],
-            "shape": {k: sum(r[k] for r in rows if k in r) / n for k in SHAPE if (n := sum(k in r for r in rows))}}
+    return {
+        "mean_reward": sum(reward) / len(reward),
+        "reward": reward,
+        "steps_to_50": reached,
+        "final_entropy": rows[-1]["policy/entropy"],
+        "heldout": {str(s): {"avg": a, "pass@2": p} for s, (a, p) in sorted(held.items())},
+        "cpu_seconds": timing.get("cpu_seconds") if timed else None,
+        # what study_time.json measured, whole or not (`timed`: every invocation recorded): the table of runs
+        "wall_seconds_timed": timing.get("seconds"),
+        "cpu_seconds_timed": timing.get("cpu_seconds"),
+        "invocations": timing.get("invocations"),
+        "timed": timed,
+        "resumed": timing.get("invocations", 1) > 1 or bool(timing.get("unmeasured")),
+        # the CPU of the training steps alone, each counted once (a resume drops the lines after its checkpoint
+        # and logs them again): comparable between runs that stopped and ran straight, unlike cpu_seconds
+        "step_cpu_seconds": sum(r["time/step_cpu_s"] for r in rows)
+        if all("time/step_cpu_s" in r for r in rows)
+        else None,
+        "steps": summary["steps"],
+        "steps_logged": [r["step"] for r in rows],
+        "config": config,
+        "build": build,
+        # a run whose study process was killed while its train.py finished alone records no code version:
+        # unknown, not the same as the others'
+        "code": timing.get("code") or ["unrecorded"],
+        "shape": {k: sum(r[k] for r in rows if k in r) / n for k in SHAPE if (n := sum(k in r for r in rows))},
+    }
 
 
 def check_runs(runs: dict, build: str | None) -> list[str]:
@@ -110,7 +138,11 @@ def check_runs(runs: dict, build: str | None) -> list[str]:
             config = defaults | r["config"]
             if config.get("seed") != seed:
                 problems.append(f"{name}: config.json says seed {config.get('seed')}")
-            own = {k: (v, config.get(k)) for k, v in (defaults | ARM_RUNS[arm]).items() if k in ARM_SETTINGS - {"seed"} and config.get(k) != v}
+            own = {
+                k: (v, config.get(k))
+                for k, v in (defaults | ARM_RUNS[arm]).items()
+                if k in ARM_SETTINGS - {"seed"} and config.get(k) != v
+            }
             if own:
                 problems.append(f"{name}: not the arm's settings (study.py's, this run's): {own}")
             if r["steps_logged"] != list(range(1, r["steps"] + 1)):
@@ -143,11 +175,26 @@ def compare(runs: dict, a: str, b: str) -> dict:
     """a - b over the seeds where both finished, in points: the primary metric, and held-out avg@2 and pass@2
     at every step both evaluated (`heldout`, by step; `heldout_last`: avg@2 at the last step)."""
     seeds = sorted(set(runs[a]) & set(runs[b]))
-    out = {"seeds": seeds, "mean_reward": paired([100 * (runs[a][s]["mean_reward"] - runs[b][s]["mean_reward"]) for s in seeds])}
-    steps = sorted(set.intersection(*[set(runs[x][s]["heldout"]) for s in seeds for x in (a, b)]) if seeds else set(), key=int)
-    out["heldout"] = {step: {m: paired([100 * (runs[a][s]["heldout"][step][m] - runs[b][s]["heldout"][step][m]) for s in seeds
-                                        if runs[a][s]["heldout"][step][m] is not None and runs[b][s]["heldout"][step][m] is not None])
-                             for m in ("avg", "pass@2")} for step in steps}
+    out = {
+        "seeds": seeds,
+        "mean_reward": paired([100 * (runs[a][s]["mean_reward"] - runs[b][s]["mean_reward"]) for s in seeds]),
+    }
+    steps = sorted(
+        set.intersection(*[set(runs[x][s]["heldout"]) for s in seeds for x in (a, b)]) if seeds else set(), key=int
+    )
+    out["heldout"] = {
+        step: {
+            m: paired(
+                [
+                    100 * (runs[a][s]["heldout"][step][m] - runs[b][s]["heldout"][step][m])
+                    for s in seeds
+                    if runs[a][s]["heldout"][step][m] is not None and runs[b][s]["heldout"][step][m] is not None
+                ]
+            )
+            for m in ("avg", "pass@2")
+        }
+        for step in steps
+    }
     out["heldout_last"] = out["heldout"][steps[-1]]["avg"] if steps else paired([])
     return out
 
@@ -159,6 +206,7 @@ def compare_all(runs: dict) -> dict:
 
 def decide(comparisons: dict) -> dict:
     """The page's decision rule on tests 1 and 2 (None: not enough balanced seeds to test)."""
+
     def verdict(key):
         c = comparisons[key]["mean_reward"]
         if c["n"] < MIN_SEEDS:
@@ -171,14 +219,25 @@ def decide(comparisons: dict) -> dict:
     held = comparisons["oar-g-q25 - oar-g-q40"]["heldout_last"]  # q25 - q40: "q25 is not behind q40" is a mean >= 0
     inverted = comparisons["inverted-q25 - random-gate-q25"]
     enough = inverted["mean_reward"]["n"] >= MIN_SEEDS
-    return {"seeds": {"scores_carry_information": comparisons["oar-g-q25 - random-gate-q25"]["seeds"],  # each test's own pairs
-                      "change_default_gate_to_q25_b1": comparisons["oar-g-q25 - oar-g-q40"]["seeds"],
-                      "inverted_at_or_below_random": comparisons["inverted-q25 - random-gate-q25"]["seeds"]},
-            "scores_carry_information": signal,
-            # "ends at or below": read both ways (amendment 2), on the primary metric and on held-out avg@2 at the last step
-            "inverted_at_or_below_random": None if not enough else {
-                "mean_training_reward": inverted["mean_reward"]["mean"] <= 0, "heldout_last_step": inverted["heldout_last"]["mean"] <= 0},
-            "change_default_gate_to_q25_b1": None if gate is None else gate == "positive" and held["n"] > 0 and held["mean"] >= 0}
+    return {
+        "seeds": {
+            "scores_carry_information": comparisons["oar-g-q25 - random-gate-q25"]["seeds"],  # each test's own pairs
+            "change_default_gate_to_q25_b1": comparisons["oar-g-q25 - oar-g-q40"]["seeds"],
+            "inverted_at_or_below_random": comparisons["inverted-q25 - random-gate-q25"]["seeds"],
+        },
+        "scores_carry_information": signal,
+        # "ends at or below": read both ways (amendment 2), on the primary metric
+        # and on held-out avg@2 at the last step
+        "inverted_at_or_below_random": None
+        if not enough
+        else {
+            "mean_training_reward": inverted["mean_reward"]["mean"] <= 0,
+            "heldout_last_step": inverted["heldout_last"]["mean"] <= 0,
+        },
+        "change_default_gate_to_q25_b1": None
+        if gate is None
+        else gate == "positive" and held["n"] > 0 and held["mean"] >= 0,
+    }
 
 
 def plot(runs: dict, path: Path) -> None:
@@ -218,10 +277,19 @@ def write(ledger: Path, out: Path, task: str, echo: bool = False) -> dict:
         raise SystemExit("report.py: error: these runs cannot be compared as one study:\n  " + "\n  ".join(problems))
     comparisons = compare_all(runs)
     acceptance = Path(ledger) / "acceptance.json"
-    summary = {"task": task, "acceptance": json.loads(acceptance.read_text()) if acceptance.is_file() else None,
-               "runs": {a: {str(s): {k: v for k, v in r.items() if k not in ("reward", "config", "steps_logged")} for s, r in b.items()}
-                        for a, b in runs.items()},
-               "comparisons": comparisons, "decision": decide(comparisons)}
+    summary = {
+        "task": task,
+        "acceptance": json.loads(acceptance.read_text()) if acceptance.is_file() else None,
+        "runs": {
+            a: {
+                str(s): {k: v for k, v in r.items() if k not in ("reward", "config", "steps_logged")}
+                for s, r in b.items()
+            }
+            for a, b in runs.items()
+        },
+        "comparisons": comparisons,
+        "decision": decide(comparisons),
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if any(runs.values()):

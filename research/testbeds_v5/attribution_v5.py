@@ -1,4 +1,4 @@
-"""Where each credit method puts the advantage, on a testbed whose pivotal tokens are known (issue 14).
+"""Where each credit method puts the advantage, on a testbed whose pivotal tokens are known.
 
 Legend: B rollouts (P prompts x G), L positions.
 
@@ -43,7 +43,18 @@ from oar.tasks.teacher import filler_spans, fork_spans, slip_spans
 from scripts.analysis.attribution import pivotal_char_spans, precision_at_k, roc_auc, token_labels
 
 KINDS = ("pivotal", "fork", "slip", "filler")
-METRICS = ("precision_at_k", "roc_auc", "roc_auc_planted", "w_fork", "w_fork_stop", "w_fork_go", "w_slip", "w_filler", "w_other", "frac_negative")
+METRICS = (
+    "precision_at_k",
+    "roc_auc",
+    "roc_auc_planted",
+    "w_fork",
+    "w_fork_stop",
+    "w_fork_go",
+    "w_slip",
+    "w_filler",
+    "w_other",
+    "frac_negative",
+)
 
 
 def clustered_mean(values: list[float], clusters: list[int], key: str) -> dict:
@@ -68,8 +79,11 @@ def labels(tokenizer, ro, testbed) -> dict[str, torch.Tensor]:
     for i in range(len(ro)):
         cols = ro.completion_mask[i].nonzero().flatten().tolist()
         text, offsets = char_offsets(tokenizer, ro.input_ids[i, cols].tolist())
-        spans = {"fork": fork_spans(text, testbed.fork_line) if testbed.fork_line is not None else [],
-                 "slip": slip_spans(text), "filler": filler_spans(text, testbed.recipe.filler)}
+        spans = {
+            "fork": fork_spans(text, testbed.fork_line) if testbed.fork_line is not None else [],
+            "slip": slip_spans(text),
+            "filler": filler_spans(text, testbed.recipe.filler),
+        }
         spans["pivotal"] = pivotal_char_spans(text) + spans["fork"] + spans["slip"]
         for kind, sp in spans.items():
             for col, hit in zip(cols, token_labels(offsets, sp)):
@@ -77,8 +91,19 @@ def labels(tokenizer, ro, testbed) -> dict[str, torch.Tensor]:
     return out
 
 
-def method_weights(method: str, model, tokenizer, ro, rewards, advantages, seeds, golds, *, group_size: int,
-                   micro_batch_size: int = 64) -> torch.Tensor:
+def method_weights(
+    method: str,
+    model,
+    tokenizer,
+    ro,
+    rewards,
+    advantages,
+    seeds,
+    golds,
+    *,
+    group_size: int,
+    micro_batch_size: int = 64,
+) -> torch.Tensor:
     """Weights (B, L) of `method` on these rollouts, through train.py's interface (defaults of Config)."""
     from oar.training.config import Config
 
@@ -91,19 +116,36 @@ def method_weights(method: str, model, tokenizer, ro, rewards, advantages, seeds
         rows = slice(start, start + micro_batch_size)
         mb = ro.select(rows)
         with torch.no_grad():
-            logits = forward_logits(model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - ro.prompt_width + 1)
+            logits = forward_logits(
+                model, mb.input_ids, mb.attention_mask, logits_to_keep=mb.input_ids.shape[1] - ro.prompt_width + 1
+            )
         out.append(weigh(rows, mb, logits)[0].cpu())
     return torch.cat(out)
 
 
-def run(model, tokenizer, testbed, *, prompts: int = 48, group_size: int = 8, seed: int = 0, methods=METHODS,
-        arith: ArithConfig = ArithConfig(min_ops=3, max_ops=3)) -> dict:
+def run(
+    model,
+    tokenizer,
+    testbed,
+    *,
+    prompts: int = 48,
+    group_size: int = 8,
+    seed: int = 0,
+    methods=METHODS,
+    arith: ArithConfig = ArithConfig(min_ops=3, max_ops=3),
+) -> dict:
     """The attribution table of one testbed's starting model: one row per method."""
     problems = arith_problems(prompts, split="train", seed=20_000 + seed, config=arith)
     seeds = [seed * 1_000_003 + i for i in range(prompts * group_size)]
     model.eval()
-    ro = sample(model, tokenizer, [format_prompt(tokenizer, p.problem) for p in problems], group_size=group_size, seeds=seeds,
-                max_new_tokens=testbed.max_new_tokens)
+    ro = sample(
+        model,
+        tokenizer,
+        [format_prompt(tokenizer, p.problem) for p in problems],
+        group_size=group_size,
+        seeds=seeds,
+        max_new_tokens=testbed.max_new_tokens,
+    )
     golds = [p.answer for p in problems for _ in range(group_size)]
     rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
     advantages = group_advantages(rewards, group_size)
@@ -121,15 +163,32 @@ def run(model, tokenizer, testbed, *, prompts: int = 48, group_size: int = 8, se
             per["roc_auc"].append(roc_auc(score, known["pivotal"][i][scope].numpy()))
             per["roc_auc_planted"].append(roc_auc(score, (known["fork"][i] | known["slip"][i])[scope].numpy()))
             other = reasoning[i] & ~known["pivotal"][i] & ~known["filler"][i]
-            for kind, mask in [("fork", known["fork"][i]), ("fork_stop", known["fork"][i] & ~reasoning[i]),
-                               ("fork_go", known["fork"][i] & reasoning[i]), ("slip", known["slip"][i] & scope),
-                               ("filler", known["filler"][i] & scope), ("other", other)]:
+            for kind, mask in [
+                ("fork", known["fork"][i]),
+                ("fork_stop", known["fork"][i] & ~reasoning[i]),
+                ("fork_go", known["fork"][i] & reasoning[i]),
+                ("slip", known["slip"][i] & scope),
+                ("filler", known["filler"][i] & scope),
+                ("other", other),
+            ]:
                 per[f"w_{kind}"].append(float(w[i][mask].mean()) if mask.any() else math.nan)
             per["frac_negative"].append(float((w[i][scope] < 0).float().mean()))
         row = {"method": method, "rollouts": len(used)}
         for key, values in per.items():
-            row |= {key: math.nan, f"{key}_se": math.nan} | clustered_mean(values, [i // group_size for i in used], key)
+            row |= {key: math.nan, f"{key}_se": math.nan} | clustered_mean(
+                values, [i // group_size for i in used], key
+            )
         rows.append(row)
-    return {"testbed": testbed.name, "prompts": prompts, "group_size": group_size, "seed": seed,
-            "sample_accuracy": float(rewards.mean()), "pivotal_frac": float(np.mean([known["pivotal"][i][reasoning[i]].float().mean() for i in used])) if used else math.nan,
-            "rollouts_with_fork": int(known["fork"].any(1).sum()), "rollouts_with_slip": int(known["slip"].any(1).sum()), "table": rows}
+    return {
+        "testbed": testbed.name,
+        "prompts": prompts,
+        "group_size": group_size,
+        "seed": seed,
+        "sample_accuracy": float(rewards.mean()),
+        "pivotal_frac": float(np.mean([known["pivotal"][i][reasoning[i]].float().mean() for i in used]))
+        if used
+        else math.nan,
+        "rollouts_with_fork": int(known["fork"].any(1).sum()),
+        "rollouts_with_slip": int(known["slip"].any(1).sum()),
+        "table": rows,
+    }

@@ -1,7 +1,8 @@
 """The report of research/testbeds_v5/study_v5.py: whatever runs have finished -> research/testbeds_v5/ (rerunnable).
 
     python research/testbeds_v5/report_v5.py --root /work/study-v5 --out research/testbeds_v5
-    python research/testbeds_v5/report_v5.py --ledger research/testbeds_v5/ledger --out research/testbeds_v5   # from the repository alone
+    python research/testbeds_v5/report_v5.py --ledger research/testbeds_v5/ledger --out research/testbeds_v5
+                                                             # from the repository alone
 
 Writes summary.json (per testbed and method: seeds, final accuracies, mean ± std, the paired
 difference vs GRPO with its standard error, the held-out curve, times), runs.csv, curves.csv,
@@ -46,14 +47,21 @@ def flaw_rates(run_dir: Path) -> dict | None:
     ledger's .gz): the share of 3-operation problems answered one line early (the fork: `#` opens
     line 3) and the share of completions with a slip (a written result that is not `a op b`; the
     model's own arithmetic errors count too). None when the run kept no completions."""
-    for name, opener in (("eval_final.jsonl", open), ("eval_final.jsonl.gz", gzip.open), ("eval.jsonl", open)):  # the last: eval.py's
+    for name, opener in (
+        ("eval_final.jsonl", open),
+        ("eval_final.jsonl.gz", gzip.open),
+        ("eval.jsonl", open),
+    ):  # the last: eval.py's
         if (run_dir / name).is_file():
             with opener(run_dir / name, "rt") as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             three = [r["completion"] for r in rows if len(OPERATOR.findall(r["problem"])) == 3]
             early = [any(text[a] == "#" for a, _ in fork_spans(text)) for text in three]
-            return {"early_answers_3op": float(np.mean(early)) if early else math.nan,
-                    "with_slip": float(np.mean([bool(slip_spans(r["completion"])) for r in rows])), "completions": len(rows)}
+            return {
+                "early_answers_3op": float(np.mean(early)) if early else math.nan,
+                "with_slip": float(np.mean([bool(slip_spans(r["completion"])) for r in rows])),
+                "completions": len(rows),
+            }
     return None
 
 
@@ -63,8 +71,11 @@ def collect(root: Path, ledger: bool = False) -> dict:
     if ledger:
         from research.testbeds_v5.study_v5 import SETTINGS, parse_args, plan as default_plan
 
-        plan = {"runs": default_plan(parse_args(["--root", "<root>"])), "settings": SETTINGS,
-                "command": f"research/testbeds_v5/study_v5.py --ledger {root}"}
+        plan = {
+            "runs": default_plan(parse_args(["--root", "<root>"])),
+            "settings": SETTINGS,
+            "command": f"research/testbeds_v5/study_v5.py --ledger {root}",
+        }
     else:
         plan = json.loads((root / "plan.json").read_text())
     runs, table = plan["runs"], {}
@@ -94,7 +105,9 @@ def collect(root: Path, ledger: bool = False) -> dict:
             flaws = [flaw_rates(by_seed[s]["dir"]) for s in seeds]
             curves: dict[int, list[float]] = {}
             diffs: dict[int, list[float]] = {}  # step -> this method's accuracy minus GRPO's, seed by seed
-            rewards: dict[str, list[float]] = {}  # "a-b" -> this method's mean train reward over steps a..b minus GRPO's
+            rewards: dict[
+                str, list[float]
+            ] = {}  # "a-b" -> this method's mean train reward over steps a..b minus GRPO's
             for s in seeds:
                 mine, base = dict(accuracy_curve(by_seed[s])), dict(accuracy_curve(grpo[s])) if s in grpo else {}
                 for step, acc in mine.items():
@@ -106,36 +119,66 @@ def collect(root: Path, ledger: bool = False) -> dict:
                     for window, mean in _reward_windows(by_seed[s], sorted(mine)).items():
                         rewards.setdefault(window, []).append(mean - base_rewards[window])
             out[tb][m] = {
-                "seeds": seeds, "accuracy_after": after, "accuracy_before": [by_seed[s]["summary"]["accuracy_before"] for s in seeds],
+                "seeds": seeds,
+                "accuracy_after": after,
+                "accuracy_before": [by_seed[s]["summary"]["accuracy_before"] for s in seeds],
                 **{k: v for k, v in stats(after).items() if k != "n"},
-                "paired_diff_vs_grpo": _paired([by_seed[s]["summary"]["accuracy_after"] - grpo[s]["summary"]["accuracy_after"]
-                                                for s in seeds if s in grpo]),
+                "paired_diff_vs_grpo": _paired(
+                    [
+                        by_seed[s]["summary"]["accuracy_after"] - grpo[s]["summary"]["accuracy_after"]
+                        for s in seeds
+                        if s in grpo
+                    ]
+                ),
                 "paired_curve_vs_grpo": {str(st): _paired(v) for st, v in sorted(diffs.items()) if st > 0},
                 "paired_train_reward_vs_grpo": {w: _paired(v) for w, v in rewards.items()},
-                "curve": {str(st): {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else math.nan, "n": len(v)}
-                          for st, v in sorted(curves.items())},
+                "curve": {
+                    str(st): {
+                        "mean": float(np.mean(v)),
+                        "std": float(np.std(v, ddof=1)) if len(v) > 1 else math.nan,
+                        "n": len(v),
+                    }
+                    for st, v in sorted(curves.items())
+                },
                 "final_train_reward": stats([_last_mean(by_seed[s]["rows"], "reward/mean", 5) for s in seeds])["mean"],
                 "final_policy_entropy": stats([_last_mean(by_seed[s]["rows"], "policy/entropy", 10) for s in seeds]),
                 "train_seconds": [sum(x["time/step_s"] for x in by_seed[s]["rows"]) for s in seeds],
-                "wall_seconds": [by_seed[s]["wall_seconds"] for s in seeds], "cpu_seconds": [by_seed[s]["cpu_seconds"] for s in seeds],
+                "wall_seconds": [by_seed[s]["wall_seconds"] for s in seeds],
+                "cpu_seconds": [by_seed[s]["cpu_seconds"] for s in seeds],
                 "code": sorted({c for s in seeds for c in by_seed[s]["code"]}),
                 "code_by_seed": [by_seed[s]["code"] for s in seeds],
-                "flaws": {k: stats([f[k] for f in flaws if f is not None]) for k in ("early_answers_3op", "with_slip")},
+                "flaws": {
+                    k: stats([f[k] for f in flaws if f is not None]) for k in ("early_answers_3op", "with_slip")
+                },
             }
     attribution = {p.stem: json.loads(p.read_text()) for p in sorted((root / "attribution").glob("*.json"))}
-    build_files = sorted((root / "builds").glob("*.json")) if ledger else sorted((root / "models").glob("*/build_info.json"))
-    builds = {(p.stem if ledger else p.parent.name): {k: v for k, v in json.loads(p.read_text()).items() if k != "recipe"}
-              for p in build_files}
-    return {"plan": plan, "finished": finished, "planned": len(runs), "testbeds": out, "attribution": attribution, "builds": builds,
-            "beyond_plan": sorted(beyond)}
+    build_files = (
+        sorted((root / "builds").glob("*.json")) if ledger else sorted((root / "models").glob("*/build_info.json"))
+    )
+    builds = {
+        (p.stem if ledger else p.parent.name): {k: v for k, v in json.loads(p.read_text()).items() if k != "recipe"}
+        for p in build_files
+    }
+    return {
+        "plan": plan,
+        "finished": finished,
+        "planned": len(runs),
+        "testbeds": out,
+        "attribution": attribution,
+        "builds": builds,
+        "beyond_plan": sorted(beyond),
+    }
 
 
 def _reward_windows(run: dict, evals: list[int]) -> dict[str, float]:
     """Mean sampled train reward over the steps between evaluations ("1-20", "21-40", ...)."""
     by_step = {r["step"]: r["reward/mean"] for r in run["rows"]}  # a resumed run may repeat a step: the last counts
     bounds = [e for e in evals if e > 0]
-    return {f"{a + 1}-{b}": float(np.mean([by_step[t] for t in range(a + 1, b + 1) if t in by_step]))
-            for a, b in zip([0] + bounds, bounds) if any(t in by_step for t in range(a + 1, b + 1))}
+    return {
+        f"{a + 1}-{b}": float(np.mean([by_step[t] for t in range(a + 1, b + 1) if t in by_step]))
+        for a, b in zip([0] + bounds, bounds)
+        if any(t in by_step for t in range(a + 1, b + 1))
+    }
 
 
 def _last_mean(rows: list[dict], key: str, n: int) -> float:
@@ -167,20 +210,44 @@ def write(root, out, ledger: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     data = collect(root, ledger)
     partial = data["finished"] < data["planned"]
-    summary = {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "report_command": f"python research/testbeds_v5/report_v5.py --{'ledger' if ledger else 'root'} {root} --out {out}",
-               "status": f"{'PARTIAL: ' if partial else ''}{data['finished']} of {data['planned']} runs finished",
-               "command": data["plan"].get("command"), "settings": data["plan"]["settings"],
-               "builds": data["builds"], "testbeds": data["testbeds"], "attribution": data["attribution"],
-               "beyond_plan": data["beyond_plan"]}
+    summary = {
+        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "report_command": f"python research/testbeds_v5/report_v5.py "
+        f"--{'ledger' if ledger else 'root'} {root} --out {out}",
+        "status": f"{'PARTIAL: ' if partial else ''}{data['finished']} of {data['planned']} runs finished",
+        "command": data["plan"].get("command"),
+        "settings": data["plan"]["settings"],
+        "builds": data["builds"],
+        "testbeds": data["testbeds"],
+        "attribution": data["attribution"],
+        "beyond_plan": data["beyond_plan"],
+    }
     (out / "summary.json").write_text(json.dumps(_nan_to_null(summary), indent=2, allow_nan=False) + "\n")
     run_rows, curve_rows, attr_rows = [], [], []
     for tb, methods in data["testbeds"].items():
         for m, v in methods.items():
-            for s, b, a, t, w, c, code in zip(v["seeds"], v["accuracy_before"], v["accuracy_after"], v["train_seconds"], v["wall_seconds"],
-                                              v["cpu_seconds"], v["code_by_seed"]):
-                run_rows.append({"testbed": tb, "method": m, "seed": s, "accuracy_before": b, "accuracy_after": a,
-                                 "train_seconds": round(t, 1), "wall_seconds": round(w, 1), "cpu_seconds": round(c, 1), "code": "+".join(code)})
+            for s, b, a, t, w, c, code in zip(
+                v["seeds"],
+                v["accuracy_before"],
+                v["accuracy_after"],
+                v["train_seconds"],
+                v["wall_seconds"],
+                v["cpu_seconds"],
+                v["code_by_seed"],
+            ):
+                run_rows.append(
+                    {
+                        "testbed": tb,
+                        "method": m,
+                        "seed": s,
+                        "accuracy_before": b,
+                        "accuracy_after": a,
+                        "train_seconds": round(t, 1),
+                        "wall_seconds": round(w, 1),
+                        "cpu_seconds": round(c, 1),
+                        "code": "+".join(code),
+                    }
+                )
             curve_rows += [{"testbed": tb, "method": m, "step": int(st), **c} for st, c in v["curve"].items()]
     for tb, a in data["attribution"].items():
         attr_rows += [{"testbed": tb, **r} for r in a["table"]]
@@ -206,8 +273,12 @@ def write(root, out, ledger: bool = False) -> dict:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--root", type=Path, default=Path("/work/study-v5"), help="a study's root (its runs, models and attribution)")
-    where.add_argument("--ledger", type=Path, default=None, help="a study's ledger instead: the report from the repository alone")
+    where.add_argument(
+        "--root", type=Path, default=Path("/work/study-v5"), help="a study's root (its runs, models and attribution)"
+    )
+    where.add_argument(
+        "--ledger", type=Path, default=None, help="a study's ledger instead: the report from the repository alone"
+    )
     p.add_argument("--out", type=Path, default=Path("research/testbeds_v5"))
     a = p.parse_args()
     write(a.ledger or a.root, a.out, ledger=a.ledger is not None)

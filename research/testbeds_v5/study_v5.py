@@ -1,8 +1,9 @@
-"""The study of issue 14: where does token-level credit help? Six credit methods x three testbeds x seeds.
+"""The testbeds study: where does token-level credit help? Six credit methods x three testbeds x seeds.
 
     nohup nice -n 19 python research/testbeds_v5/study_v5.py --root /work/study-v5 > /work/study-v5/study.log 2>&1 &
     python research/testbeds_v5/study_v5.py --root /work/study-v5 --dry_run          # the plan, nothing run
-    python research/testbeds_v5/study_v5.py --root /work/study-v5 --only fork &  python research/testbeds_v5/study_v5.py --root /work/study-v5 --only slip filler
+    python research/testbeds_v5/study_v5.py --root /work/study-v5 --only fork &
+    python research/testbeds_v5/study_v5.py --root /work/study-v5 --only slip filler
                                                                          # two processes, two cores, disjoint testbeds
     python research/testbeds_v5/study_v5.py --root /tmp/s --scale tiny                # the whole pipeline at toy size
     python research/testbeds_v5/report_v5.py --root /work/study-v5 --out research/testbeds_v5   # whatever has finished
@@ -49,25 +50,66 @@ from research.common import study_ledger  # noqa: E402
 from research.common.study_run import run_dir, run_one  # noqa: E402
 
 SETTINGS = {"steps": 60, "eval_every": 20, "eval_size": 500, "save_every": 20}
-TINY = {"steps": 2, "prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8, "eval_size": 16, "eval_every": 1, "save_every": 1}
-COST = {"grpo": 1.0, "oar-g": 1.2, "oar-p": 2.6, "entropy": 1.05, "entropy-mask": 1.2, "tempo": 1.05, "oar-g+tempo": 1.25, "random-gate": 1.05}  # guesses until timed
+TINY = {
+    "steps": 2,
+    "prompts_per_step": 2,
+    "group_size": 4,
+    "micro_batch_size": 8,
+    "eval_size": 16,
+    "eval_every": 1,
+    "save_every": 1,
+}
+COST = {
+    "grpo": 1.0,
+    "oar-g": 1.2,
+    "oar-p": 2.6,
+    "entropy": 1.05,
+    "entropy-mask": 1.2,
+    "tempo": 1.05,
+    "oar-g+tempo": 1.25,
+    "random-gate": 1.05,
+}  # guesses until timed
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--root", type=Path, default=Path("/work/study-v5"), help="runs, models and attribution (outside the repo)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    p.add_argument(
+        "--root", type=Path, default=Path("/work/study-v5"), help="runs, models and attribution (outside the repo)"
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--testbeds", nargs="+", default=list(TESTBEDS), choices=list(TESTBEDS))
-    p.add_argument("--methods", nargs="+", default=list(COMPARED), choices=list(METHODS),
-                   help="default: the six of the fixed plan; oar-g+tempo and random-gate (beyond the paper) only when named")
-    p.add_argument("--only", nargs="+", default=None, choices=list(TESTBEDS), metavar="TESTBED",
-                   help="run only these testbeds' runs (the plan, ledger and report still cover --testbeds): "
-                        "one process per testbed uses more cores, and no two processes touch one run")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(COMPARED),
+        choices=list(METHODS),
+        help="default: the six of the fixed plan; oar-g+tempo and random-gate (beyond the paper) only when named",
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        choices=list(TESTBEDS),
+        metavar="TESTBED",
+        help="run only these testbeds' runs (the plan, ledger and report still cover --testbeds): "
+        "one process per testbed uses more cores, and no two processes touch one run",
+    )
     p.add_argument("--scale", default="default", choices=["default", "tiny"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--attr_prompts", type=int, default=None, help="problems (x8 rollouts) per testbed for attribution (default 48; tiny 4)")
-    p.add_argument("--ledger", default=None,
-                   help="where finished work is kept across machines (default research/testbeds_v5/ledger; tiny scale: none); 'none' for none")
+    p.add_argument(
+        "--attr_prompts",
+        type=int,
+        default=None,
+        help="problems (x8 rollouts) per testbed for attribution (default 48; tiny 4)",
+    )
+    p.add_argument(
+        "--ledger",
+        default=None,
+        help="where finished work is kept across machines (default research/testbeds_v5/ledger; tiny scale: none); "
+        "'none' for none",
+    )
     p.add_argument("--dry_run", action="store_true")
     args = p.parse_args(argv)
     default_ledger = None if args.scale == "tiny" else ROOT / "research" / "testbeds_v5" / "ledger"
@@ -96,13 +138,18 @@ def ensure_testbed(root: Path, name: str, scale: str, threads: int) -> Path:
     if not is_complete(out):
         print(f"[study] building testbed {name} into {out} ...", flush=True)
         info = build_tiny_arith(out, seed=0, recipe=recipe, log=lambda s: print(s, flush=True))
-        print(f"[study] built {name}: held-out accuracy {info['heldout_accuracy']:.1%}, {info['build_seconds']:.0f} s "
-              f"({info['build_cpu_seconds']:.0f} s CPU)", flush=True)
+        print(
+            f"[study] built {name}: held-out accuracy {info['heldout_accuracy']:.1%}, {info['build_seconds']:.0f} s "
+            f"({info['build_cpu_seconds']:.0f} s CPU)",
+            flush=True,
+        )
     built = json.loads((out / "build_info.json").read_text())
     same = lambda r: {k: v for k, v in r.items() if k != "num_threads"}  # noqa: E731 - threads did not change the weights here
     if same(built["recipe"]) != same(json.loads(json.dumps(asdict(recipe)))):
-        raise SystemExit(f"study_v5.py: error: {out} was built from another recipe than testbed {name}'s; "
-                         f"delete the folder to rebuild it, or use another --root.")
+        raise SystemExit(
+            f"study_v5.py: error: {out} was built from another recipe than testbed {name}'s; "
+            f"delete the folder to rebuild it, or use another --root."
+        )
     return out
 
 
@@ -112,8 +159,11 @@ def plan(args) -> list[dict]:
     for seed in args.seeds:
         for tb in args.testbeds:
             for m in args.methods:
-                settings = base | {"model": str(model_dir(args.root, tb)), "method": m,
-                                   "max_new_tokens": TESTBEDS[tb].max_new_tokens}
+                settings = base | {
+                    "model": str(model_dir(args.root, tb)),
+                    "method": m,
+                    "max_new_tokens": TESTBEDS[tb].max_new_tokens,
+                }
                 runs.append({"name": f"{tb}/{m}", "testbed": tb, "method": m, "seed": seed, "settings": settings})
     return runs
 
@@ -187,9 +237,16 @@ def main(argv=None) -> int:
     # plan.json is always the fixed plan (report_v5.py counts against it), whichever part of it, or
     # which methods beyond it, this worker runs
     fixed = parse_args(["--root", str(args.root), "--scale", args.scale])
-    write_json_atomic(args.root / "plan.json", {"scale": args.scale, "settings": TINY if args.scale == "tiny" else SETTINGS,
-                                                "testbeds": {tb: asdict(TESTBEDS[tb]) for tb in fixed.testbeds}, "runs": plan(fixed),
-                                                "command": " ".join(sys.argv)})
+    write_json_atomic(
+        args.root / "plan.json",
+        {
+            "scale": args.scale,
+            "settings": TINY if args.scale == "tiny" else SETTINGS,
+            "testbeds": {tb: asdict(TESTBEDS[tb]) for tb in fixed.testbeds},
+            "runs": plan(fixed),
+            "command": " ".join(sys.argv),
+        },
+    )
     ok, synced, locks = True, set(), {}
     print(f"[study] {len(runs)} runs under {args.root}; ledger {args.ledger}; {estimate(args, runs)}", flush=True)
     for r in runs:  # a testbed is built, and its attribution made, when its first run comes
@@ -199,16 +256,25 @@ def main(argv=None) -> int:
         if tb not in locks:
             locks[tb] = _claim(args.root, tb)
             if locks[tb] is None:
-                print(f"[study] testbed {tb}: another process of this study runs it; its runs are skipped here", flush=True)
+                print(
+                    f"[study] testbed {tb}: another process of this study runs it; its runs are skipped here",
+                    flush=True,
+                )
         if locks[tb] is None:
             continue
         if args.ledger is not None and tb not in synced:
             if study_ledger.restore_model(args.ledger, tb, model_dir(args.root, tb)):
-                print(f"[study] testbed {tb}: the ledger's starting model copied to {model_dir(args.root, tb)}", flush=True)
+                print(
+                    f"[study] testbed {tb}: the ledger's starting model copied to {model_dir(args.root, tb)}",
+                    flush=True,
+                )
             model = ensure_testbed(args.root, tb, args.scale, args.threads)
             build = study_ledger.check_build(args.ledger, tb, model)
             restored = study_ledger.restore(args.ledger, args.root, tb, model)
-            print(f"[study] testbed {tb}: build {build} in {args.ledger}; {restored} finished run(s) restored from it", flush=True)
+            print(
+                f"[study] testbed {tb}: build {build} in {args.ledger}; {restored} finished run(s) restored from it",
+                flush=True,
+            )
             synced.add(tb)
         attribution(SimpleNamespace(**vars(args) | {"testbeds": [tb]}))
         status = run_one(SimpleNamespace(root=args.root, threads=args.threads), r)

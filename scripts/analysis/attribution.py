@@ -1,5 +1,6 @@
 """Attribution quality where the truth is known: do OAR-P and OAR-G scores find the tokens that decide
-an arith answer, and does OAR-G agree with OAR-P? (issue 6, the paper's "causal-token recall").
+an arith answer, and does OAR-G agree with OAR-P? (the paper's "causal-token recall"; results:
+research/arith_v4/).
 
 Legend: B rollouts, L positions (prompt + completion, the sampler's layout), n reasoning tokens of one rollout.
 
@@ -54,6 +55,7 @@ _RESULT = re.compile(r"= (-?\d+)")  # the number a line computes: right after " 
 
 # ------------------------------------------------------------------------------------ ground truth
 
+
 def pivotal_char_spans(text: str) -> list[tuple[int, int]]:
     """Character spans [start, end) of the computed results in the reasoning and of the final answer."""
     span = find_answer(text)
@@ -80,6 +82,7 @@ def pivotal_mask(tokenizer, input_ids: torch.Tensor, completion_mask: torch.Tens
 
 
 # ------------------------------------------------------------------------------------------ metrics
+
 
 def average_ranks(x: np.ndarray) -> np.ndarray:
     """Ranks 1..n of `x`, ties given the mean of the ranks they span."""
@@ -140,24 +143,40 @@ def top_overlap(a, b, frac: float = 0.2) -> float:
 
 # --------------------------------------------------------------------------------- rollouts, scores
 
-def make_rollouts(model, tokenizer, problems, *, source: str, seed: int, max_new_tokens: int, temperature: float = 1.0):
+
+def make_rollouts(
+    model, tokenizer, problems, *, source: str, seed: int, max_new_tokens: int, temperature: float = 1.0
+):
     """Rollouts of `problems` in the sampler's layout: sampled by the model ('sample', one per problem,
     seeded) or the gold worked solutions teacher-forced ('gold')."""
     prompts = [format_prompt(tokenizer, p.problem) for p in problems]
     if source == "sample":
         seeds = [seed * 1_000_003 + i for i in range(len(problems))]
-        return sample(model, tokenizer, prompts, group_size=1, seeds=seeds, max_new_tokens=max_new_tokens, temperature=temperature)
+        return sample(
+            model,
+            tokenizer,
+            prompts,
+            group_size=1,
+            seeds=seeds,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+        )
     assert source == "gold", source
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
-    solutions = [tokenizer(arith_solution(p), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in problems]
+    solutions = [
+        tokenizer(arith_solution(p), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for p in problems
+    ]
     completion = torch.full((len(problems), max(map(len, solutions))), tokenizer.pad_token_id, dtype=torch.long)
     for i, ids in enumerate(solutions):
         completion[i, : len(ids)] = torch.tensor(ids)
     return build_rollout(tokenizer, prompt_ids, prompt_mask, completion.to(device), stop_token_ids(model, tokenizer))
 
 
-def scores_of(scorer: str, model, tokenizer, ro, probe: str, *, seed: int, noise_std: float = 1e-3, batch: int = 64) -> torch.Tensor:
+def scores_of(
+    scorer: str, model, tokenizer, ro, probe: str, *, seed: int, noise_std: float = 1e-3, batch: int = 64
+) -> torch.Tensor:
     """Importance scores (B, L) of one scorer, `batch` rollouts at a time (bounds OAR-G's backward)."""
     if scorer == "random":
         return torch.rand(ro.input_ids.shape, generator=torch.Generator().manual_seed(seed)) * ro.reasoning_mask
@@ -179,19 +198,37 @@ def attribution_table(model, tokenizer, ro, *, probes=PROBES, seed: int = 0) -> 
     pivotal = pivotal_mask(tokenizer, ro.input_ids.cpu(), ro.completion_mask.cpu(), ro.prompt_width)
     reasoning = ro.reasoning_mask.cpu()
     rows_used = [i for i in range(len(ro)) if 0 < int((pivotal[i] & reasoning[i]).sum()) < int(reasoning[i].sum())]
-    base = float(np.mean([(pivotal[i] & reasoning[i]).sum() / reasoning[i].sum() for i in rows_used])) if rows_used else math.nan
+    base = (
+        float(np.mean([(pivotal[i] & reasoning[i]).sum() / reasoning[i].sum() for i in rows_used]))
+        if rows_used
+        else math.nan
+    )
     table = []
     for probe in probes:
         per = {name: scores_of(name, model, tokenizer, ro, probe, seed=seed) for name in SCORERS}
         for name, s in per.items():
             prec = [precision_at_k(s[i][reasoning[i]].numpy(), pivotal[i][reasoning[i]].numpy()) for i in rows_used]
             auc = [roc_auc(s[i][reasoning[i]].numpy(), pivotal[i][reasoning[i]].numpy()) for i in rows_used]
-            table.append({"probe": probe, "scorer": name, "rollouts": len(rows_used), "pivotal_frac": base,
-                          **_mean_se("precision_at_k", prec), **_mean_se("roc_auc", auc)})
+            table.append(
+                {
+                    "probe": probe,
+                    "scorer": name,
+                    "rollouts": len(rows_used),
+                    "pivotal_frac": base,
+                    **_mean_se("precision_at_k", prec),
+                    **_mean_se("roc_auc", auc),
+                }
+            )
         pairs = [(per["oar-g"][i][reasoning[i]].numpy(), per["oar-p"][i][reasoning[i]].numpy()) for i in rows_used]
-        table.append({"probe": probe, "scorer": "oar-g vs oar-p", "rollouts": len(rows_used),
-                      **_mean_se("spearman", [spearman(g, p) for g, p in pairs]),
-                      **_mean_se("top20_overlap", [top_overlap(g, p) for g, p in pairs])})
+        table.append(
+            {
+                "probe": probe,
+                "scorer": "oar-g vs oar-p",
+                "rollouts": len(rows_used),
+                **_mean_se("spearman", [spearman(g, p) for g, p in pairs]),
+                **_mean_se("top20_overlap", [top_overlap(g, p) for g, p in pairs]),
+            }
+        )
     return table
 
 
@@ -213,6 +250,10 @@ def run(model, tokenizer, *, n: int, seed: int, max_new_tokens: int, arith: Arit
         with torch.enable_grad():  # OAR-G needs autograd for its input gradient
             table = attribution_table(model, tokenizer, ro, seed=seed)
         correct = float(np.mean([reward(t, p.answer) for t, p in zip(ro.texts, problems)]))
-        result["sources"][source] = {"rollouts": len(ro), "accuracy": correct,
-                                     "with_answer": float(ro.answer_mask.any(1).float().mean()), "table": table}
+        result["sources"][source] = {
+            "rollouts": len(ro),
+            "accuracy": correct,
+            "with_answer": float(ro.answer_mask.any(1).float().mean()),
+            "table": table,
+        }
     return result

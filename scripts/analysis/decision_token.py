@@ -11,6 +11,7 @@ reinforces), and prints the OAR-G and OAR-P gate weight (train.py's gate setting
 decision token (the reasoning tokens' mean weight is 1 by mass preservation) and where its score
 ranks among the rollout's reasoning tokens. Relies on tiny-arith's one-token-per-character tokenizer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,13 +44,23 @@ def main() -> None:
     model.eval()
     problems = arith_problems(args.problems, seed=args.seed, config=ArithConfig(min_ops=3, max_ops=3))
     cfg, g = Config(), Config().group_size  # train.py's defaults
-    ro = sample(model, tok, [format_prompt(tok, q.problem) for q in problems], group_size=g,
-                seeds=list(range(g * len(problems))), max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature, top_p=cfg.top_p)
+    ro = sample(
+        model,
+        tok,
+        [format_prompt(tok, q.problem) for q in problems],
+        group_size=g,
+        seeds=list(range(g * len(problems))),
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+    )
     golds = [q.answer for q in problems for _ in range(g)]
     finished = [i for i, t in enumerate(ro.texts) if "####" in t and t.split("####")[0].count("\n") >= 3]
     worked = [i for i in finished if reward(ro.texts[i], golds[i]) == 1.0]
-    print(f"{len(finished)} of {len(ro)} rollouts of 3-operation problems finish the work; {len(worked)} of them are right")
+    print(
+        f"{len(finished)} of {len(ro)} rollouts of 3-operation problems finish the work; "
+        f"{len(worked)} of them are right"
+    )
     if not worked:
         return
     rows = torch.tensor(worked)
@@ -57,14 +68,20 @@ def main() -> None:
     # The decision token: the first character of line 3 (one token per character, from column Lp).
     where = [ro.prompt_width + t.index("\n", t.index("\n") + 1) + 1 for t in (ro.texts[i] for i in worked)]
     torch.manual_seed(0)
-    for name, scores in (("oar-g", gradient_scores(model, *batch, probe=cfg.probe, noise_std=cfg.noise_std)),
-                         ("oar-p", perturbation_scores(model, *batch, probe=cfg.probe, pad_token_id=tok.pad_token_id))):
-        weights = bilevel_weights(scores, batch[2], quantile=cfg.gate_quantile, boost=cfg.gate_boost, floor=cfg.gate_floor)
+    for name, scores in (
+        ("oar-g", gradient_scores(model, *batch, probe=cfg.probe, noise_std=cfg.noise_std)),
+        ("oar-p", perturbation_scores(model, *batch, probe=cfg.probe, pad_token_id=tok.pad_token_id)),
+    ):
+        weights = bilevel_weights(
+            scores, batch[2], quantile=cfg.gate_quantile, boost=cfg.gate_boost, floor=cfg.gate_floor
+        )
         w = [weights[k, j].item() for k, j in enumerate(where)]
         rank = [(scores[k][batch[2][k]] < scores[k, j]).float().mean().item() for k, j in enumerate(where)]
-        print(f"{name}: decision-token weight mean {statistics.mean(w):.2f} (median {statistics.median(w):.2f}), "
-              f"below 1 in {sum(x < 1 for x in w) / len(w):.0%} of rollouts; its score beats "
-              f"{statistics.mean(rank):.0%} of the rollout's reasoning tokens on average")
+        print(
+            f"{name}: decision-token weight mean {statistics.mean(w):.2f} (median {statistics.median(w):.2f}), "
+            f"below 1 in {sum(x < 1 for x in w) / len(w):.0%} of rollouts; its score beats "
+            f"{statistics.mean(rank):.0%} of the rollout's reasoning tokens on average"
+        )
 
 
 if __name__ == "__main__":

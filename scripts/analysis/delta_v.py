@@ -43,8 +43,12 @@ from oar.sampler import decode, left_pad, stop_token_ids
 from oar.training.models import SMOLLM2, smollm2_gguf
 
 
-VALUES_FORMAT = 2  # 1: continuation c of every prefix drew from the start of its stream (pairs barely coupled); 2: this
-CONTINUATION_OFFSET = 500_000  # continuation seeds are = this + c (mod 1_000_003); rollout seeds (= n < this) never are
+VALUES_FORMAT = (
+    2  # 1: continuation c of every prefix drew from the start of its stream (pairs barely coupled); 2: this
+)
+CONTINUATION_OFFSET = (
+    500_000  # continuation seeds are = this + c (mod 1_000_003); rollout seeds (= n < this) never are
+)
 
 
 def continuation_seed(rollout_seed: int, c: int) -> int:
@@ -61,7 +65,9 @@ def needed_prefixes(positions: list[int]) -> list[int]:
 
 def paired_differences(rewards: dict[tuple[int, int], float], positions: list[int], k: int) -> np.ndarray:
     """d_{t,c} = R_{t+1,c} - R_{t,c} (n_R, K) from the continuation rewards {(j, c): r}."""
-    return np.array([[rewards[(t + 1, c)] - rewards[(t, c)] for c in range(k)] for t in positions], dtype=np.float64).reshape(-1, k)
+    return np.array(
+        [[rewards[(t + 1, c)] - rewards[(t, c)] for c in range(k)] for t in positions], dtype=np.float64
+    ).reshape(-1, k)
 
 
 def delta_v(rewards: dict[tuple[int, int], float], positions: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,21 +83,46 @@ def sign_test(plus: int, minus: int) -> float:
     n = plus + minus
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(plus, minus) + 1)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(min(plus, minus) + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
-def continuation_rewards(model, tok, prompt: list[int], completion: list[int], gold: str, prefixes: list[int], k: int, seed: int, *,
-                         max_new_tokens: int, temperature: float, batch: int = 64) -> dict[tuple[int, int], float]:
+def continuation_rewards(
+    model,
+    tok,
+    prompt: list[int],
+    completion: list[int],
+    gold: str,
+    prefixes: list[int],
+    k: int,
+    seed: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    batch: int = 64,
+) -> dict[tuple[int, int], float]:
     """{(j, c): reward of prefix completion[:j] continued by the model with continuation seed c}, every j in
     `prefixes`, c < k. The continuation of prefix j gets the rollout's remaining budget max_new_tokens - j;
     continuation c draws from the stream of `continuation_seed(seed, c)`, position p with its draw p at every
     prefix (common random numbers: the prefix of length j skips j draws). So where continuation c of prefix
     j draws the rollout's own token j, it is continuation c of prefix j + 1, text and reward: only the others
     (`deviations`) are sampled, and the rest are copied from the prefix after, longest prefix first."""
-    sampled = sample_rewards(model, tok, prompt, completion, gold, sorted(deviations(model, prompt, completion, prefixes, k, seed,
-                             temperature=temperature, max_new_tokens=max_new_tokens)), seed, max_new_tokens=max_new_tokens,
-                             temperature=temperature, batch=batch)
+    sampled = sample_rewards(
+        model,
+        tok,
+        prompt,
+        completion,
+        gold,
+        sorted(
+            deviations(
+                model, prompt, completion, prefixes, k, seed, temperature=temperature, max_new_tokens=max_new_tokens
+            )
+        ),
+        seed,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        batch=batch,
+    )
     out = {}
     for j in sorted(prefixes, reverse=True):
         for c in range(k):
@@ -100,47 +131,95 @@ def continuation_rewards(model, tok, prompt: list[int], completion: list[int], g
 
 
 @torch.no_grad()
-def deviations(model, prompt: list[int], completion: list[int], prefixes: list[int], k: int, seed: int, *, temperature: float,
-               max_new_tokens: int) -> set[tuple[int, int]]:
+def deviations(
+    model,
+    prompt: list[int],
+    completion: list[int],
+    prefixes: list[int],
+    k: int,
+    seed: int,
+    *,
+    temperature: float,
+    max_new_tokens: int,
+) -> set[tuple[int, int]]:
     """The (j, c) whose continuation must be sampled: continuation c of prefix j draws at position j another
     token than the rollout's (chosen as the sampler chooses, `eager_decode.choose`, from the rollout's own
     teacher-forced distribution there and the stream's draw j), or prefix j + 1 is not one of `prefixes`."""
     needed = set(prefixes)
     ids = torch.tensor([prompt + completion], device=next(model.parameters()).device)
-    z = forward_logits(model, ids, torch.ones_like(ids), logits_to_keep=len(completion) + 1)[0, :-1]  # (T, V): z[t] predicts token t
-    u = draw_uniforms([continuation_seed(seed, c) for c in range(k)], max_new_tokens, ids.device)  # (K, max_new_tokens)
+    z = forward_logits(model, ids, torch.ones_like(ids), logits_to_keep=len(completion) + 1)[
+        0, :-1
+    ]  # (T, V): z[t] predicts token t
+    u = draw_uniforms(
+        [continuation_seed(seed, c) for c in range(k)], max_new_tokens, ids.device
+    )  # (K, max_new_tokens)
     out = set()
     for j in prefixes:
         if j + 1 not in needed or j >= len(completion):
             out |= {(j, c) for c in range(k)}
             continue
-        token, _ = choose(z[j].expand(k, -1), temperature, 1.0, u[:, j], torch.zeros(k, dtype=torch.bool, device=ids.device), 0)
+        token, _ = choose(
+            z[j].expand(k, -1), temperature, 1.0, u[:, j], torch.zeros(k, dtype=torch.bool, device=ids.device), 0
+        )
         out |= {(j, c) for c in range(k) if int(token[c]) != completion[j]}
     return out
 
 
-def sample_rewards(model, tok, prompt: list[int], completion: list[int], gold: str, pairs: list[tuple[int, int]], seed: int, *,
-                   max_new_tokens: int, temperature: float, batch: int = 64) -> dict[tuple[int, int], float]:
+def sample_rewards(
+    model,
+    tok,
+    prompt: list[int],
+    completion: list[int],
+    gold: str,
+    pairs: list[tuple[int, int]],
+    seed: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    batch: int = 64,
+) -> dict[tuple[int, int], float]:
     """{(j, c): reward} of continuation c of prefix completion[:j], sampled for each pair, `batch` rows a call
     (pairs in order of j: rows of similar length together)."""
     stop = stop_token_ids(model, tok)
     out = {}
     for start in range(0, len(pairs), batch):
-        part = pairs[start:start + batch]
+        part = pairs[start : start + batch]
         ids, mask = left_pad([prompt + completion[:j] for j, _ in part], tok.pad_token_id)
-        cont, _ = decode(model, ids, mask, max_new_tokens=max_new_tokens - min(j for j, _ in part), temperature=temperature, top_p=1.0,
-                         eos_token_ids=stop, pad_token_id=tok.pad_token_id, seeds=[continuation_seed(seed, c) for _, c in part],
-                         skip_draws=[j for j, _ in part])
+        cont, _ = decode(
+            model,
+            ids,
+            mask,
+            max_new_tokens=max_new_tokens - min(j for j, _ in part),
+            temperature=temperature,
+            top_p=1.0,
+            eos_token_ids=stop,
+            pad_token_id=tok.pad_token_id,
+            seeds=[continuation_seed(seed, c) for _, c in part],
+            skip_draws=[j for j, _ in part],
+        )
         for (j, c), row in zip(part, cont.tolist()):
-            row = row[:max_new_tokens - j]  # this prefix's own budget
+            row = row[: max_new_tokens - j]  # this prefix's own budget
             end = next((n for n, x in enumerate(row) if x in stop), len(row))
             text = char_offsets(tok, completion[:j] + row[:end])[0]  # what the sampler's text of that rollout would be
             out[(j, c)] = reward(text, gold)
     return out
 
 
-def rollout_values(model, tok, ro: Rollout, golds: list[str], seeds: list[int], *, k: int, max_new_tokens: int, temperature: float,
-                   batch: int, log=print, done: list[dict] = (), save=None) -> list[dict]:
+def rollout_values(
+    model,
+    tok,
+    ro: Rollout,
+    golds: list[str],
+    seeds: list[int],
+    *,
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    batch: int,
+    log=print,
+    done: list[dict] = (),
+    save=None,
+) -> list[dict]:
     """Per rollout: its reasoning positions (completion indices); ΔV, its s.e., and the counts of +1 and -1
     paired differences there; v_first, V before its first reasoning token; the CPU seconds it took.
     Starts after the rollouts already `done` (a run that was stopped); `save(values)` after each rollout."""
@@ -156,16 +235,34 @@ def rollout_values(model, tok, ro: Rollout, golds: list[str], seeds: list[int], 
         rec = {"positions": positions, "dv": [], "se": [], "plus": [], "minus": [], "v_first": None}
         if positions:
             prefixes = needed_prefixes(positions)
-            r = continuation_rewards(model, tok, prompt, completion, golds[i], prefixes, k, seeds[i], max_new_tokens=max_new_tokens,
-                                     temperature=temperature, batch=batch)
+            r = continuation_rewards(
+                model,
+                tok,
+                prompt,
+                completion,
+                golds[i],
+                prefixes,
+                k,
+                seeds[i],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                batch=batch,
+            )
             assert set(r.values()) <= {0.0, 1.0}, "the sign test and the counts assume 0/1 rewards"
             dv, se = delta_v(r, positions, k)
             d = paired_differences(r, positions, k)
-            rec |= {"dv": dv.tolist(), "se": se.tolist(), "plus": (d > 0).sum(1).tolist(), "minus": (d < 0).sum(1).tolist(),
-                    "v_first": float(np.mean([r[(prefixes[0], c)] for c in range(k)]))}
+            rec |= {
+                "dv": dv.tolist(),
+                "se": se.tolist(),
+                "plus": (d > 0).sum(1).tolist(),
+                "minus": (d < 0).sum(1).tolist(),
+                "v_first": float(np.mean([r[(prefixes[0], c)] for c in range(k)])),
+            }
         rec["cpu_s"] = time.process_time() - t0
-        log(f"[values] rollout {i + 1}/{len(ro)}: n_R {len(positions)}, {rec['cpu_s']:.0f} CPU s, "
-            f"max |ΔV| {max(map(abs, rec['dv']), default=0):.2f}")
+        log(
+            f"[values] rollout {i + 1}/{len(ro)}: n_R {len(positions)}, {rec['cpu_s']:.0f} CPU s, "
+            f"max |ΔV| {max(map(abs, rec['dv']), default=0):.2f}"
+        )
         out.append(rec)
         if save is not None:
             save(out)
@@ -181,8 +278,16 @@ def portable(settings: dict) -> dict:
     return settings | {"model": smollm2_gguf().name if model == SMOLLM2 else Path(model).name}
 
 
-VALUE_CODE = ("oar/answers.py", "oar/rewards.py", "oar/rollout.py", "oar/sampler.py", "oar/eager_decode.py", "oar/inverse_cdf.py",
-              "oar/lm.py", "scripts/analysis/delta_v.py")  # what decides a value: the continuations and their rewards
+VALUE_CODE = (
+    "oar/answers.py",
+    "oar/rewards.py",
+    "oar/rollout.py",
+    "oar/sampler.py",
+    "oar/eager_decode.py",
+    "oar/inverse_cdf.py",
+    "oar/lm.py",
+    "scripts/analysis/delta_v.py",
+)  # what decides a value: the continuations and their rewards
 
 
 def values_code() -> str:
@@ -193,7 +298,9 @@ def values_code() -> str:
     return files_version(ROOT / name for name in VALUE_CODE)
 
 
-LOGPROB_TOLERANCE = 1e-2  # another machine's float rounding moves a log-prob by ~1e-5 (docs/vllm.md); another model's, by far more
+LOGPROB_TOLERANCE = (
+    1e-2  # another machine's float rounding moves a log-prob by ~1e-5 (docs/vllm.md); another model's, by far more
+)
 
 
 def rollout_record(ro: Rollout, golds: list[str]) -> dict:
@@ -201,7 +308,9 @@ def rollout_record(ro: Rollout, golds: list[str]) -> dict:
     the sampler's log-prob of every one of them (4 decimals), and the gold answers the rewards checked."""
     lp = ro.prompt_width
     ids = [ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist() for i in range(len(ro))]
-    logprobs = [[round(x, 4) for x in ro.sample_logprobs[i, lp:][ro.completion_mask[i, lp:]].tolist()] for i in range(len(ro))]
+    logprobs = [
+        [round(x, 4) for x in ro.sample_logprobs[i, lp:][ro.completion_mask[i, lp:]].tolist()] for i in range(len(ro))
+    ]
     return {"texts": ro.texts, "ids": ids, "logprobs": logprobs, "golds": list(golds)}
 
 
@@ -213,4 +322,6 @@ def same_rollouts(cached: dict, here: dict) -> bool:
     if any(cached.get(key) != here[key] for key in ("texts", "ids", "golds")):
         return False
     return all(
-        len(a) == len(b) and all(abs(x - y) <= LOGPROB_TOLERANCE for x, y in zip(a, b)) for a, b in zip(cached["logprobs"], here["logprobs"]))
+        len(a) == len(b) and all(abs(x - y) <= LOGPROB_TOLERANCE for x, y in zip(a, b))
+        for a, b in zip(cached["logprobs"], here["logprobs"])
+    )

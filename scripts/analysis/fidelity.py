@@ -1,4 +1,4 @@
-"""Fidelity of the approximate OAR-P modes against exact OAR-P, on real text (issue 13).
+"""Fidelity of the approximate OAR-P modes against exact OAR-P, on real text (docs/long-reasoning.md).
 
 Teacher-forces gold MATH solutions through SmolLM2-135M-Instruct with its chat template:
     prompt = chat template(problem), reasoning = the solution text before its last \\boxed{ (its last
@@ -17,6 +17,7 @@ span S (exact's span mode) for each --spans, and OAR-G (noise 1e-3, for scale: a
     python scripts/analysis/fidelity.py --device cuda --data longest40.jsonl --gguf SmolLM2.gguf \\
         --rollouts 24 --max_tokens 2000 --out fidelity-gpu.json                               # the real run
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,11 +83,16 @@ def compare(scores: torch.Tensor, exact: torch.Tensor, reasoning: torch.Tensor) 
     k = max(1, round(0.2 * s.numel()))
     top = len(set(s.topk(k).indices.tolist()) & set(e.topk(k).indices.tolist())) / k
     w, w_e = bilevel_weights(scores, reasoning), bilevel_weights(exact, reasoning)
-    branch = lambda x: bilevel_weights(x, reasoning, preserve_mass=False) >= 1.0  # boost branch: w >= 1; suppress: w < 1
+    branch = lambda x: (
+        bilevel_weights(x, reasoning, preserve_mass=False) >= 1.0
+    )  # boost branch: w >= 1; suppress: w < 1
     rho = spearman(s.numpy(), e.numpy()) if s.numel() > 1 else 1.0  # 0 for a constant score vector
-    return {"spearman": rho, "top20": top,
-            "weight_mae": float((w - w_e)[reasoning].abs().mean()),
-            "branch_flip": float((branch(scores) != branch(exact))[reasoning].float().mean())}
+    return {
+        "spearman": rho,
+        "top20": top,
+        "weight_mae": float((w - w_e)[reasoning].abs().mean()),
+        "branch_flip": float((branch(scores) != branch(exact))[reasoning].float().mean()),
+    }
 
 
 def timed(fn, device):
@@ -104,16 +110,36 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rollouts", type=int, default=20, help="longest solutions to score (>= 20 for the real run)")
-    ap.add_argument("--max_tokens", type=int, default=2000, help="reasoning tokens kept (the last ones before the answer)")
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "math" / "train.jsonl"),
-                    help="jsonl with problem and solution (e.g. from scripts/analysis/longest_solutions.py)")
-    ap.add_argument("--gguf", default=default_gguf(), help="SmolLM2-135M-Instruct GGUF (or any model oar.training.models.load_model takes)")
+    ap.add_argument(
+        "--max_tokens", type=int, default=2000, help="reasoning tokens kept (the last ones before the answer)"
+    )
+    ap.add_argument(
+        "--data",
+        default=str(ROOT.parent / "shared" / "data" / "math" / "train.jsonl"),
+        help="jsonl with problem and solution (e.g. from scripts/analysis/longest_solutions.py)",
+    )
+    ap.add_argument(
+        "--gguf",
+        default=default_gguf(),
+        help="SmolLM2-135M-Instruct GGUF (or any model oar.training.models.load_model takes)",
+    )
     ap.add_argument("--windows", default="16,32,64,128", help="window sizes W to measure")
     ap.add_argument("--spans", default="4", help="exact's span sizes to measure ('' for none)")
     ap.add_argument("--probe", default="answer_mean")
-    ap.add_argument("--chunk_tokens", type=int, default=0, help="exact OAR-P's max_chunk_tokens (0: 8192 on CPU, 65536 on CUDA)")
-    ap.add_argument("--window_chunk_tokens", type=int, default=0, help="window mode's packed tokens per forward (0: 2048 CPU, 8192 CUDA)")
-    ap.add_argument("--tf32", action="store_true", help="CUDA: TF32 matmuls (about 1e-3 relative error in every mode alike; faster)")
+    ap.add_argument(
+        "--chunk_tokens", type=int, default=0, help="exact OAR-P's max_chunk_tokens (0: 8192 on CPU, 65536 on CUDA)"
+    )
+    ap.add_argument(
+        "--window_chunk_tokens",
+        type=int,
+        default=0,
+        help="window mode's packed tokens per forward (0: 2048 CPU, 8192 CUDA)",
+    )
+    ap.add_argument(
+        "--tf32",
+        action="store_true",
+        help="CUDA: TF32 matmuls (about 1e-3 relative error in every mode alike; faster)",
+    )
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--plot", help="write the cost-fidelity frontier (PNG) here")
     ap.add_argument("--replot", help="no scoring: print the table of (and --plot) a saved --out JSON")
@@ -130,7 +156,10 @@ def main() -> None:
     from oar.training.models import load_model
 
     if not args.gguf or not Path(args.data).is_file():
-        raise SystemExit(f"need --gguf (got {args.gguf}) and --data (got {args.data}): pass the SmolLM2 GGUF and a jsonl of problems")
+        raise SystemExit(
+            f"need --gguf (got {args.gguf}) and --data (got {args.data}): "
+            "pass the SmolLM2 GGUF and a jsonl of problems"
+        )
     device = torch.device(args.device)
     model, tok = load_model(args.gguf)
     model = model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
@@ -140,11 +169,31 @@ def main() -> None:
     rows.sort(key=lambda r: len(r.get("solution", "")), reverse=True)
     windows = [int(w) for w in args.windows.split(",") if w]
     spans = [int(s) for s in args.spans.split(",") if s]
-    modes = {f"window{w}": (lambda w: lambda x: window_perturbation_scores(model, *x, window=w, probe=args.probe, pad_token_id=tok.pad_token_id,
-                                                                              max_chunk_tokens=wchunk))(w) for w in windows}
-    modes.update({f"span{s}": (lambda s: lambda x: perturbation_scores(model, *x, probe=args.probe, pad_token_id=tok.pad_token_id,
-                                                                       max_chunk_tokens=chunk, span=s))(s) for s in spans})
-    modes["oar-g"] = lambda x: gradient_scores(model, *x, probe=args.probe, generator=torch.Generator(device=device).manual_seed(0))
+    modes = {
+        f"window{w}": (
+            lambda w: (
+                lambda x: window_perturbation_scores(
+                    model, *x, window=w, probe=args.probe, pad_token_id=tok.pad_token_id, max_chunk_tokens=wchunk
+                )
+            )
+        )(w)
+        for w in windows
+    }
+    modes.update(
+        {
+            f"span{s}": (
+                lambda s: (
+                    lambda x: perturbation_scores(
+                        model, *x, probe=args.probe, pad_token_id=tok.pad_token_id, max_chunk_tokens=chunk, span=s
+                    )
+                )
+            )(s)
+            for s in spans
+        }
+    )
+    modes["oar-g"] = lambda x: gradient_scores(
+        model, *x, probe=args.probe, generator=torch.Generator(device=device).manual_seed(0)
+    )
     records, t0 = [], time.time()
     for row in rows:
         if len(records) == args.rollouts:
@@ -154,17 +203,31 @@ def main() -> None:
             continue
         ids, reas, ans = (t.to(device) for t in made)
         x = (ids, torch.ones_like(ids), reas, ans)
-        exact, t_exact = timed(lambda: perturbation_scores(model, *x, probe=args.probe, pad_token_id=tok.pad_token_id, max_chunk_tokens=chunk), device)
-        rec = {"id": row.get("id"), "reasoning_tokens": int(reas.sum()), "length": ids.shape[1], "answer_tokens": int(ans.sum()),
-               "exact_seconds": t_exact, "modes": {}}
+        exact, t_exact = timed(
+            lambda: perturbation_scores(
+                model, *x, probe=args.probe, pad_token_id=tok.pad_token_id, max_chunk_tokens=chunk
+            ),
+            device,
+        )
+        rec = {
+            "id": row.get("id"),
+            "reasoning_tokens": int(reas.sum()),
+            "length": ids.shape[1],
+            "answer_tokens": int(ans.sum()),
+            "exact_seconds": t_exact,
+            "modes": {},
+        }
         for name, fn in modes.items():
             scores, secs = timed(lambda: fn(x), device)
             rec["modes"][name] = dict(compare(scores, exact, reas), seconds=secs)
         records.append(rec)
         if args.out:  # after every rollout, so that a long run that is stopped keeps what it measured
             Path(args.out).with_suffix(".partial.json").write_text(json.dumps(records))
-        print(f"rollout {len(records)}: n_R {rec['reasoning_tokens']}, exact {t_exact:.1f} s; " + ", ".join(
-            f"{m} rho {r['spearman']:.3f} mae {r['weight_mae']:.3f}" for m, r in rec["modes"].items()), flush=True)
+        print(
+            f"rollout {len(records)}: n_R {rec['reasoning_tokens']}, exact {t_exact:.1f} s; "
+            + ", ".join(f"{m} rho {r['spearman']:.3f} mae {r['weight_mae']:.3f}" for m, r in rec["modes"].items()),
+            flush=True,
+        )
     res = summarize(records, args, "complete", total_s=time.time() - t0)
     print(table(res))
     if args.out:
@@ -189,8 +252,11 @@ def frontier_plot(res: dict, path: str) -> None:
         ax.axhline(target, color="grey", ls="--", lw=0.8)
         ax.set_xscale("log"), ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("speed-up over exact OAR-P (same rollouts)"), ax.set_ylabel(key)
-    fig.suptitle(f"OAR-P modes vs exact: {res['rollouts']} MATH solutions, n_R {res['reasoning_tokens_range'][0]}.."
-                 f"{res['reasoning_tokens_range'][1]}, {res['device']}", fontsize=9)
+    fig.suptitle(
+        f"OAR-P modes vs exact: {res['rollouts']} MATH solutions, n_R {res['reasoning_tokens_range'][0]}.."
+        f"{res['reasoning_tokens_range'][1]}, {res['device']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -199,12 +265,26 @@ def summarize(records: list[dict], args, status: str, total_s: float | None = No
     """The JSON of a run: settings, per-mode summary and every rollout's record."""
     import os
 
-    return {"model": args.gguf, "device": args.device, "dtype": args.dtype + (" (tf32 matmuls)" if args.tf32 else ""), "probe": args.probe,
-            "rollouts": len(records), "status": status, "max_tokens": args.max_tokens, "data": args.data,
-            "reasoning_tokens_mean": statistics.mean(r["reasoning_tokens"] for r in records),
-            "reasoning_tokens_range": [min(r["reasoning_tokens"] for r in records), max(r["reasoning_tokens"] for r in records)],
-            "load_average_1min": os.getloadavg()[0], "threads": torch.get_num_threads(),
-            "summary": aggregate(records), "records": records, "total_s": total_s}
+    return {
+        "model": args.gguf,
+        "device": args.device,
+        "dtype": args.dtype + (" (tf32 matmuls)" if args.tf32 else ""),
+        "probe": args.probe,
+        "rollouts": len(records),
+        "status": status,
+        "max_tokens": args.max_tokens,
+        "data": args.data,
+        "reasoning_tokens_mean": statistics.mean(r["reasoning_tokens"] for r in records),
+        "reasoning_tokens_range": [
+            min(r["reasoning_tokens"] for r in records),
+            max(r["reasoning_tokens"] for r in records),
+        ],
+        "load_average_1min": os.getloadavg()[0],
+        "threads": torch.get_num_threads(),
+        "summary": aggregate(records),
+        "records": records,
+        "total_s": total_s,
+    }
 
 
 def aggregate(records: list[dict]) -> dict:
@@ -214,19 +294,29 @@ def aggregate(records: list[dict]) -> dict:
     for mode in records[0]["modes"] if records else ():
         rs = [r["modes"][mode] for r in records]
         out[mode] = {k: statistics.mean(x[k] for x in rs) for k in ("spearman", "top20", "weight_mae", "branch_flip")}
-        out[mode].update(spearman_median=statistics.median(x["spearman"] for x in rs), spearman_min=min(x["spearman"] for x in rs),
-                         seconds=sum(x["seconds"] for x in rs), speedup_vs_exact=exact_s / max(sum(x["seconds"] for x in rs), 1e-9))
+        out[mode].update(
+            spearman_median=statistics.median(x["spearman"] for x in rs),
+            spearman_min=min(x["spearman"] for x in rs),
+            seconds=sum(x["seconds"] for x in rs),
+            speedup_vs_exact=exact_s / max(sum(x["seconds"] for x in rs), 1e-9),
+        )
     return out
 
 
 def table(res: dict) -> str:
-    lines = [f"fidelity vs exact OAR-P: {res['rollouts']} rollouts, n_R {res['reasoning_tokens_range'][0]}..{res['reasoning_tokens_range'][1]} "
-             f"(mean {res['reasoning_tokens_mean']:.0f}), {res['device']} {res['dtype']}, probe {res['probe']}"
-             + ("" if res.get("status", "complete") == "complete" else f" ({res['status']})"),
-             "mode        spearman (mean / median / min)   top20   |w-w_exact|   branch flips   speedup vs exact"]
+    lines = [
+        f"fidelity vs exact OAR-P: {res['rollouts']} rollouts, "
+        f"n_R {res['reasoning_tokens_range'][0]}..{res['reasoning_tokens_range'][1]} "
+        f"(mean {res['reasoning_tokens_mean']:.0f}), {res['device']} {res['dtype']}, probe {res['probe']}"
+        + ("" if res.get("status", "complete") == "complete" else f" ({res['status']})"),
+        "mode        spearman (mean / median / min)   top20   |w-w_exact|   branch flips   speedup vs exact",
+    ]
     for mode, s in res["summary"].items():
-        lines.append(f"{mode:10s}  {s['spearman']:6.3f} / {s['spearman_median']:6.3f} / {s['spearman_min']:6.3f}      {s['top20']:5.3f}"
-                     f"     {s['weight_mae']:7.4f}       {s['branch_flip']:6.3f}       {s['speedup_vs_exact']:7.1f}x")
+        lines.append(
+            f"{mode:10s}  {s['spearman']:6.3f} / {s['spearman_median']:6.3f} / {s['spearman_min']:6.3f}"
+            f"      {s['top20']:5.3f}     {s['weight_mae']:7.4f}       {s['branch_flip']:6.3f}"
+            f"       {s['speedup_vs_exact']:7.1f}x"
+        )
     return "\n".join(lines)
 
 

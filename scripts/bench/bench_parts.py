@@ -1,10 +1,11 @@
 """The measurements behind scripts/bench/bench.py, one function each (timing, OAR-P, log-prob memory;
-training steps and TRL are in bench_steps.py). Every timing interleaves what it compares (A B A B ..., the order reversed on
-every other repeat so slow drift cancels) after a warm-up, and reports medians.
+training steps and TRL are in bench_steps.py). Every timing interleaves what it compares (A B A B ..., the
+order reversed on every other repeat so slow drift cancels) after a warm-up, and reports medians.
 
 Also runnable on its own for one log-prob memory measurement in a fresh process:
     python scripts/bench/bench_parts.py logprob-mem ours float32 64 256 49152 [--backward]
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,15 @@ sys.path.insert(0, str(ROOT))
 
 from oar.oar_perturb import perturbation_scores, perturbation_scores_naive  # noqa: E402
 
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    tie_word_embeddings=True,
+)
 
 
 def set_threads(n: int) -> None:
@@ -39,11 +47,29 @@ def set_threads(n: int) -> None:
 def machine() -> dict:
     import transformers
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"device": "cpu", "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "load_average_1min": os.getloadavg()[0], "gpu": None}
+    cpu = (
+        next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
+    return {
+        "device": "cpu",
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "load_average_1min": os.getloadavg()[0],
+        "gpu": None,
+    }
 
 
 def interleaved(fns: dict, repeats: int, warmup: dict | None = None) -> dict[str, list[float]]:
@@ -52,7 +78,7 @@ def interleaved(fns: dict, repeats: int, warmup: dict | None = None) -> dict[str
         f()
     times = {k: [] for k in fns}
     for r in range(repeats):
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+        for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
             t = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t)
@@ -123,22 +149,42 @@ def oar_p_headline(model, pad: int, *, batch, prompt, reasoning, answer, k, repe
     kw = dict(probe="answer_mean", pad_token_id=pad)
     out = {}
     small = synthetic(1, 8, 4, 2)
-    fns = {"fast": lambda: out.__setitem__("fast", perturbation_scores(model, ids, attn, reas, ans, **kw)),
-           "naive_sample": lambda: out.__setitem__("naive", perturbation_scores_naive(model, ids, attn, sub, ans, **kw)),
-           "naive_clean": lambda: perturbation_scores_naive(model, ids, attn, torch.zeros_like(reas), ans, **kw),
-           f"span{span}": lambda: out.__setitem__("span", perturbation_scores(model, ids, attn, reas, ans, span=span, **kw))}
-    warm = {"fast": lambda: perturbation_scores(model, *small, **kw), "naive": lambda: perturbation_scores_naive(model, *small, **kw)}
+    fns = {
+        "fast": lambda: out.__setitem__("fast", perturbation_scores(model, ids, attn, reas, ans, **kw)),
+        "naive_sample": lambda: out.__setitem__("naive", perturbation_scores_naive(model, ids, attn, sub, ans, **kw)),
+        "naive_clean": lambda: perturbation_scores_naive(model, ids, attn, torch.zeros_like(reas), ans, **kw),
+        f"span{span}": lambda: out.__setitem__(
+            "span", perturbation_scores(model, ids, attn, reas, ans, span=span, **kw)
+        ),
+    }
+    warm = {
+        "fast": lambda: perturbation_scores(model, *small, **kw),
+        "naive": lambda: perturbation_scores_naive(model, *small, **kw),
+    }
     t = interleaved(fns, repeats, warm)
     scale = reas.sum().item() / sub.sum().item()
     clean = med(t["naive_clean"])
     fast, naive = med(t["fast"]), clean + (med(t["naive_sample"]) - clean) * scale
     top = out["naive"][sub].abs().max().item()
-    return {"batch": batch, "prompt": prompt, "reasoning": reasoning, "answer": answer, "naive_positions_timed_per_row": k,
-            "repeats": repeats, "fast_s": fast, "naive_s_scaled": naive, "naive_sample_s": med(t["naive_sample"]), "naive_clean_s": clean,
-            "speedup": naive / fast, "max_err_rel": (out["fast"] - out["naive"])[sub].abs().max().item() / top,
-            f"span{span}_s": med(t[f"span{span}"]), f"span{span}_speedup_vs_naive": naive / med(t[f"span{span}"]),
-            f"span{span}_max_err_rel": (out["span"] - out["fast"])[reas].abs().max().item() / out["fast"].abs().max().item(),
-            "raw_s": t}
+    return {
+        "batch": batch,
+        "prompt": prompt,
+        "reasoning": reasoning,
+        "answer": answer,
+        "naive_positions_timed_per_row": k,
+        "repeats": repeats,
+        "fast_s": fast,
+        "naive_s_scaled": naive,
+        "naive_sample_s": med(t["naive_sample"]),
+        "naive_clean_s": clean,
+        "speedup": naive / fast,
+        "max_err_rel": (out["fast"] - out["naive"])[sub].abs().max().item() / top,
+        f"span{span}_s": med(t[f"span{span}"]),
+        f"span{span}_speedup_vs_naive": naive / med(t[f"span{span}"]),
+        f"span{span}_max_err_rel": (out["span"] - out["fast"])[reas].abs().max().item()
+        / out["fast"].abs().max().item(),
+        "raw_s": t,
+    }
 
 
 def oar_p_sweep(model, pad: int, *, prompt, lengths, answer, k, fast_all_up_to) -> list[dict]:
@@ -174,25 +220,43 @@ def oar_p_sweep(model, pad: int, *, prompt, lengths, answer, k, fast_all_up_to) 
             perturbation_scores(model, ids, attn, blocks, ans, clean=clean, clean_kv=kv, **kw)
 
         naive = lambda: times.__setitem__("naive", perturbation_scores_naive(model, ids, attn, sub, ans, **kw))
-        t = interleaved({"fast": fast, "naive": naive,
-                         "naive_clean": lambda: perturbation_scores_naive(model, ids, attn, torch.zeros_like(reas), ans, **kw)},
-                        1, warmup={})
-        check = perturbation_scores(model, ids, attn, sub, ans, **kw)  # untimed: the fast way at the naive side's positions
+        t = interleaved(
+            {
+                "fast": fast,
+                "naive": naive,
+                "naive_clean": lambda: perturbation_scores_naive(model, ids, attn, torch.zeros_like(reas), ans, **kw),
+            },
+            1,
+            warmup={},
+        )
+        check = perturbation_scores(
+            model, ids, attn, sub, ans, **kw
+        )  # untimed: the fast way at the naive side's positions
         fast_s = t["fast"][0]
         if sampled:
             fast_s = times["clean"] + (fast_s - times["clean"]) * n_r / int(blocks.sum())
         clean = t["naive_clean"][0]  # the one clean forward, counted once, as on the fast side
         naive_s = clean + (t["naive"][0] - clean) * n_r / int(sub.sum())
-        rows.append({"reasoning": n_r, "fast_positions_timed": int(blocks.sum()) if sampled else n_r,
-                     "naive_positions_timed": int(sub.sum()), "fast_s": fast_s, "naive_s": naive_s, "speedup": naive_s / fast_s,
-                     "max_err_rel": ((check - times["naive"])[sub].abs().max() / times["naive"][sub].abs().max()).item()})
+        rows.append(
+            {
+                "reasoning": n_r,
+                "fast_positions_timed": int(blocks.sum()) if sampled else n_r,
+                "naive_positions_timed": int(sub.sum()),
+                "fast_s": fast_s,
+                "naive_s": naive_s,
+                "speedup": naive_s / fast_s,
+                "max_err_rel": ((check - times["naive"])[sub].abs().max() / times["naive"][sub].abs().max()).item(),
+            }
+        )
     return rows
 
 
 # ------------------------------------------------------------------ 3. log-prob memory
 def _fill(shape, dtype) -> torch.Tensor:
     x = torch.empty(shape, dtype=dtype)
-    return x.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(0))  # in place: no temporary inflates the baseline
+    return x.normal_(
+        0.0, 3.0, generator=torch.Generator().manual_seed(0)
+    )  # in place: no temporary inflates the baseline
 
 
 def logprob_mem_child(variant: str, dtype: str, b: int, t: int, v: int, backward: bool) -> dict:
@@ -223,12 +287,19 @@ def logprob_memory(b: int, t: int, v: int, backward: bool) -> dict:
     for dtype in ("float32", "bfloat16"):
         got = {}
         for variant in ("ours", "full"):
-            cmd = [sys.executable, __file__, "logprob-mem", variant, dtype, str(b), str(t), str(v)] + (["--backward"] if backward else [])
-            got[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+            cmd = [sys.executable, __file__, "logprob-mem", variant, dtype, str(b), str(t), str(v)] + (
+                ["--backward"] if backward else []
+            )
+            got[variant] = json.loads(
+                subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
+            )
         for key in ("forward_extra_bytes", "forward_backward_extra_bytes"):
             if key in got["ours"]:
-                res[f"{dtype}_{key.replace('_bytes', '')}"] = {"ours_mb": got["ours"][key] / 2**20, "full_mb": got["full"][key] / 2**20,
-                                                              "ratio": got["ours"][key] / got["full"][key] if got["full"][key] > 0 else None}
+                res[f"{dtype}_{key.replace('_bytes', '')}"] = {
+                    "ours_mb": got["ours"][key] / 2**20,
+                    "full_mb": got["full"][key] / 2**20,
+                    "ratio": got["ours"][key] / got["full"][key] if got["full"][key] > 0 else None,
+                }
         res[f"{dtype}_logits_mb"] = got["ours"]["logits_bytes"] / 2**20
     return res
 
@@ -245,8 +316,10 @@ def logprob_equality(t: int = 256, v: int = 49152) -> dict:
         ref = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
         (g1,) = torch.autograd.grad(ours.sum(), logits)
         (g2,) = torch.autograd.grad(ref.sum(), logits)
-        out[str(dtype).split(".")[1]] = {"value_max_abs_diff": (ours - ref).abs().max().item(),
-                                         "grad_max_abs_diff": (g1.float() - g2.float()).abs().max().item()}
+        out[str(dtype).split(".")[1]] = {
+            "value_max_abs_diff": (ours - ref).abs().max().item(),
+            "grad_max_abs_diff": (g1.float() - g2.float()).abs().max().item(),
+        }
     return out
 
 

@@ -11,6 +11,7 @@ per-sequence mean loss (loss_type='grpo', what train.py's seq_mean is), group-sc
 the same reward function (oar.rewards.reward). Writes the wall-clock seconds of every optimizer step
 (generation, reward, loss, backward and optimizer step: TRL generates inside the step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,14 @@ def main() -> None:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     problems = load_problems("arith", split="train", limit=10_000, seed=args.seed)
-    order = [i for step in range(args.steps)
-             for i in prompt_order(step, args.prompts_per_step, 0, len(problems), args.prompts_per_step, args.seed)]
-    data = Dataset.from_list([{"prompt": format_prompt(tok, problems[i].problem, ""), "answer": problems[i].answer} for i in order])
+    order = [
+        i
+        for step in range(args.steps)
+        for i in prompt_order(step, args.prompts_per_step, 0, len(problems), args.prompts_per_step, args.seed)
+    ]
+    data = Dataset.from_list(
+        [{"prompt": format_prompt(tok, problems[i].problem, ""), "answer": problems[i].answer} for i in order]
+    )
 
     def correctness(prompts, completions, answer, **_):
         return [reward(c, a) for c, a in zip(completions, answer)]
@@ -78,20 +84,49 @@ def main() -> None:
     timer = StepTimer()
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out:
         cfg = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=args.micro_batch_size,
-            gradient_accumulation_steps=rollouts // args.micro_batch_size, num_generations=args.group_size,
-            max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-            num_iterations=1, beta=0.0, loss_type="grpo", scale_rewards="group", epsilon=0.2,
-            learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
-            max_steps=args.steps, shuffle_dataset=False, seed=args.seed, logging_steps=1, save_strategy="no",
-            report_to="none", use_cpu=True, bf16=False, fp16=False, disable_tqdm=True, dataloader_num_workers=0)
+            output_dir=out,
+            per_device_train_batch_size=args.micro_batch_size,
+            gradient_accumulation_steps=rollouts // args.micro_batch_size,
+            num_generations=args.group_size,
+            max_completion_length=args.max_new_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            num_iterations=1,
+            beta=0.0,
+            loss_type="grpo",
+            scale_rewards="group",
+            epsilon=0.2,
+            learning_rate=args.learning_rate,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_grad_norm=1.0,
+            max_steps=args.steps,
+            shuffle_dataset=False,
+            seed=args.seed,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
         model = AutoModelForCausalLM.from_pretrained(args.model)
-        trainer = GRPOTrainer(model=model, reward_funcs=correctness, args=cfg, train_dataset=data,
-                              processing_class=tok, callbacks=[timer])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=correctness,
+            args=cfg,
+            train_dataset=data,
+            processing_class=tok,
+            callbacks=[timer],
+        )
         trainer.train()
         lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    Path(args.json).write_text(json.dumps({"step_seconds": timer.seconds, "trl_version": trl.__version__,
-                                           "completion_length": lengths}))
+    Path(args.json).write_text(
+        json.dumps({"step_seconds": timer.seconds, "trl_version": trl.__version__, "completion_length": lengths})
+    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = {  # Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads, 2 KV heads, MLP 8960, vocab 151936, tied
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=1000, tie_word_embeddings=True),
+    "1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+    ),
 }
 GIB = 2**30
 
@@ -84,7 +98,9 @@ def measure(mode: str, args) -> dict:
         shard(model, torch.bfloat16)
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = one_step(model, SHAPES[args.size]["vocab_size"], args.device, args.batch, args.seq, autocast=mode == "ddp")
+    optimizer = one_step(
+        model, SHAPES[args.size]["vocab_size"], args.device, args.batch, args.seq, autocast=mode == "ddp"
+    )
     held = param_optimizer_bytes(model, optimizer)
     out = {"mode": mode, "world": torch.distributed.get_world_size(), "param_optimizer_bytes": held["local"]}
     if cuda:
@@ -97,7 +113,9 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     if args.device == "cuda":
         torch.cuda.set_device(0 if args.backend == "gloo" else rank)  # gloo: every rank on the one GPU
-    torch.distributed.init_process_group(args.backend or ("gloo" if args.device == "cpu" else "nccl"), rank=rank, world_size=world)
+    torch.distributed.init_process_group(
+        args.backend or ("gloo" if args.device == "cpu" else "nccl"), rank=rank, world_size=world
+    )
     try:
         results = [measure(mode, args) for mode in ("ddp", "fsdp2")]
         queue.put((rank, results))
@@ -133,21 +151,32 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     ap.add_argument("--world", type=int, default=1, help="ranks to start for real (on one GPU only 1 works with NCCL)")
-    ap.add_argument("--backend", choices=("nccl", "gloo"), default=None,
-                    help="default: nccl on cuda, gloo on cpu. gloo on cuda runs --world ranks on ONE GPU for real "
-                         "(slow collectives, real per-rank memory: each process's allocator peak is its own)")
+    ap.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="default: nccl on cuda, gloo on cpu. gloo on cuda runs --world ranks on ONE GPU for real "
+        "(slow collectives, real per-rank memory: each process's allocator peak is its own)",
+    )
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fsdp_memory.py: --device cuda but no CUDA device; use --device cpu --size tiny.")
     if args.device == "cuda" and args.world > torch.cuda.device_count() and args.backend != "gloo":
-        raise SystemExit(f"fsdp_memory.py: --world {args.world} needs {args.world} GPUs (NCCL refuses two ranks on one GPU); "
-                         f"pass --backend gloo to run them all on one GPU, or measure world size 1 and compute larger ones.")
+        raise SystemExit(
+            f"fsdp_memory.py: --world {args.world} needs {args.world} GPUs (NCCL refuses two ranks on one GPU); "
+            f"pass --backend gloo to run them all on one GPU, or measure world size 1 and compute larger ones."
+        )
 
     measured = run_world(args.world, args)
     model = build(args.size, "meta")
-    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "size": args.size,
-              "batch": args.batch, "seq": args.seq, "measured": measured}
+    report = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "size": args.size,
+        "batch": args.batch,
+        "seq": args.seq,
+        "measured": measured,
+    }
     fsdp = next(m for m in measured if m["mode"] == "fsdp2")
     ddp = next(m for m in measured if m["mode"] == "ddp")
     counted = shard_bytes(model, args.world)
@@ -158,24 +187,46 @@ def main(argv=None) -> dict:
     rows = []
     for n in (1, 2, 4, 8):
         c = shard_bytes(model, n)
-        row = {"world": n, "params": c["params"], "fsdp_param_grad_adam_gib": c["fsdp_rank_bytes"] / GIB,
-               "ddp_param_grad_adam_buckets_gib": c["ddp_rank_bytes"] / GIB}
+        row = {
+            "world": n,
+            "params": c["params"],
+            "fsdp_param_grad_adam_gib": c["fsdp_rank_bytes"] / GIB,
+            "ddp_param_grad_adam_buckets_gib": c["ddp_rank_bytes"] / GIB,
+        }
         if "peak_bytes" in fsdp and args.world == 1:
             # Everything above the sharded states (activations, gathered bf16 layers, logits) is per rank.
             above = fsdp["peak_bytes"] - shard_bytes(model, 1)["fsdp_rank_bytes"]
-            row |= {"fsdp_peak_estimate_gib": (c["fsdp_rank_bytes"] + above) / GIB, "ddp_peak_measured_gib": ddp["peak_bytes"] / GIB}
+            row |= {
+                "fsdp_peak_estimate_gib": (c["fsdp_rank_bytes"] + above) / GIB,
+                "ddp_peak_measured_gib": ddp["peak_bytes"] / GIB,
+            }
         rows.append(row)
     report["per_rank"] = rows
     Path(args.out).write_text(json.dumps(report, indent=2))
 
-    print(f"{report['device']}, Qwen2-shaped '{args.size}' ({counted['params'] / 1e6:.1f} M params), batch {args.batch} x {args.seq} tokens, bf16 mixed precision")
+    print(
+        f"{report['device']}, Qwen2-shaped '{args.size}' ({counted['params'] / 1e6:.1f} M params), "
+        f"batch {args.batch} x {args.seq} tokens, bf16 mixed precision"
+    )
     for m in measured:
-        peak = f"peak {m['peak_bytes'] / GIB:7.2f} GiB, after step {m['end_bytes'] / GIB:7.2f} GiB, " if "peak_bytes" in m else ""
-        print(f"  measured  {m['mode']:5s} world {m['world']}: {peak}params+AdamW held {m['param_optimizer_bytes'] / GIB:.3f} GiB")
-    print("  world | FSDP2 params+grads+AdamW per rank | DDP (+ grad buckets) per rank | FSDP2 peak per rank (estimate)")
+        peak = (
+            f"peak {m['peak_bytes'] / GIB:7.2f} GiB, after step {m['end_bytes'] / GIB:7.2f} GiB, "
+            if "peak_bytes" in m
+            else ""
+        )
+        print(
+            f"  measured  {m['mode']:5s} world {m['world']}: {peak}"
+            f"params+AdamW held {m['param_optimizer_bytes'] / GIB:.3f} GiB"
+        )
+    print(
+        "  world | FSDP2 params+grads+AdamW per rank | DDP (+ grad buckets) per rank | FSDP2 peak per rank (estimate)"
+    )
     for r in rows:
         est = f"{r['fsdp_peak_estimate_gib']:8.2f} GiB" if "fsdp_peak_estimate_gib" in r else "       -"
-        print(f"  {r['world']:5d} | {r['fsdp_param_grad_adam_gib']:29.3f} GiB | {r['ddp_param_grad_adam_buckets_gib']:25.3f} GiB | {est}")
+        print(
+            f"  {r['world']:5d} | {r['fsdp_param_grad_adam_gib']:29.3f} GiB "
+            f"| {r['ddp_param_grad_adam_buckets_gib']:25.3f} GiB | {est}"
+        )
     return report
 
 

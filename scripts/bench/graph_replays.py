@@ -11,6 +11,7 @@ count and inductor's cudagraph counters; at call 3 and at the second-to-last cal
 A loop that replays graphs launches one graph per decode step (new tokens - 1, the first comes from
 the prefill). On a CPU there are no graphs: the counts are 0 and inductor's counter says it skipped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,17 @@ PROMPTS, GROUP, PAD, EOS = 8, 4, 0, 1
 
 
 def small_llama(device: str):
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+    )
     torch.manual_seed(1)
     return LlamaForCausalLM(config).to(device).eval()
 
@@ -38,8 +48,10 @@ def launches(run):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         value = run()
     names = [e.name for e in prof.events()]
-    return value, {"graph_launches": sum("GraphLaunch" in n for n in names),
-                   "kernel_launches": sum("LaunchKernel" in n for n in names)}
+    return value, {
+        "graph_launches": sum("GraphLaunch" in n for n in names),
+        "kernel_launches": sum("LaunchKernel" in n for n in names),
+    }
 
 
 def replays(device: str, calls: int, new_tokens: int) -> dict:
@@ -50,8 +62,15 @@ def replays(device: str, calls: int, new_tokens: int) -> dict:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 128, (PROMPTS, 12), generator=g).to(device)
     mask = torch.ones_like(ids)
-    kw = dict(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, eos_token_ids={EOS}, pad_token_id=PAD,
-              seeds=list(range(PROMPTS * GROUP)), group_size=GROUP)
+    kw = dict(
+        max_new_tokens=new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        eos_token_ids={EOS},
+        pad_token_id=PAD,
+        seeds=list(range(PROMPTS * GROUP)),
+        group_size=GROUP,
+    )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def timed(loop):
@@ -68,15 +87,28 @@ def replays(device: str, calls: int, new_tokens: int) -> dict:
             (out, seconds), profiled = launches(lambda: timed("compiled"))
         else:
             (out, seconds), profiled = timed("compiled"), {}
-        rows.append({"call": i, "s": seconds, "same_tokens": out[0].tolist() == eager[0].tolist(),
-                     "graphs": counters["stats"]["unique_graphs"],
-                     "inductor": {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}, **profiled})
+        rows.append(
+            {
+                "call": i,
+                "s": seconds,
+                "same_tokens": out[0].tolist() == eager[0].tolist(),
+                "graphs": counters["stats"]["unique_graphs"],
+                "inductor": {k: v for k, v in counters["inductor"].items() if "cudagraph" in k},
+                **profiled,
+            }
+        )
     eager_s = statistics.median(timed("eager")[1] for _ in range(5))
-    return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "rerecord_limit": getattr(inductor_config.triton, "cudagraph_unexpected_rerecord_limit", None),
-            "new_tokens": new_tokens, "rollouts": PROMPTS * GROUP, "eager_s_median": eager_s,
-            "compiled_s_median_after_first": statistics.median(r["s"] for r in rows[1:]) if calls > 1 else None,
-            "all_same_tokens": all(r["same_tokens"] for r in rows), "calls": rows}
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "rerecord_limit": getattr(inductor_config.triton, "cudagraph_unexpected_rerecord_limit", None),
+        "new_tokens": new_tokens,
+        "rollouts": PROMPTS * GROUP,
+        "eager_s_median": eager_s,
+        "compiled_s_median_after_first": statistics.median(r["s"] for r in rows[1:]) if calls > 1 else None,
+        "all_same_tokens": all(r["same_tokens"] for r in rows),
+        "calls": rows,
+    }
 
 
 def main(argv=None):
