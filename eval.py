@@ -7,8 +7,8 @@
 Writes `<output_dir>/eval.jsonl` (one line per problem: problem, gold, completion, extracted answer,
 correct) and `<output_dir>/eval_summary.json`, and prints a one-line summary. Scoring is
 `oar.rewards`, the same as training's reward. The evaluation flags are train.py's (--eval_size,
---eval_samples, --eval_temperature, --eval_batch_size); the old names (--limit, --num_samples,
---temperature, --top_p, --batch_size) still work.
+--eval_samples, --eval_temperature), with eval.py's own --eval_top_p, --eval_batch_size and --decode_loop;
+the old names (--limit, --num_samples, --temperature, --top_p, --batch_size) still work.
 """
 
 from __future__ import annotations
@@ -16,46 +16,43 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
-from oar.training.checks import (
-    check_backend_settings,
-    check_eval_settings,
-    check_model_settings,
-    check_output_dir,
-    check_process_settings,
-)
-from oar.training.config import BACKEND_FLAGS, BackendSettings, EvalSettings, ModelSettings, ProcessSettings
+from oar.training.checks import check_backend_settings, check_eval_settings, check_model_settings, check_output_dir
+from oar.training.config import BackendSettings, EvalSettings, ModelSettings
 from oar.training.flags import Alias, FlagParser
 
 
 @dataclass(frozen=True)
-class EvalConfig(ModelSettings, EvalSettings, BackendSettings, ProcessSettings):
+class EvalConfig(ModelSettings, EvalSettings, BackendSettings):
     """Every setting of an evaluation; saved beside the results. The model and evaluation settings are
     train.py's (oar/training/config.py), with the same names, defaults and checks."""
 
+    TITLE: ClassVar[str] = "what to evaluate"
+
     dataset: str = "arith"
-    """'arith' (its held-out split), a .jsonl file, or a `datasets` name."""
+    """'arith' (its held-out split), a .jsonl file, a folder with test.jsonl, or a `datasets` name."""
     split: str = "test"
     """Split for arith / folders / hub datasets."""
     output_dir: str = "runs/eval"
     """Where eval.jsonl and eval_summary.json go."""
     eval_top_p: float = 1.0
     """Nucleus sampling mass of the samples (train.py's evaluations sample with 1.0)."""
+    eval_batch_size: int = 256
+    """Sequences per generation batch (prompts x samples)."""
+    decode_loop: str = "eager"
+    """The sampler's loop: eager | static (fixed shapes, the same samples) | compiled (static through
+    torch.compile: CUDA graphs on a GPU); docs/sampler.md."""
 
 
-GROUPS = {
-    "what to evaluate": ("model", "dataset", "split", "output_dir", "instruction", "dtype", "seed"),
-    "sampling": (
-        "eval_size",
-        "eval_samples",
-        "eval_temperature",
-        "eval_top_p",
-        "max_new_tokens",
-        "eval_batch_size",
-        "decode_loop",
-    ),
-    "vLLM rollouts": BACKEND_FLAGS,
-    "distributed": ("collective_timeout",),
+TITLES = ("what to evaluate", "run", "evaluation", "vLLM rollouts")
+SHOWN_IN = {
+    "model": "what to evaluate",
+    "seed": "evaluation",
+    "max_new_tokens": "evaluation",
+    "eval_top_p": "evaluation",
+    "eval_batch_size": "evaluation",
+    "decode_loop": "evaluation",
 }
 ALIASES = (  # eval.py's names before they became train.py's
     Alias("limit", "eval_size", origin="its old name"),
@@ -67,21 +64,35 @@ ALIASES = (  # eval.py's names before they became train.py's
     Alias("model_name_or_path", "model"),
     Alias("torch_dtype", "dtype"),
 )
+GONE = {"collective_timeout": "set OAR_COLLECTIVE_TIMEOUT=<seconds> (default 3600; docs/resuming.md)"}
 
 
 def parser() -> FlagParser:
-    return FlagParser(EvalConfig, prog="eval.py", description=__doc__.split("\n\n")[0], groups=GROUPS, aliases=ALIASES)
+    return FlagParser(
+        EvalConfig,
+        prog="eval.py",
+        description=__doc__.split("\n\n")[0],
+        titles=TITLES,
+        shown_in=SHOWN_IN,
+        aliases=ALIASES,
+        gone=GONE,
+    )
 
 
 def check(cfg: EvalConfig) -> list[str]:
-    """Every impossible setting of an evaluation: train.py's checks of the same settings, and top_p's."""
-    top_p = [] if 0 < cfg.eval_top_p <= 1 else [f"--eval_top_p {cfg.eval_top_p}: must lie in (0, 1]."]
+    """Every impossible setting of an evaluation: train.py's checks of the same settings, and eval.py's own."""
+    from oar.sampler import DECODE_LOOPS
+
+    own = [] if 0 < cfg.eval_top_p <= 1 else [f"--eval_top_p {cfg.eval_top_p}: must lie in (0, 1]."]
+    if cfg.eval_batch_size < 1:
+        own.append(f"--eval_batch_size {cfg.eval_batch_size}: must be >= 1.")
+    if cfg.decode_loop not in DECODE_LOOPS:
+        own.append(f"--decode_loop {cfg.decode_loop}: one of {', '.join(DECODE_LOOPS)}.")
     return (
         check_model_settings(cfg)
         + check_eval_settings(cfg)
         + check_backend_settings(cfg)
-        + check_process_settings(cfg)
-        + top_p
+        + own
         + check_output_dir(cfg.output_dir)
     )
 
@@ -97,6 +108,7 @@ from oar.training.console import bars_wanted, quiet_libraries
 from oar.training import rollout_backend
 from oar.training.data import DataError, load_problems
 from oar.training.evaluation import evaluate
+from oar.training.config import collective_timeout
 from oar.training.launch import end, make_accelerator, run_entry
 from oar.training.models import ModelError, load_model, resolve_model
 from oar.sampler import resolve_instruction
@@ -107,9 +119,9 @@ AGAIN = "Run the same command again: an evaluation keeps nothing partial, it sta
 
 
 def main(cfg: EvalConfig) -> dict:
-    if impossible := check(cfg):  # the process group's timeout among them
+    if impossible := check(cfg):
         raise SystemExit("eval.py: error: " + "\n".join(impossible))
-    accelerator = make_accelerator(cfg.collective_timeout)
+    accelerator = make_accelerator(collective_timeout())
     quiet_libraries(bars_wanted(accelerator.is_main_process))  # their bars where ours are; each warning once
     try:  # cheap checks before the model is loaded
         resolve_model(cfg.model)

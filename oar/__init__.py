@@ -9,8 +9,8 @@ contracts check it), bottom to top:
                 `gating` (bi-level weights), `tempo`, `entropy_credit`, `answers` and `rewards`
                 (answer extraction and checking), `inverse_cdf` (the token choice)
   rollouts      `rollout` (a step's layout and masks)
-  credit        `credit_protocol`, `credit_adapters` (the built-in methods), `credit_modules`,
-                `credit` (the table of methods, `step_credit`)
+  credit        `credit_settings` (what a method reads of a run), `credit_methods` (the built-ins),
+                `credit` (the protocol, the table of methods, `step_credit`)
   sampling      `eager_decode`, `static_decode`, `sampler` (rollouts)
   tasks         `tasks` (the built-in arith task and tiny-arith model; never the training machinery)
   training      `training` (config, data, model loading, LoRA, sharding, checkpoints, logging)

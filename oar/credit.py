@@ -1,15 +1,16 @@
-"""Token credit: one protocol from what a step has to token weights w_it, and the table of methods.
+"""Token credit: the protocol from what a step has to token weights w_it, and the table of methods.
 
 Legend: B this process's rollouts (P prompts x G, a prompt's group contiguous and on one process),
 b a micro-batch's rollouts, L positions (prompt width Lp + completion), T = L - Lp completion
 positions, V vocabulary.
 
-The loss takes token advantages A_it = A_i w_it (maths §1.2) and never branches on the method:
-a method is only a way to fill w. `train.py --method NAME` picks one from the table, METHODS:
+The loss takes token advantages A_it = A_i w_it (maths §1.2) and never branches on the method: a
+method is only a way to fill w. `train.py --method NAME` picks one from the table, METHODS (their
+functions are oar/credit_methods.py's, which call the maths on plain tensors):
 
   grpo          w = 1                                                      (the reference)
   oar-g, oar-p  OAR's scores through the bi-level gate (maths §3-5; oar_grad.py, oar_perturb.py)
-  entropy       the update forward's token entropy through the same gate     (credit_adapters.entropy_gate)
+  entropy       the update forward's token entropy through the same gate
   entropy-mask  1 on the top-rho entropy tokens of the whole step, else 0    (oar/entropy_credit.py)
   tempo         prefix-tree credit from the group's own rewards, may be < 0 (oar/tempo.py)
   oar-g+tempo   BEYOND THE PAPER: OAR-G's weights plus TEMPO's TD term at branch tokens,
@@ -17,59 +18,266 @@ a method is only a way to fill w. `train.py --method NAME` picks one from the ta
                 its gate on the written computation, the forks it under-weights get their group's
                 credit. Mass: OAR's (preserved) plus one token's worth; sign: can flip, as TEMPO's.
   random-gate   BEYOND THE PAPER, a control: uniform random scores (from each rollout's seed) through
-                the same gate: what the gate does to learning when its scores carry no information
-                (oar/credit_adapters.py).
+                the same gate: what the gate does to learning when its scores carry no information.
 
-The protocol (docs/credit-methods.md has a worked example; oar/credit_protocol.py): a method is a
-`CreditMethod`, a name and two functions, `prepare(step) -> state` once per step (with the whole
-`Step`) and `weigh(step, state, micro) -> w` once per micro-batch (`MicroBatch`), which return
-weights (b, L). The built-ins' functions are oar/credit_adapters.py's: each takes a `Step` and calls
-the maths (oar_grad, oar_perturb, gating, entropy_credit, tempo), which take plain tensors.
-step_credit checks what the loss relies on for every method: finite float weights of the micro-batch's shape.
+The protocol (docs/credit-methods.md has a worked example). A method is a `CreditMethod`, a name and
+two functions, which train.py calls in its steps 4 and 5:
+  prepare(step) -> state            once per step, before the update, with everything the step has
+                                    (`Step`): what a method needs of the WHOLE step is computed here
+                                    (TEMPO's trees; entropy-mask's threshold over every process's
+                                    tokens, through `step.gather`). Default: nothing.
+  weigh(step, state, micro) -> w    once per micro-batch of the update's first pass (`MicroBatch`: its
+                                    rows and that pass's forward, whose logits OAR reuses as its clean
+                                    pass): weights (b, L) over the rollouts' layout, of which the loss
+                                    reads the completion columns; or (w, n) with n the rollouts whose
+                                    scores were not finite (they should get w = 1).
+So a method's weights can be, and every built-in's are, a function of the step, never of the
+micro-batching or of the number of processes (tests/test_credit.py, tests/test_distributed.py).
+`step_credit` runs a method's prepare and checks, for every method, what the loss relies on: finite
+float weights of the micro-batch's shape, constants of the loss.
 
 A method of one's own needs no edit here. `--credit_module M` names a module (a path to a .py file,
 or a dotted name on the Python path) that lists its methods in `CREDIT_METHODS`; they join the
 built-ins for that run: `--credit_module examples/position_decay.py --method position-decay`.
-Why a list the module defines rather than a `register()` call it makes on import: nothing global
-changes, so a run's table is a function of its config (saved in config.json; a resume must name the
-same module), two runs in one process never see each other's methods, and a module imported twice
-cannot register twice. A module that does not import, a method that breaks the protocol, or a name
-that clashes with a built-in stops the run in train.py's first checks, before anything loads
-(oar/credit_modules.py loads and checks such modules).
+A list the module defines rather than a `register()` call it makes on import: nothing global changes,
+so a run's table is a function of its config (saved in config.json; a resume must name the same
+module), two runs in one process never see each other's methods, and a module imported twice cannot
+register twice. A module that does not import, a method that breaks the protocol, or a name that
+clashes with a built-in stops the run in train.py's first checks, before anything loads.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import inspect
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from oar.credit_adapters import (
-    entropy_gate,
-    entropy_mask_prepare,
-    oar_g_plus_tempo,
-    oar_scorer,
-    ones,
-    precomputed,
-    random_gate,
-    random_gate_prepare,
-    tempo_prepare,
-)
-from oar.credit_modules import module_methods
-from oar.credit_protocol import CreditError, CreditMethod, CreditSettings, MicroBatch, Step, protocol_problem
+from oar import credit_methods as builtin
+from oar.credit_settings import CreditSettings
 from oar.rollout import Rollout
 
-COMPARED = ("grpo", "oar-g", "oar-p", "entropy", "entropy-mask", "tempo")  # the paper's methods and the comparators
+__all__ = [
+    "METHODS",
+    "CreditError",
+    "CreditMethod",
+    "CreditSettings",
+    "MicroBatch",
+    "Step",
+    "StepCredit",
+    "credit_methods",
+    "module_methods",
+    "protocol_problem",
+    "step_credit",
+]
+
+
+# -- the protocol ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a method may read of the whole step: this process's share, and `gather` for the others'."""
+
+    settings: CreditSettings
+    model: Any  # the policy (unwrapped), in the update forward's mixed precision
+    tokenizer: Any
+    rollouts: Rollout  # B rows, the sampler's layout: completions start at column rollouts.prompt_width
+    rewards: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,) A_i
+    scored: torch.Tensor  # (B,) bool: the rollouts whose weights matter (A_i != 0 and a valid token)
+    seeds: list[int]  # (B,) each rollout's own seed: draw randomness from it to stay batching-independent
+    golds: list[str]  # (B,) gold answers
+    probe: str  # this step's outcome probe (maths §2)
+    gather: Callable[[torch.Tensor], torch.Tensor]  # every process's 1-D tensor concatenated (identity on one)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of the update: rollouts `step.rollouts.select(rows)` and the update forward's outputs."""
+
+    rows: slice  # into the step's B rows
+    rollouts: Rollout  # b rows
+    logits: torch.Tensor  # (b, T + 1, V), detached, from column Lp - 1: logits[:, t] predicts completion token t
+    clean: Any = None  # OAR's clean outcome from that forward (probes.clean_forward), when uses_clean, else None
+    clean_kv: Any = None  # and its keys/values
+
+
+def _nothing(step: Step) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class CreditMethod:
+    """A token-credit method: `weigh(step, prepare(step), micro)` -> weights (b, L) (the module docstring)."""
+
+    name: str  # what --method selects
+    weigh: Callable[[Step, Any, MicroBatch], Any]
+    prepare: Callable[[Step], Any] = _nothing
+    # False: w = 1 whatever the step (GRPO): no rollout counts as scored and a sharded model is not gathered
+    scores: bool = True
+    uses_clean: bool = False  # weigh reads micro.clean / clean_kv (OAR's): train.py keeps them from the update forward
+
+
+class CreditError(ValueError):
+    """A credit module or method the run cannot use; the message names it and the fix."""
+
+
+def protocol_problem(m) -> str | None:
+    """What makes `m` not a CreditMethod a run can call, or None."""
+    if not isinstance(m, CreditMethod):
+        return f"{m!r} is not an oar.credit.CreditMethod"
+    if not isinstance(m.name, str) or not m.name or m.name != m.name.strip():
+        return f"name {m.name!r} must be a non-empty string without surrounding spaces"
+    for what, fn, args in (("weigh", m.weigh, ("step", "state", "micro")), ("prepare", m.prepare, ("step",))):
+        if not callable(fn):
+            return f"method {m.name!r}: {what} is {fn!r}, not a function"
+        try:
+            inspect.signature(fn).bind(*args)
+        except TypeError:
+            return f"method {m.name!r}: {what}{inspect.signature(fn)} must take ({', '.join(args)})"
+        except ValueError:  # no signature to read (a builtin): it is called and checked then
+            pass
+    if not isinstance(m.scores, bool) or not isinstance(m.uses_clean, bool):
+        return f"method {m.name!r}: scores and uses_clean must be True or False"
+    return None
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+METHODS = MappingProxyType(
+    {
+        m.name: m
+        for m in (
+            CreditMethod("grpo", builtin.ones, scores=False),
+            CreditMethod("oar-g", builtin.oar_scorer("gradient"), uses_clean=True),
+            CreditMethod("oar-p", builtin.oar_scorer("perturbation"), uses_clean=True),
+            CreditMethod("entropy", builtin.entropy_gate),
+            CreditMethod("entropy-mask", builtin.precomputed, prepare=builtin.entropy_mask_prepare),
+            CreditMethod("tempo", builtin.precomputed, prepare=builtin.tempo_prepare),
+            CreditMethod("oar-g+tempo", builtin.oar_g_plus_tempo, prepare=builtin.tempo_prepare, uses_clean=True),
+            CreditMethod("random-gate", builtin.random_gate, prepare=builtin.random_gate_prepare),
+        )
+    }
+)
+assert not any(map(protocol_problem, METHODS.values()))
 
 
 def credit_methods(module: str = "") -> MappingProxyType:
-    """The table a run chooses from: name -> CreditMethod, the built-ins then `module`'s, loaded and
-    checked by oar/credit_modules.py (CreditError if unusable)."""
+    """The table a run chooses from: name -> CreditMethod, the built-ins then `module`'s (`module_methods`:
+    CreditError if unusable)."""
     if not module:
         return METHODS
     return MappingProxyType({**METHODS, **{m.name: m for m in module_methods(module, tuple(METHODS))}})
+
+
+@functools.cache
+def module_methods(module: str, builtins: tuple[str, ...] = ()) -> tuple[CreditMethod, ...]:
+    """The methods `module` (a dotted name or a .py path) lists in CREDIT_METHODS, checked, none named
+    as one of `builtins`; cached, so every call of a run (its checks, train.py, step_credit) sees the same
+    objects. A module that does not import, lists no methods, breaks the protocol, clashes with a built-in
+    name or lists a name twice raises a CreditError that names it (docs/credit-methods.md)."""
+    where = f"--credit_module {module}"
+    try:
+        if module.endswith(".py"):
+            path = Path(module).resolve()
+            if not path.is_file():
+                raise CreditError(
+                    f"{where}: no such file; pass a path to a .py file or a dotted module name on the Python path."
+                )
+            spec = importlib.util.spec_from_file_location(f"oar_credit_module_{path.stem}", path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod  # dataclasses and pickling look their module up here
+            try:
+                spec.loader.exec_module(mod)
+            except BaseException:
+                del sys.modules[spec.name]
+                raise
+        else:
+            mod = importlib.import_module(module)
+    except CreditError:
+        raise
+    except Exception as err:  # the user's module: any error in it is the user's to fix, and named
+        raise CreditError(
+            f"{where}: could not import it ({type(err).__name__}: {err}); pass a path to a .py "
+            f"file or a dotted module name on the Python path (PYTHONPATH)."
+        ) from None
+    listed = getattr(mod, "CREDIT_METHODS", None)
+    if not isinstance(listed, (list, tuple)) or not listed:
+        raise CreditError(
+            f"{where}: defines no CREDIT_METHODS, a non-empty list of oar.credit.CreditMethod "
+            "(docs/credit-methods.md)."
+        )
+    names = set()
+    for k, m in enumerate(listed):
+        problem = protocol_problem(m)
+        if problem:
+            raise CreditError(f"{where}: CREDIT_METHODS[{k}]: {problem} (the protocol: docs/credit-methods.md).")
+        if m.name in builtins:
+            raise CreditError(
+                f"{where}: method {m.name!r} clashes with the built-in method of that name; give it another name."
+            )
+        if m.name in names:
+            raise CreditError(f"{where}: method {m.name!r} is listed twice in CREDIT_METHODS.")
+        names.add(m.name)
+    return tuple(listed)
+
+
+# -- one step's credit -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCredit:
+    """A method prepared for one step (`step_credit`); `weigh` gives each micro-batch's checked weights."""
+
+    method: CreditMethod
+    step: Step
+    state: Any  # what prepare returned
+    seconds_per_rollout: float  # prepare's time, shared out over the step's rollouts
+
+    def weigh(self, rows: slice, mb: Rollout, logits: torch.Tensor, clean=None, clean_kv=None):
+        """(weights (b, L), 0 outside the completion; seconds; rollouts with non-finite scores) for the
+        micro-batch `mb = ro.select(rows)`, whose `logits` (b, T + 1, V) are the update forward's from column
+        Lp - 1. Seconds: the micro-batch's weigh plus its rollouts' share of prepare."""
+        method, start = self.method, time.perf_counter()
+        out = method.weigh(self.step, self.state, MicroBatch(rows, mb, logits, clean, clean_kv))
+        weights, nonfinite = out if isinstance(out, tuple) else (out, 0)
+        # what the loss relies on, checked for every method: one finite float weight per position
+        shape = tuple(mb.input_ids.shape)
+        if not (isinstance(weights, torch.Tensor) and weights.is_floating_point() and weights.shape == shape):
+            got = (
+                f"{weights.dtype} of shape {tuple(weights.shape)}"
+                if isinstance(weights, torch.Tensor)
+                else f"a {type(weights).__name__}"
+            )
+            raise CreditError(
+                f"credit method {method.name!r}: weigh returned {got}; it must return float weights of "
+                f"the micro-batch's shape {shape} (b, L)."
+            )
+        if not torch.isfinite(weights).all():
+            raise CreditError(
+                f"credit method {method.name!r}: weigh returned non-finite weights for rows {rows}; give a "
+                f"rollout whose scores are not finite weights 1 and count it (the (w, n) return)."
+            )
+        # maths §5: the completion keeps its weights, padding (and the prompt) gets 0; weights are constants of
+        # the loss (a method that read the model with a graph, e.g. a plugin without no_grad, must add no gradient)
+        weights = weights.detach() * mb.completion_mask
+        if not method.scores and not torch.equal(weights, mb.completion_mask.to(weights.dtype)):
+            raise CreditError(
+                f"credit method {method.name!r}: scores=False promises weights 1 (nothing is scored, gathered "
+                f"or logged for it), but weigh returned others; declare scores=True."
+            )
+        return weights, time.perf_counter() - start + self.seconds_per_rollout * len(mb), int(nonfinite)
+
+    __call__ = weigh  # step_credit(...)(rows, mb, logits, ...) as before
 
 
 def step_credit(
@@ -85,16 +293,11 @@ def step_credit(
     probe: str,
     *,
     gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-):
-    """Credit for one step: runs the method's prepare and returns `weigh(rows, mb, logits, clean=None,
-    clean_kv=None) -> (weights (b, L), 0 outside the completion; seconds; non-finite rows)` for the micro-batch `mb =
-    ro.select(rows)`,
-    whose `logits` (b, T + 1, V) are the update forward's from column Lp - 1 (as train.py keeps them).
-    Seconds: the micro-batch's weigh plus its rollouts' share of prepare.
-
-    rewards, advantages, scored (B,): this process's; `scored` marks the rollouts whose weights
-    matter (advantage != 0 and a valid token): the others get 1 from the scoring methods (their loss
-    is 0 whatever w). `gather(x)`: all processes' 1-D `x` concatenated (identity on one process)."""
+) -> StepCredit:
+    """Credit for one step: runs `settings.method`'s prepare on the whole step and returns it ready to weigh
+    micro-batches (`StepCredit.weigh`). rewards, advantages, scored (B,): this process's; `scored` marks the
+    rollouts whose weights matter (advantage != 0 and a valid token): the others get 1 from the scoring
+    methods (their loss is 0 whatever w). `gather(x)`: all processes' 1-D `x` concatenated (identity on one)."""
     assert rewards.shape == advantages.shape == scored.shape == (len(ro),), (
         rewards.shape,
         advantages.shape,
@@ -107,60 +310,4 @@ def step_credit(
     step = Step(settings, model, tokenizer, ro, rewards, advantages, scored, list(seeds), list(golds), probe, gather)
     start = time.perf_counter()
     state = method.prepare(step)
-    per_rollout = (time.perf_counter() - start) / max(1, len(ro))
-
-    def weigh(rows, mb, logits, clean=None, clean_kv=None):
-        start = time.perf_counter()
-        out = method.weigh(step, state, MicroBatch(rows, mb, logits, clean, clean_kv))
-        weights, nonfinite = out if isinstance(out, tuple) else (out, 0)
-        # what the loss relies on, checked for every method: one finite float weight per position
-        if not (
-            isinstance(weights, torch.Tensor) and weights.is_floating_point() and weights.shape == mb.input_ids.shape
-        ):
-            got = (
-                f"{weights.dtype} of shape {tuple(weights.shape)}"
-                if isinstance(weights, torch.Tensor)
-                else f"a {type(weights).__name__}"
-            )
-            raise CreditError(
-                f"credit method {method.name!r}: weigh returned {got}; it must return float weights of "
-                f"the micro-batch's shape {tuple(mb.input_ids.shape)} (b, L)."
-            )
-        if not torch.isfinite(weights).all():
-            raise CreditError(
-                f"credit method {method.name!r}: weigh returned non-finite weights for rows {rows}; give a "
-                f"rollout whose scores are not finite weights 1 and count it (the (w, n) return)."
-            )
-        # maths §5: the completion keeps its weights, padding (and the prompt) gets 0; weights are constants of the
-        # loss (a method that read the model with a graph, e.g. a plugin without no_grad, must not add a gradient)
-        weights = weights.detach() * mb.completion_mask
-        if not method.scores and not torch.equal(weights, mb.completion_mask.to(weights.dtype)):
-            raise CreditError(
-                f"credit method {method.name!r}: scores=False promises weights 1 (nothing is scored, gathered "
-                f"or logged for it), but weigh returned others; declare scores=True."
-            )
-        return weights, time.perf_counter() - start + per_rollout * len(mb), int(nonfinite)
-
-    return weigh
-
-
-# -- the built-ins (their functions: oar/credit_adapters.py) --------------------------------------
-
-METHODS = MappingProxyType(
-    {
-        m.name: m
-        for m in (  # the order of the study's tables
-            CreditMethod("grpo", ones, scores=False),
-            CreditMethod("oar-g", oar_scorer("gradient"), uses_clean=True),
-            CreditMethod("oar-p", oar_scorer("perturbation"), uses_clean=True),
-            CreditMethod("entropy", entropy_gate),
-            CreditMethod("entropy-mask", precomputed, prepare=entropy_mask_prepare),
-            CreditMethod("tempo", precomputed, prepare=tempo_prepare),
-            CreditMethod("oar-g+tempo", oar_g_plus_tempo, prepare=tempo_prepare, uses_clean=True),
-            CreditMethod("random-gate", random_gate, prepare=random_gate_prepare),
-        )
-    }
-)
-
-
-assert not any(map(protocol_problem, METHODS.values())) and set(COMPARED) <= set(METHODS)
+    return StepCredit(method, step, state, (time.perf_counter() - start) / max(1, len(ro)))

@@ -5,10 +5,10 @@ its help, and a run's `CreditSettings` is derived from its Config (`Config.credi
 This module imports nothing (no torch): train.py's `--help` and its flag errors answer from it and
 from oar/training/config.py before torch loads.
 
-Knobs that only tuning studies turned are constants here, not flags (each was a flag before; a
-checkpoint that ran with another value is refused on resume: oar/training/config.py's REMOVED,
-oar/training/resume.py).
-They stay readable as class attributes, so `step.settings.gate_floor` reads as it did.
+Knobs that no run turned (only tuning studies did) are constants here, not flags (each was a flag
+before; a checkpoint that ran with another value is refused on resume: oar/training/config.py's
+REMOVED, oar/training/resume.py). They stay readable as class attributes, so `step.settings.gate_floor`
+reads as it did.
 """
 
 from __future__ import annotations
@@ -17,21 +17,22 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 GATE_FLOOR = 0.1  # a suppressed token's smallest weight before the mass rescale (maths §5; 1.0: boost only)
+PRESERVE_MASS = True  # the gate rescales a rollout's reasoning weights to sum to its length (maths §5 step 5)
 ENTROPY_TOP = 0.2  # entropy-mask's rho: share of the step's tokens, the highest-entropy ones, that carry the advantage
 PERTURB_SPAN = 1  # OAR-P: tokens masked together (1 = the definition, exact)
-PERTURB_AUTO_LENGTH = (
-    512  # OAR-P auto mode: reasoning-to-answer positions from which the window is used (docs/long-reasoning.md)
-)
-PERTURB_CHUNK_TOKENS = (
-    8192  # OAR-P: recomputed tokens per batch of masked copies (a memory bound, not a number changer)
-)
-REFERENCE_TEMPLATE = "#### {answer}"  # the conclusion appended after the reasoning for --outcome_source reference
+PERTURB_WINDOW = 32  # OAR-P window mode: positions recomputed after the masked token (plus the answer's)
+# OAR-P auto mode: reasoning-to-answer positions from which the window is used (docs/long-reasoning.md)
+PERTURB_AUTO_LENGTH = 512
+# OAR-P: recomputed tokens per batch of masked copies (a memory bound, not a number changer)
+PERTURB_CHUNK_TOKENS = 8192
 
 
 @dataclass(frozen=True)
 class CreditSettings:
     """What token credit reads of a run (oar/credit.py): the method and its gate, OAR's scorers, and
     the few sampling and loss settings a method needs to recompute what the step saw."""
+
+    TITLE: ClassVar[str] = "token credit (OAR and others)"  # its group in train.py --help
 
     method: str = "oar-g"
     """Token credit: grpo | oar-g | oar-p | entropy | entropy-mask | tempo | oar-g+tempo | random-gate
@@ -43,19 +44,18 @@ class CreditSettings:
     """q of the bi-level gate: scores below the q-quantile are suppressed (authors' code: 0.25)."""
     gate_boost: float = 2.0
     """beta of the bi-level gate: boost of scores above the quantile (authors' code: 1.0)."""
-    preserve_mass: bool = True
-    """Rescale a rollout's reasoning weights so they sum to its reasoning length: its advantage mass
-    stays GRPO's (--no_preserve_mass leaves the gated weights as they are)."""
+    probe: str = "answer_mean"
+    """Outcome probe: last | answer_mean | answer_joint (maths §2)."""
     noise_std: float = 1e-3
     """OAR-G: std of the Gaussian noise added to the reasoning positions' embeddings."""
     perturb_mode: str = "auto"
     """OAR-P: exact | window | auto (exact where a rollout's reasoning-to-answer stretch is shorter than
     512 positions, window above; docs/long-reasoning.md)."""
-    perturb_window: int = 32
-    """OAR-P window mode: positions recomputed after the masked token (plus the answer's)."""
-    outcome_source: str = "rollout"
-    """Where OAR reads the outcome: rollout (the rollout's own answer) | reference (the gold answer
-    appended after the reasoning, as the authors' code does)."""
+    score_all: bool = False
+    """Also score rollouts with advantage 0 (their group's rewards are all equal): their loss is 0
+    whatever the weights, so this only adds oar/ diagnostics (and time)."""
+
+    # Read by the methods, shown in --help with the sampling, GRPO and memory settings
     temperature: float = 1.0
     """Sampling temperature of rollouts; the loss and entropy credit score logits / temperature."""
     micro_batch_size: int = 64
@@ -67,8 +67,9 @@ class CreditSettings:
     """Give completions cut at --max_new_tokens (no EOS) no loss."""
 
     gate_floor: ClassVar[float] = GATE_FLOOR
+    preserve_mass: ClassVar[bool] = PRESERVE_MASS
+    perturb_window: ClassVar[int] = PERTURB_WINDOW
     entropy_top: ClassVar[float] = ENTROPY_TOP
     perturb_span: ClassVar[int] = PERTURB_SPAN
     perturb_auto_length: ClassVar[int] = PERTURB_AUTO_LENGTH
     perturb_chunk_tokens: ClassVar[int] = PERTURB_CHUNK_TOKENS
-    reference_template: ClassVar[str] = REFERENCE_TEMPLATE

@@ -20,7 +20,7 @@ score through OAR's bi-level gate, mass preserved), is the gate of the update fo
 per rollout over its reasoning tokens (`entropy_gate`).
 
 The two methods' parts in oar/credit.py's protocol, which compute the entropies with a forward of
-the policy, are `credit_adapters.entropy_gate` and `credit_adapters.entropy_mask_prepare`.
+the policy, are `credit_methods.entropy_gate` and `credit_methods.entropy_mask_prepare`.
 """
 
 from __future__ import annotations

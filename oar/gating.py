@@ -21,8 +21,8 @@ between branches; a row with any non-finite reasoning score gets all-ones weight
 the caller counts such rows. `floor = 1` gives boost-only gating, `boost = 0` suppress-only, before
 step 5: the mass rescale then moves every weight by one factor (a suppressed token can end below the floor).
 
-The gate with a run's settings (`credit_adapters.gate`) and its control, BEYOND THE PAPER, uniform
-random scores through it (`credit_adapters.random_gate`), are the credit layer's (oar/credit.py).
+The gate with a run's settings (`credit_methods.gate`) and its control, BEYOND THE PAPER, uniform
+random scores through it (`credit_methods.random_gate`), are the credit layer's (oar/credit.py).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def perturbation_scores(
     auto_length: int = 512,
 ) -> torch.Tensor:
     """OAR-P scores (B, L) float32, 0 outside `reasoning_mask`. Inputs are (B, L); the one entry point
-    of OAR-P, training's included (oar/credit_adapters.py), whatever the mode:
+    of OAR-P, training's included (oar/credit_methods.py), whatever the mode:
 
       exact   oar/oar_perturb_exact.py's computation (exact for span=1; `span` > 1 masks that many tokens at
               once, an approximation: span-fold fewer copies; this mode only)

@@ -21,9 +21,12 @@ reach it.
 
 Bounding its time: math-verify's timeouts use `signal.alarm`, which raises outside the main thread
 and, in it, cancels any alarm the caller had set. We turn them off and run parse + verify under one
-deadline of our own (`_deadline`) that works in any thread and leaves signals alone. Like a signal,
-it cannot stop one C call holding the GIL (sympy computing `9^{9^{9}}` exactly), so answers over
-MV_MAX_CHARS and towers, huge powers or factorials (`_may_explode`) skip step 3. Nothing raises.
+deadline of our own (`_deadline`) that works in any thread and leaves signals alone. The deadline is
+on the checking thread's CPU time, not the clock's: a busy machine slows the check down without
+using up its budget, so a right answer is not scored 0 because other jobs ran (a wall-clock cap,
+MV_WALL_SECONDS, bounds a thread that gets no CPU at all). Like a signal, it cannot stop one C call
+holding the GIL (sympy computing `9^{9^{9}}` exactly), so answers over MV_MAX_CHARS and towers, huge
+powers or factorials (`_may_explode`) skip step 3. Nothing raises.
 
 The built-in terms of a run's reward (`--reward`; the table and its weights: oar/reward_table.py), each
 a function (completion, gold, problem) -> float:
@@ -40,11 +43,14 @@ import functools
 import logging
 import re
 import threading
+import time
 from fractions import Fraction
 
 from oar.answers import find_answer, group_end
 
-MV_SECONDS = 1.0  # deadline for math-verify's parse + verify of one pair
+MV_SECONDS = 1.0  # deadline for math-verify's parse + verify of one pair, in the checking thread's CPU seconds
+MV_WALL_SECONDS = 30.0  # and in wall-clock seconds, for a thread starved of CPU
+DEADLINE_POLL = 0.005  # seconds between the watcher's looks at the thread's CPU time
 MV_MAX_CHARS = 1_000  # longer answers skip math-verify (and stay under Python's int-str limit)
 MAX_NUMBER_CHARS = 1_000  # longer numbers are compared as strings, never converted
 MAX_GROWTH = 10**6  # about the most digits an exact integer may reach before sympy stalls in C
@@ -210,26 +216,47 @@ class _Timeout(BaseException):
     """Raised at the deadline; a BaseException, so that `except Exception` in sympy lets it through."""
 
 
+def _cpu_clock(thread_id: int):
+    """A function giving thread `thread_id`'s CPU seconds so far (POSIX), or None where there is none."""
+    try:
+        clock = time.pthread_getcpuclockid(thread_id)
+        time.clock_gettime(clock)
+    except (AttributeError, OSError):  # no per-thread CPU clocks here (Windows): the wall clock decides
+        return None
+    return lambda: time.clock_gettime(clock)
+
+
 @contextlib.contextmanager
-def _deadline(seconds: float):
-    """Raise `_Timeout` in the calling thread after `seconds`, from a timer thread (CPython async
-    exception). Catch it around the whole `with`: the exit clears one not yet delivered."""
+def _deadline(seconds: float, wall_seconds: float | None = None):
+    """Raise `_Timeout` in the calling thread once it has used `seconds` of CPU time inside the block, or
+    `wall_seconds` (MV_WALL_SECONDS by default) have passed, from a watcher thread (CPython async exception).
+    Catch it around the whole `with`: the exit clears one not yet delivered."""
     thread_id, lock, state = threading.get_ident(), threading.Lock(), {"done": False, "fired": False}
+    cpu, wall = _cpu_clock(thread_id), time.monotonic
+    cpu_start, wall_start, cap = (
+        cpu() if cpu else None,
+        wall(),
+        MV_WALL_SECONDS if wall_seconds is None else wall_seconds,
+    )
+    stop = threading.Event()
 
-    def fire():
-        with lock:
-            if not state["done"]:
-                state["fired"] = True
-                exception = ctypes.py_object(_Timeout)
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exception)
+    def watch():
+        while not stop.wait(DEADLINE_POLL):
+            used = cpu() - cpu_start if cpu else wall() - wall_start
+            if used >= seconds or wall() - wall_start >= cap:
+                with lock:
+                    if not state["done"]:
+                        state["fired"] = True
+                        exception = ctypes.py_object(_Timeout)
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exception)
+                return
 
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         yield
     finally:
-        timer.cancel()
+        stop.set()
         with lock:
             state["done"] = True
             if state["fired"]:  # fired, maybe not yet delivered: NULL clears a pending exception
@@ -285,9 +312,9 @@ def _without_units(answer: str) -> str:
 
 
 def _math_verify_equal(pred: str, gold: str) -> bool:
-    """math-verify's verdict within MV_SECONDS; False on a timeout, an error or a refused input. A
-    timeout is said (at the 1st, 10th, 100th, ... of the process): on a loaded machine a right answer
-    that needs sympy can run out of time, and its 0 would otherwise pass for a wrong answer."""
+    """math-verify's verdict within MV_SECONDS of CPU time; False on a timeout, an error or a refused input.
+    A timeout is said (at the 1st, 10th, 100th, ... of the process): an answer that needs more than that of
+    sympy scores 0 right or wrong, and its 0 would otherwise pass for a wrong answer."""
     if max(len(pred), len(gold)) > MV_MAX_CHARS or _may_explode(pred) or _may_explode(gold):
         return False
     math_verify = _math_verify()  # outside the deadline
@@ -298,7 +325,7 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
         _TIMEOUTS[0] += 1
         if str(_TIMEOUTS[0]).strip("0") == "1":  # 1, 10, 100, ...
             logging.getLogger(__name__).warning(
-                "math-verify ran past its %.0f s deadline %d time(s) in this process (last: %r against gold %r); "
+                "math-verify ran past its %.0f s CPU deadline %d time(s) in this process (last: %r against gold %r); "
                 "those answers scored 0, right or wrong",
                 MV_SECONDS,
                 _TIMEOUTS[0],

@@ -159,55 +159,6 @@ def _streamed_pieces(tokenizer, ids: list[int]) -> list[str] | None:
         return None
 
 
-def with_reference_answer(rollout: Rollout, tokenizer, golds: list[str], template: str):
-    """`outcome_source=reference` (the authors' code): keep each rollout's prompt and reasoning where
-    they are, replace what follows by `template` filled with the gold answer, and mark the gold
-    answer's tokens. Returns (input_ids, attention_mask, reasoning_mask, answer_mask), each (B, L');
-    reasoning positions are the rollout's own, so scores on them map back one to one. The filled template
-    is tokenized whole, as the model would write it (" -3" after "####" is one token " -", not " " and
-    "-"), and its answer tokens are those holding a character of the gold answer, `build_rollout`'s rule.
-    Where the tokenizer does not decode the conclusion back to its text (a character it maps to <unk>, a
-    lower-casing normalizer), the places of the characters are unknown: that row's conclusion is tokenized
-    in three pieces (before, the answer, after), the answer's tokens being the middle piece's."""
-    rows = []
-    encode = lambda piece: tokenizer(piece, add_special_tokens=False)["input_ids"]  # noqa: E731
-    for i, gold in enumerate(golds):
-        text = template.format(answer=gold)
-        start = template.index("{answer}")  # the gold answer's characters are text[start : start + len(gold)]
-        conclusion = encode(text)
-        decoded, offsets = char_offsets(tokenizer, conclusion)
-        if decoded == text:
-            answer = [
-                s < start + len(gold) and e > start and e > s
-                for s, e in held_spans(offsets, [False] * len(conclusion))
-            ]
-        else:
-            before, middle, after = encode(text[:start]), encode(gold), encode(text[start + len(gold) :])
-            conclusion, answer = (
-                before + middle + after,
-                [False] * len(before) + [True] * len(middle) + [False] * len(after),
-            )
-        reasoning = rollout.reasoning_mask[i].nonzero().flatten()
-        cut = int(reasoning[-1]) + 1 if reasoning.numel() else rollout.prompt_width
-        rows.append(
-            (rollout.input_ids[i, :cut].tolist(), rollout.attention_mask[i, :cut].tolist(), conclusion, answer)
-        )
-    width = max(len(ids) + len(c) for ids, _, c, _ in rows)
-    device = rollout.input_ids.device
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    answer_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    reasoning_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    keep = min(width, rollout.reasoning_mask.shape[1])
-    reasoning_mask[:, :keep] = rollout.reasoning_mask[:, :keep].cpu()
-    for i, (ids, att, conclusion, answer) in enumerate(rows):
-        seq = ids + conclusion
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention[i, : len(seq)] = torch.tensor(att + [1] * len(conclusion))
-        answer_mask[i, len(ids) : len(seq)] = torch.tensor(answer, dtype=torch.bool)
-    return input_ids.to(device), attention.to(device), reasoning_mask.to(device), answer_mask.to(device)
-
-
 def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     """One Rollout of the rows of `parts` in order (e.g. the chunks a step was sampled in): every part is
     left-padded to the widest prompt and right-padded to the longest completion, so the completion

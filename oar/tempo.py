@@ -37,7 +37,7 @@ width (truncated); a completion that stops without one where another goes on has
 its last TD term (it still counts in V of the prefix it stops at).
 
 The method's part in oar/credit.py's protocol (the whole step's weights at once) is
-`credit_adapters.tempo_prepare`.
+`credit_methods.tempo_prepare`.
 """
 
 from __future__ import annotations

@@ -50,12 +50,6 @@ def test_a_run_leaves_a_plot_explains_its_step_line_and_draws_no_bar_into_a_pipe
     assert width > 3 * height  # four panels side by side
 
 
-def test_progress_draws_the_bars_where_stderr_is_not_a_terminal(tiny_model, tmp_path, capsys):
-    run_inprocess(_run_args(tiny_model, tmp_path / "run", "--progress", "--method", "oar-g"))
-    err = capsys.readouterr().err
-    assert "rollouts" in err and "credit + update" in err and "held-out" in err and "train" in err
-
-
 def test_the_plot_reads_metrics_jsonl(tmp_path):
     rows = [
         {

@@ -313,7 +313,7 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
     # either (as TRL's completion mask): truncate the rollout with the most top-entropy tokens
     from dataclasses import replace
 
-    from oar.credit_adapters import step_entropies
+    from oar.credit_methods import step_entropies
 
     ent = step_entropies(model, ro, 8)
     cut = replace(ro, truncated=torch.arange(8) == top_entropy_mask(ent, ro.completion_mask).sum(1).argmax())
@@ -338,7 +338,7 @@ def test_step_credit_gives_each_method_the_same_weights_for_any_micro_batching(t
 def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_from(tiny_model):
     """Against the definition, one prefix at a time: the entropy at completion position t is that of
     the model's next-token distribution after the tokens before t (no slicing shared with the code)."""
-    from oar.credit_adapters import step_entropies
+    from oar.credit_methods import step_entropies
     from oar.grpo import token_entropy
     from oar.training.models import load_model
     from oar.sampler import format_prompt, sample
@@ -362,48 +362,6 @@ def test_step_entropies_are_those_of_the_distributions_the_tokens_were_drawn_fro
                     input_ids=ro.input_ids[i : i + 1, :t], attention_mask=ro.attention_mask[i : i + 1, :t]
                 ).logits[0, -1]
             torch.testing.assert_close(got[i, t], token_entropy(last[None, None] / 0.7)[0, 0], atol=1e-5, rtol=1e-5)
-
-
-def test_step_credit_scores_against_the_gold_answer_under_outcome_source_reference(tiny_model):
-    """--outcome_source reference (the authors' code): OAR-G and OAR-P score each rollout's reasoning against
-    "#### {gold}" appended after it (oar.rollout.with_reference_answer), not against its own answer; the weights
-    are the gate of those scores, laid back on the rollout's positions, and keep each rollout's mass."""
-    from oar.credit import CreditSettings, step_credit
-    from oar.gating import bilevel_weights
-    from oar.lm import forward_logits
-    from oar.oar_grad import gradient_scores
-    from oar.oar_perturb import perturbation_scores
-    from oar.rollout import with_reference_answer
-
-    model, tok, ro, golds, rewards, adv = tiny_step(tiny_model)
-    scored = torch.ones(8, dtype=torch.bool)  # every rollout, whatever the tiny model's rewards
-    reasoning = ro.reasoning_mask & scored[:, None]
-    assert reasoning.any(1).sum() >= 2, "too few rollouts with reasoning tokens to test on"
-    with torch.no_grad():
-        logits = forward_logits(
-            model, ro.input_ids, ro.attention_mask, logits_to_keep=ro.input_ids.shape[1] - ro.prompt_width + 1
-        )
-    golds = [g for g in ("-31", "yes") for _ in range(4)]  # answers the model did not write: the two sources differ
-    ids, attn, reas, ans = with_reference_answer(ro, tok, golds, "#### {answer}")
-    direct = {
-        "oar-g": gradient_scores(
-            model, ids, attn, reas & scored[:, None], ans, probe="answer_mean", noise_std=1e-3, seeds=list(range(8))
-        ),
-        "oar-p": perturbation_scores(
-            model, ids, attn, reas & scored[:, None], ans, probe="answer_mean", pad_token_id=tok.pad_token_id
-        ),
-    }
-    completion = ro.completion_mask.float()
-    for method, scores in direct.items():
-        settings = CreditSettings(method=method, group_size=4, outcome_source="reference")
-        got = step_credit(settings, model, tok, ro, rewards, adv, scored, list(range(8)), golds, "answer_mean")(
-            slice(0, 8), ro, logits
-        )[0]
-        full = torch.zeros(ro.input_ids.shape)
-        width = min(scores.shape[1], full.shape[1])
-        full[:, :width] = scores[:, :width]
-        torch.testing.assert_close(got, bilevel_weights(full, reasoning) * completion, atol=1e-3, rtol=1e-3)
-        torch.testing.assert_close((got * completion).sum(1), completion.sum(1))  # each rollout's mass kept
 
 
 def test_a_micro_batchs_seconds_include_its_rollouts_share_of_prepare(tiny_model, monkeypatch):

@@ -6,6 +6,8 @@ cannot serve stops the run before the model loads, with a message naming it."""
 from pathlib import Path
 
 import pytest
+
+import oar.training.run as oar_run
 import torch
 
 from test_distributed import _assert_learns, _assert_same_run
@@ -142,13 +144,12 @@ BROKEN = {  # module text (None: no such file) -> what the message must say besi
 
 @pytest.mark.parametrize("case", BROKEN)
 def test_a_module_that_cannot_serve_stops_the_run_before_the_model_loads(tiny_model, tmp_path, monkeypatch, case):
-    from tinyrun import train_module
 
     text, needle = BROKEN[case]
     module = tmp_path / f"{case.replace(' ', '_')}.py"
     if text is not None:
         module.write_text(text)
-    monkeypatch.setattr(train_module(), "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(oar_run, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stop:
         run_inprocess(_args(tiny_model, out, 8, module, "mine"))

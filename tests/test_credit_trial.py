@@ -5,9 +5,10 @@ and before any file is written; the built-ins pass, and the trial leaves the run
 from pathlib import Path
 
 import pytest
+
+import oar.training.run as oar_run
 import torch
 
-import train
 from tinyrun import TINY, TRAIN, run_inprocess, run_script
 
 BROKEN = Path(__file__).with_name("credit_plugin_broken.py")
@@ -44,7 +45,7 @@ def _args(model, out, method):
 @pytest.mark.parametrize("method", CASES)
 def test_a_broken_method_stops_before_evaluation_and_writes_nothing(tiny_model, tmp_path, monkeypatch, method):
     evaluated = []
-    monkeypatch.setattr(train, "evaluate", lambda *a, **k: evaluated.append(1))
+    monkeypatch.setattr(oar_run, "evaluate", lambda *a, **k: evaluated.append(1))
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stop:
         run_inprocess(_args(tiny_model, out, method))

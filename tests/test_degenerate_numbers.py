@@ -13,7 +13,7 @@ import torch
 
 from oar.training.config import Config
 from test_failures import _args
-from tinyrun import final_params, metrics, run_inprocess
+from tinyrun import final_params, metrics, run_inprocess, train_module
 
 
 def _nan_model(tiny_model: Path, where: Path) -> Path:
@@ -58,10 +58,10 @@ def test_a_nonfinite_loss_is_skipped_even_when_the_gradient_is_finite(tiny_model
         calls.append(1)
         return (loss + float("nan"), stats) if len(calls) == 2 else (loss, stats)
 
-    from oar.training import update  # train.py's step 5: the micro-batch loop that calls the loss
+    train = train_module()  # train.py's step 5: the micro-batch loop that calls the loss
 
-    policy_loss = update.policy_loss
-    monkeypatch.setattr(update, "policy_loss", loss_with_a_nan_at_step_2)
+    policy_loss = train.policy_loss
+    monkeypatch.setattr(train, "policy_loss", loss_with_a_nan_at_step_2)
     summary = run_inprocess(_args(tiny_model, tmp_path / "run", "--method", "grpo", "--steps", "3"))
     assert summary["skipped_steps"] == 1
     assert "step 2: non-finite loss in 1 micro-batches, update skipped (1 skipped so far)" in capsys.readouterr().out
@@ -130,12 +130,11 @@ def test_groups_with_one_reward_that_is_not_a_binary_fraction_count_as_tied(tiny
 
 def test_nonfinite_oar_scores_are_counted(tiny_model, tmp_path, monkeypatch, capsys):
     """Scores that are not finite give plain GRPO weights (gating's rule); the run says so."""
-    from oar import (
-        credit_adapters,
-    )  # train.py's step 4 asks oar/credit.py, whose oar-g calls this module's gradient_scores
+    # train.py's step 5 asks oar/credit.py's oar-g, which calls this module's gradient_scores
+    from oar import credit_methods
 
-    gradient_scores = credit_adapters.gradient_scores
-    monkeypatch.setattr(credit_adapters, "gradient_scores", lambda *a, **k: gradient_scores(*a, **k) * float("inf"))
+    gradient_scores = credit_methods.gradient_scores
+    monkeypatch.setattr(credit_methods, "gradient_scores", lambda *a, **k: gradient_scores(*a, **k) * float("inf"))
     out = tmp_path / "run"
     summary = run_inprocess(_args(tiny_model, out, "--method", "oar-g", "--steps", "1"))
     assert summary["skipped_steps"] == 0

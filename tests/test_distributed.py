@@ -53,17 +53,7 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
     "random-gate/seq_mean": ["--method", "random-gate", "--aggregation", "seq_mean"],  # beyond the paper: a control
     # rollouts sampled a prompt at a time (--rollout_batch_size 1): the same batches on 1 and 2 processes
     "grpo/chunked": ["--method", "grpo", "--aggregation", "seq_mean", "--rollout_batch_size", "1"],
-    # the same through the fixed-shape decode loop (oar/static_decode.py)
-    "oar-p/chunked/static": [
-        "--method",
-        "oar-p",
-        "--aggregation",
-        "seq_mean",
-        "--rollout_batch_size",
-        "1",
-        "--decode_loop",
-        "static",
-    ],
+    "oar-p/chunked": ["--method", "oar-p", "--aggregation", "seq_mean", "--rollout_batch_size", "1"],
 }
 # What does not depend on which rollouts OAR scored: all a comparison of two different sets of scored rollouts
 # (--score_all) can hold equal. Runs of the same rollouts compare every logged key (tinyrun.assert_same_metrics).
@@ -139,7 +129,7 @@ def test_micro_batches_of_1_equal_one_batch_of_8(tiny_model, tmp_path, setting):
         ("random-gate/seq_mean", 2, False),  # its widest-prompt gather
         ("grpo/chunked", 4, False),  # --rollout_batch_size 1 on both
         ("grpo/batch_scale", 4, False),  # a std over both processes
-        ("oar-p/chunked/static", 4, True),
+        ("oar-p/chunked", 4, True),
     ],
 )
 def test_two_processes_equal_one(tiny_model, tmp_path, setting, micro_batch_size, switch):

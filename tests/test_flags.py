@@ -13,7 +13,7 @@ import pytest
 
 import eval as evaluation
 from oar.credit_settings import CreditSettings
-from oar.training.config import ALIASES, GROUPS, REMOVED, Config, parse_args, parser
+from oar.training.config import ALIASES, GONE, REMOVED, SHOWN_IN, TITLES, Config, parse_args, parser
 from oar.training.resume import RESUMABLE, check_resume, from_record
 from oar.training.flags import field_docs
 from tinyrun import ROOT, env
@@ -48,12 +48,20 @@ def test_every_field_has_a_docstring_and_one_group():
     docs = field_docs(Config)
     assert set(docs) == set(FIELDS), set(FIELDS) - set(docs)
     assert all(len(d) > 10 for d in docs.values())
-    placed = [n for names in GROUPS.values() for n in names]
-    assert sorted(placed) == sorted(FIELDS)
-    assert {"sampling", "GRPO", "run", "distributed and memory"} <= set(GROUPS) and any("OAR" in g for g in GROUPS)
-    # +3: --rollout_backend and two vLLM settings (docs/vllm.md); 61 before (+2 reward flags, +1 --progress since):
-    # study-only knobs became constants (the aim is 45)
-    assert len(FIELDS) <= 60
+    groups = parser().groups(TITLES, SHOWN_IN)  # each field under its declaring class's title
+    placed = [n for names in groups.values() for n in names]
+    assert sorted(placed) == sorted(FIELDS) and list(groups) == list(TITLES)  # every group in --help, in order
+    text = _help("train.py")
+    assert all(f"\n{title}:\n" in text for title in TITLES)
+    assert len(FIELDS) <= 45  # a user sets 45 flags; the knobs no run turned are constants (REMOVED)
+
+
+def test_every_former_flag_says_where_it_went():
+    """A flag that became a constant (or moved to the launch) is refused with one line that says what the run
+    does instead, never taken silently; an old run's config.json that holds it still resumes at its value."""
+    assert set(REMOVED) <= set(GONE) and not set(GONE) & set(FIELDS)
+    for name in ("score_all", "probe", "perturb_mode"):  # still flags
+        assert name in FIELDS
 
 
 def test_the_choices_a_docstring_lists_are_the_code_s():
@@ -63,14 +71,15 @@ def test_the_choices_a_docstring_lists_are_the_code_s():
     from oar.sampler import DECODE_LOOPS
 
     docs = field_docs(Config)
-    for name, choices in (
-        ("method", METHODS),
-        ("probe", PROBES),
-        ("decode_loop", DECODE_LOOPS),
-        ("perturb_mode", MODES),
+    eval_docs = field_docs(evaluation.EvalConfig)
+    for name, choices, docs_of in (
+        ("method", METHODS, docs),
+        ("probe", PROBES, docs),
+        ("decode_loop", DECODE_LOOPS, eval_docs),
+        ("perturb_mode", MODES, docs),
     ):
         for choice in choices:
-            assert re.search(rf"(^|[\s:|]){re.escape(choice)}([\s|(,.;]|$)", docs[name]), (name, choice, docs[name])
+            assert re.search(rf"(^|[\s:|]){re.escape(choice)}([\s|(,.;]|$)", docs_of[name]), (name, choice)
     assert "built on first use" not in _help("train.py")  # tiny-arith ships (oar/tasks/tiny-arith/)
 
 
@@ -105,13 +114,6 @@ def test_boolean_pairs_do_what_they_say(name):
     assert getattr(parse_args([]), name) is FIELDS[name].default
 
 
-def test_preserve_mass_pair_reads_as_it_acts():
-    text = " ".join(_help("train.py").split())
-    entry = text[text.index("--preserve_mass [BOOL]") : text.index("--score_all [BOOL]")]
-    assert "Rescale" in entry and "--no_preserve_mass leaves the gated weights as they are" in entry
-    assert parse_args(["--no_preserve_mass"]).credit().preserve_mass is False
-
-
 ALIASED = [  # TRL's (or transformers') spelling -> this project's
     (["--num_generations", "4"], ["--group_size", "4"]),
     (["--max_completion_length", "128"], ["--max_new_tokens", "128"]),
@@ -129,7 +131,6 @@ ALIASED = [  # TRL's (or transformers') spelling -> this project's
     (["--dataset_name", "d"], ["--dataset", "d"]),
     (["--torch_dtype", "bfloat16"], ["--dtype", "bfloat16"]),
     (["--save_steps", "7"], ["--save_every", "7"]),
-    (["--save_total_limit", "3"], ["--keep_checkpoints", "3"]),
     (["--eval_steps", "9"], ["--eval_every", "9"]),
     (["--scale_rewards", "batch"], ["--advantage_scale", "batch"]),
     (["--scale_rewards", "true"], ["--advantage_scale", "group"]),  # TRL's boolean spellings
@@ -171,15 +172,7 @@ def test_eval_py_takes_train_py_s_evaluation_names_and_its_old_ones():
     )
     assert old == new
     shared = {f.name for f in dataclasses.fields(evaluation.EvalConfig)} & set(FIELDS)
-    assert {
-        "eval_size",
-        "eval_samples",
-        "eval_temperature",
-        "eval_batch_size",
-        "max_new_tokens",
-        "decode_loop",
-        "model",
-    } <= shared
+    assert {"eval_size", "eval_samples", "eval_temperature", "max_new_tokens", "model"} <= shared
     for name in shared - {"output_dir", "dataset"}:  # one declaration: the same default and help
         assert evaluation.EvalConfig.__dataclass_fields__[name].default == FIELDS[name].default, name
 
@@ -193,7 +186,12 @@ BAD = [  # argv -> what the one line must name (as the user typed it); refused w
     (["--gradient_accumulation_steps", "4"], "--gradient_accumulation_steps"),
     (["--use_vllm"], "--rollout_backend vllm"),  # TRL's switch: the error names ours
     (["--no_such_flag", "1"], "--no_such_flag"),
-    (["--gate_floor", "0.2"], "--gate_floor"),  # a constant now: refused, not ignored
+    (["--gate_floor", "0.2"], "--gate_floor is no longer a flag"),  # a constant now: refused, not ignored
+    (["--no_preserve_mass"], "--preserve_mass is no longer a flag: the gate always keeps"),
+    (["--fsdp"], "--fsdp is no longer a flag: launch with `accelerate launch --config_file configs/fsdp2.yaml"),
+    (["--collective_timeout", "60"], "set OAR_COLLECTIVE_TIMEOUT=<seconds>"),
+    (["--deepspeed", "ds.json"], "--deepspeed is not a flag here"),  # not "did you mean --seed?"
+    (["--lr_scheduler_type", "cosine"], "--lr_scheduler_type is not a flag here"),  # not --torch_dtype
     # refused by check_config, after the accelerator starts, before anything loads
     (["--num_generations", "1"], "--num_generations 1"),
     (["--dtype", "float33"], "--dtype float33"),
@@ -208,13 +206,11 @@ CHECKED = [  # the same through check_config in this process (a child each costs
     (["--eval_size", "-1"], "--eval_size -1"),
     (["--eval_steps", "-1"], "--eval_steps -1"),
     (["--noise_std", "0"], "--noise_std 0"),  # OAR-G's default probe would score float rounding
-    (["--noise_std", "0", "--probe", "answer_joint", "--probe_warmup", "2"], "--noise_std 0 with --probe last"),
     (["--temperature", "inf"], "--temperature inf"),
     (["--learning_rate", "inf"], "--learning_rate inf"),
     (["--eval_temperature", "inf", "--eval_samples", "2"], "--eval_temperature inf"),
     (["--dtype", "int8"], "--dtype int8: the weights' floating-point dtype"),  # a torch dtype, but no weights' dtype
     (["--dtype", "float8_e4m3fn"], "--dtype float8_e4m3fn"),
-    (["--vllm_importance_sampling_cap", "0.5"], "--vllm_importance_sampling_cap 0.5: 0 (off) or >= 1"),
 ]
 
 
@@ -304,7 +300,7 @@ def test_eval_py_names_a_bad_value_as_typed(tmp_path):
 
 
 def test_credit_settings_are_the_config_s_own():
-    cfg = parse_args(["--method", "oar-p", "--gate_quantile", "0.25", "--perturb_window", "16", "--group_size", "4"])
+    cfg = parse_args(["--method", "oar-p", "--gate_quantile", "0.25", "--perturb_mode", "window", "--group_size", "4"])
     s = cfg.credit()
     assert type(s) is CreditSettings and isinstance(cfg, CreditSettings)
     assert {f.name: getattr(s, f.name) for f in dataclasses.fields(CreditSettings)} == {

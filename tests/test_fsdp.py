@@ -1,4 +1,4 @@
-"""FSDP2 on 2 CPU processes (`accelerate launch --multi_gpu --num_processes 2 train.py --fsdp`) gives
+"""FSDP2 on 2 CPU processes (`accelerate launch --config_file configs/fsdp2.yaml --num_processes 2 train.py`) gives
 the update of one unsharded process: the GPU path (configs/fsdp2.yaml, accelerate's plugin) runs
 the same gather/reshard code on a model accelerate shards, and cannot be launched on this machine
 (accelerate's FSDP plugin falls back to DDP without a GPU).
@@ -53,13 +53,13 @@ def test_fsdp_two_processes_equal_one(tiny_model, tmp_path, setting):
     one, two = tmp_path / "one", tmp_path / "fsdp"
     run_inprocess(_args(tiny_model, one, setting, "--micro_batch_size", "8"))
     if setting.endswith("resumed"):  # step 1, its sharded checkpoint, then step 2 in a new launch
-        check_ok(launch(_args(tiny_model, two, setting, "--fsdp", "--steps", "1")))
+        check_ok(launch(_args(tiny_model, two, setting, "--steps", "1"), fsdp=True))
         assert (two / "checkpoint-1" / "sharded" / ".metadata").is_file()
-        proc = launch(_args(tiny_model, two, setting, "--fsdp", "--resume"))
+        proc = launch(_args(tiny_model, two, setting, "--resume"), fsdp=True)
         check_ok(proc)
         assert "(step 1)" in proc.stdout
     else:
-        check_ok(launch(_args(tiny_model, two, setting, "--fsdp")))
+        check_ok(launch(_args(tiny_model, two, setting), fsdp=True))
     assert max_abs_diff(final_params(one), initial_params(tiny_model)) > 1e-4  # an update to compare
     assert max_abs_diff(final_params(two), final_params(one)) <= 1e-5
     loaded = AutoModelForCausalLM.from_pretrained(two / "final")  # a plain save_pretrained folder
@@ -78,9 +78,13 @@ def test_fsdp_two_processes_equal_one(tiny_model, tmp_path, setting):
     )
 
 
-def test_fsdp_needs_processes(tiny_model, tmp_path):
-    with pytest.raises(SystemExit, match="--fsdp shards over processes"):
-        run_inprocess(_args(tiny_model, tmp_path / "run", "grpo", "--fsdp"))
+def test_fsdp_needs_processes(tiny_model, tmp_path, monkeypatch):
+    """FSDP2's config on one CPU process (accelerate sets ACCELERATE_USE_FSDP) is refused: there is nothing to
+    shard over."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(SystemExit, match="FSDP2's config on one CPU process"):
+        run_inprocess(_args(tiny_model, tmp_path / "run", "grpo"))
+    # (a former --fsdp says how to launch instead: tests/test_flags.py)
 
 
 def test_gpu_config_is_fsdp2_per_decoder_layer_in_bf16(monkeypatch):
@@ -116,13 +120,13 @@ def test_gpu_config_is_fsdp2_per_decoder_layer_in_bf16(monkeypatch):
 
 @pytest.mark.slow
 def test_the_kl_reference_under_fsdp_in_bf16_is_the_policy_at_the_start(tiny_model, tmp_path):
-    """--fsdp --mixed_precision bf16 --kl_beta: the reference computes as the sharded policy does (bf16
+    """FSDP2 --mixed_precision bf16 --kl_beta: the reference computes as the sharded policy does (bf16
     parameters, FSDP2's policy), so before any update pi_ref = pi_theta and step 1's k3 is exactly 0; a
     float32 reference (or one under autocast) beside the bf16 shards made it non-zero."""
     from tinyrun import finish, launch_command, spawn
 
     out = tmp_path / "run"
-    cmd = launch_command(_args(tiny_model, out, "grpo", "--fsdp", "--steps", "1", "--kl_beta", "0.1"))
+    cmd = launch_command(_args(tiny_model, out, "grpo", "--steps", "1", "--kl_beta", "0.1"), fsdp=True)
     cmd[cmd.index("--mixed_precision") + 1] = "bf16"
     check_ok(finish(*spawn(cmd), timeout=180))
     step = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
@@ -130,7 +134,7 @@ def test_the_kl_reference_under_fsdp_in_bf16_is_the_policy_at_the_start(tiny_mod
 
 
 RECORD_AUTOCAST = """
-import json, torch, oar.credit_adapters as c
+import json, torch, oar.credit_methods as c
 _scores = c.gradient_scores
 def _recording(*args, **kwargs):  # whether the credit's forward autocasts, as the update forward does not
     with open({path!r}, "a") as f:
@@ -153,11 +157,12 @@ def test_the_credit_under_fsdp_in_bf16_computes_without_autocast_as_the_update_f
         RECORD_AUTOCAST.format(path=str(record)) + f"import runpy, sys\nsys.argv[0] = {str(TRAIN)!r}\n"
         f"runpy.run_path({str(TRAIN)!r}, run_name='__main__')\n"
     )
-    for sharded in (["--fsdp"], []):
+    for sharded in (True, False):
         record.unlink(missing_ok=True)
         cmd = launch_command(
-            _args(tiny_model, tmp_path / f"run{len(sharded)}", "oar-g/resumed", "--steps", "1", *sharded),
+            _args(tiny_model, tmp_path / f"run{int(sharded)}", "oar-g/resumed", "--steps", "1"),
             script=script,
+            fsdp=sharded,
         )
         cmd[cmd.index("--mixed_precision") + 1] = "bf16"
         check_ok(finish(*spawn(cmd), timeout=180))

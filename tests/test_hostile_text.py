@@ -176,37 +176,3 @@ def test_a_special_token_inside_the_answer_stays_out_of_it():
     ro = _rollouts(tok, [_ids(tok, "3 + 4 = 7 so #### 7") + [pad] + _ids(tok, "7")])
     answer = ro.input_ids[0][ro.answer_mask[0]].tolist()
     assert ro.texts[0].endswith("#### 77") and pad not in answer and tok.decode(answer).strip() == "77"
-
-
-def test_the_reference_conclusion_is_tokenized_as_the_model_writes_it():
-    """--outcome_source reference appends "#### {gold}": tokenized whole, so a gold that starts with a sign or a word
-    keeps the space in its first token (" -", " yes"), as in the model's own text; tokenized in pieces it read
-    "####", " ", "-", a context the model never writes. Its answer tokens are those holding the gold's characters."""
-    from oar.rollout import with_reference_answer
-
-    tok = _byte_level_tokenizer("2 + 2 = 4 #### -3 #### yes #### 18")
-    assert "Ġ-" in tok.convert_ids_to_tokens(_ids(tok, "#### -3"))  # the space is the sign's
-    ro = _rollouts(tok, [_ids(tok, "2 + 2 = 4 ") + _ids(tok, "#### 4")] * 2)
-    ids, attention, _, answer = with_reference_answer(ro, tok, ["-3", "yes"], "#### {answer}")
-    for row, gold in enumerate(["-3", "yes"]):
-        kept = ids[row][attention[row].bool()].tolist()
-        assert kept[-len(_ids(tok, f"#### {gold}")) :] == _ids(tok, f"#### {gold}")
-        assert tok.decode(ids[row][answer[row]]) == f" {gold}"
-
-
-def test_a_reference_conclusion_the_tokenizer_does_not_reproduce_is_tokenized_in_pieces():
-    """A tokenizer that does not decode "#### ABC" back (this one lower-cases) leaves the answer's characters
-    without a place: that row's conclusion is "#### " and "ABC" tokenized apart, its answer tokens the second
-    piece's, where the reasoning stays as it was; the other rows are tokenized whole."""
-    from tokenizers import normalizers
-
-    from oar.rollout import with_reference_answer
-
-    tok = _byte_level_tokenizer("2 + 2 = 4 #### abc", normalizers.Lowercase())
-    ro = _rollouts(tok, [_ids(tok, "2 + 2 = 4 #### 4")] * 2)
-    ids, attention, _, answer = with_reference_answer(ro, tok, ["ABC", "abc"], "#### {answer}")
-    pieces = _ids(tok, "#### ") + _ids(tok, "ABC")
-    kept = ids[0][attention[0].bool()].tolist()
-    assert kept[-len(pieces) :] == pieces
-    assert ids[0][answer[0]].tolist() == _ids(tok, "ABC") and tok.decode(ids[0][answer[0]]) == "abc"
-    assert tok.decode(ids[1][answer[1]]).strip() == "abc"  # decoded back: tokenized whole

@@ -36,7 +36,7 @@ def test_the_reference_stays_the_initial_model_when_the_policy_moves(
     from oar.lm import forward_logits
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
-    learner, tok = _learner(tiny_model, tmp_path, lora_r=lora_r, lora_alpha=8.0)
+    learner, tok = _learner(tiny_model, tmp_path, lora_r=lora_r)
     assert (learner.reference is None) == bool(lora_r) and (learner.peft is not None) == bool(lora_r)
     if learner.reference is not None:
         assert not any(p.requires_grad for p in learner.reference.parameters())
@@ -96,7 +96,7 @@ def test_full_fine_tuning_of_half_precision_weights_warns(tiny_model, tmp_path):
         _learner(tiny_model, tmp_path / "half", dtype="half", kl_beta=0.0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="--dtype")
-        _learner(tiny_model, tmp_path / "lora", dtype="bfloat16", kl_beta=0.0, lora_r=4, lora_alpha=8.0)
+        _learner(tiny_model, tmp_path / "lora", dtype="bfloat16", kl_beta=0.0, lora_r=4)
         _learner(tiny_model, tmp_path / "fp32", kl_beta=0.0)
 
 

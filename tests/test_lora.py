@@ -21,6 +21,8 @@ import json
 import math
 
 import pytest
+
+import oar.training.run as oar_run
 import torch
 
 from conftest import padded_batch, tiny_llama
@@ -43,7 +45,7 @@ from tinyrun import (
     run_inprocess,
 )
 
-LORA = ["--lora_r", "4", "--lora_alpha", "8"]
+LORA = ["--lora_r", "4"]
 
 
 def _args(model, out, *extra):
@@ -132,7 +134,7 @@ def test_a_lora_run_trains_the_adapters_only_and_leaves_a_plain_merged_model(tin
         else k: v
         for k, v in initial.items()
     }
-    want = lora.merged_state_dict({**peft_names, **adapters}, scaling=8 / 4)
+    want = lora.merged_state_dict({**peft_names, **adapters}, scaling=32 / 4)  # alpha / r
     assert max_abs_diff(final, want) == 0
     assert {k for k in final if not torch.equal(final[k], initial[k])} == {
         k.replace(".base_layer", "") for k in peft_names if ".base_layer" in k
@@ -235,10 +237,10 @@ def test_resume_is_exact_also_with_checkpointing_switched_on(tiny_model, one_pro
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_two_processes_equal_one_also_resumed(tiny_model, one_process, tmp_path, sharding):
-    """Step 1 on 2 gloo processes (DDP, or FSDP2 with --fsdp), its checkpoint (the adapters and their
+    """Step 1 on 2 gloo processes (DDP, or FSDP2 with its config), its checkpoint (the adapters and their
     AdamW states, no frozen base), then step 2 in a new launch: the 1-process run's update."""
-    out, flags = tmp_path / sharding, ["--fsdp"] if sharding == "fsdp" else []
-    check_ok(launch(_args(tiny_model, out, "--steps", "1", *flags)))
+    out, fsdp = tmp_path / sharding, sharding == "fsdp"
+    check_ok(launch(_args(tiny_model, out, "--steps", "1"), fsdp=fsdp))
     if sharding == "fsdp":
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -251,13 +253,13 @@ def test_two_processes_equal_one_also_resumed(tiny_model, one_process, tmp_path,
         with safe_open(str(out / "checkpoint-1" / "model.safetensors"), "pt") as f:
             held = list(f.keys())
     assert held and all(".lora_A." in k or ".lora_B." in k for k in held), held
-    proc = launch(_args(tiny_model, out, "--resume", *flags))
+    proc = launch(_args(tiny_model, out, "--resume"), fsdp=fsdp)
     check_ok(proc)
     assert "(step 1)" in proc.stdout
     assert max_abs_diff(final_params(out), final_params(one_process)) <= 1e-5
     assert_same_metrics(metrics(out), metrics(one_process))  # every logged key, loss/kl_ref's token mean too
     adapter = json.loads((out / "final" / "adapter" / "adapter_config.json").read_text())
-    assert adapter["r"] == 4 and adapter["lora_alpha"] == 8 and adapter["lora_dropout"] == 0
+    assert adapter["r"] == 4 and adapter["lora_alpha"] == 32 and adapter["lora_dropout"] == 0
 
 
 @pytest.mark.parametrize(
@@ -270,14 +272,12 @@ def test_two_processes_equal_one_also_resumed(tiny_model, one_process, tmp_path,
         (["--lora_target_modules", "embed_tokens"], "embed_tokens: not a linear layer"),
         (["--lora_target_modules", "lm_head"], "lm_head: the output head shares its weight with the input embeddings"),
         (["--lora_r", "-4"], "--lora_r -4: the LoRA rank must be > 0"),
-        (["--lora_r", "4", "--lora_alpha", "0"], "--lora_alpha 0.0: must be > 0"),
-        (["--lora_r", "0"], "--lora_alpha 8.0 without --lora_r"),
+        (["--lora_r", "0", "--lora_target_modules", "q_proj"], "--lora_target_modules q_proj without --lora_r"),
     ],
 )
 def test_impossible_lora_settings_stop_before_anything_loads(tiny_model, tmp_path, flags, message, monkeypatch):
-    from tinyrun import train_module
 
-    monkeypatch.setattr(train_module(), "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(oar_run, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match="^train.py: error: ") as stop:
         run_inprocess(_args(tiny_model, tmp_path / "run", *flags))
     assert message in str(stop.value)
@@ -286,9 +286,8 @@ def test_impossible_lora_settings_stop_before_anything_loads(tiny_model, tmp_pat
 
 
 def test_resume_refuses_changed_lora_settings(tiny_model, one_process, monkeypatch):
-    from tinyrun import train_module
 
-    monkeypatch.setattr(train_module(), "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(oar_run, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as stop:
         run_inprocess(
             _args(
@@ -298,6 +297,4 @@ def test_resume_refuses_changed_lora_settings(tiny_model, one_process, monkeypat
     assert "--lora_r 8 (the checkpoint has 4)" in str(stop.value)
     assert "--lora_target_modules q_proj (the checkpoint has all-linear)" in str(stop.value)
     with pytest.raises(SystemExit, match="--lora_r 0 \\(the checkpoint has 4\\)"):  # nor may it drop LoRA
-        run_inprocess(
-            _args(tiny_model, one_process, "--resume", "--steps", "3", "--lora_r", "0", "--lora_alpha", "32")
-        )
+        run_inprocess(_args(tiny_model, one_process, "--resume", "--steps", "3", "--lora_r", "0"))

@@ -5,7 +5,7 @@ Rank 1 is killed (SIGKILL) or stopped (SIGSTOP: alive, never answering, as a hun
 middle of step 2, once step 1 is logged and checkpointed. A killed rank is seen by the launcher, which
 stops rank 0 at once (SIGTERM; oar/training/launch.py's stop_on_sigterm) unless gloo's closed socket
 stops it first. A stopped rank is seen by nobody: rank 0 waits in its next collective until
---collective_timeout, exits with a message, and the launcher then kills the stopped rank (SIGTERM,
+OAR_COLLECTIVE_TIMEOUT, exits with a message, and the launcher then kills the stopped rank (SIGTERM,
 which a stopped process does not act on, then SIGKILL 30 s later). Nothing in the code knows about
 the test: the signals are real. eval.py, which has nothing to resume, stops the same way (the last test).
 """
@@ -35,9 +35,8 @@ from tinyrun import (
     spawn,
 )
 
-TIMEOUT = (
-    20  # --collective_timeout here: a tiny step is ~1 s, so no healthy wait comes near it, even on a loaded machine
-)
+# OAR_COLLECTIVE_TIMEOUT here: a tiny step is ~1 s, so no healthy wait comes near it, even on a loaded machine
+TIMEOUT = 20
 MARGIN = 30  # seconds of slack on a loaded 2-core machine, for a process to notice and exit
 GRACE = 30  # torchrun's wait between its SIGTERM and its SIGKILL of a process that did not exit
 
@@ -58,10 +57,20 @@ def _args(model, out):
         "4",
         "--method",
         "oar-p",
-        "--collective_timeout",
-        str(TIMEOUT),
         *TINY,
     ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def short_timeout():
+    """This module's runs (in this process and launched) wait TIMEOUT seconds at a collective, not an hour."""
+    before = os.environ.get("OAR_COLLECTIVE_TIMEOUT")
+    os.environ["OAR_COLLECTIVE_TIMEOUT"] = str(TIMEOUT)
+    yield
+    if before is None:
+        del os.environ["OAR_COLLECTIVE_TIMEOUT"]
+    else:
+        os.environ["OAR_COLLECTIVE_TIMEOUT"] = before
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +143,9 @@ def test_a_lost_process_stops_the_run_with_a_message_and_resume_continues_it(tin
     said = [line for line in done.stderr.splitlines() if line.startswith("train.py: ")]
     assert said and all("--resume" in line for line in said), done.stderr[-3000:]
     if sig == signal.SIGSTOP:  # only the timeout could end it
-        assert any("died or stalled" in line and f"--collective_timeout is {TIMEOUT} s" in line for line in said), said
+        assert any("died or stalled" in line and f"OAR_COLLECTIVE_TIMEOUT is {TIMEOUT} s" in line for line in said), (
+            said
+        )
     # a message, not a traceback: the only one is the launcher's own (ChildFailedError, its report)
     assert done.stderr.count("Traceback (most recent call last)") <= 1 and not re.search(
         r"\[rank\d\]:\s*Traceback", done.stderr
@@ -160,7 +171,7 @@ def test_a_timed_out_run_leaves_nothing_behind_even_in_another_session():
 
 @pytest.mark.slow
 def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout(tiny_model, tmp_path):
-    """eval.py has train.py's --collective_timeout and its way to stop: rank 1 is stopped as soon as it exists
+    """eval.py has train.py's OAR_COLLECTIVE_TIMEOUT and its way to stop: rank 1 is stopped as soon as it exists
     (long before it joins the process group), so rank 0 waits in the group's start until the timeout, then
     says so in one line, and the launcher ends the stopped rank (gloo's default wait would be 30 minutes)."""
     args = [
@@ -174,8 +185,6 @@ def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout
         "",
         "--max_new_tokens",
         "20",
-        "--collective_timeout",
-        str(TIMEOUT),
     ]
     proc, token = spawn(launch_command(args, num_processes=2, script=EVAL))
     try:
@@ -197,7 +206,7 @@ def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout
     assert not left, left
     assert done.returncode != 0 and TIMEOUT <= survivor_s <= TIMEOUT + MARGIN + 30, (done.returncode, survivor_s)
     said = [line for line in done.stderr.splitlines() if line.startswith("eval.py: ")]
-    assert len(said) == 1 and "died or stalled" in said[0] and f"--collective_timeout is {TIMEOUT} s" in said[0], (
+    assert len(said) == 1 and "died or stalled" in said[0] and f"OAR_COLLECTIVE_TIMEOUT is {TIMEOUT} s" in said[0], (
         done.stderr[-3000:]
     )
     assert "starts over" in said[0] and "--resume" not in said[0]  # an evaluation has nothing to resume
@@ -213,7 +222,7 @@ def test_a_long_collective_error_is_cut_between_words_and_says_so(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     words = "[../gloo/transport/pair.cc:534] Connection closed by peer " + " ".join(f"word{i}" for i in range(80))
     message = lost_process(RuntimeError(words), "train.py", 600)
-    quoted = message.split("failed: ", 1)[1].split("; --collective_timeout", 1)[0]
+    quoted = message.split("failed: ", 1)[1].split("; OAR_COLLECTIVE_TIMEOUT", 1)[0]
     assert quoted.startswith("Connection closed by peer word0") and quoted.endswith(" ...") and len(quoted) <= 204
     assert words.split("] ", 1)[1].startswith(quoted[:-4] + " ")  # whole words only
 
@@ -230,7 +239,7 @@ def test_each_way_an_entry_point_ends_says_something(monkeypatch):
     released = []
     monkeypatch.setattr(launch, "release", lambda: released.append(1))
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # stop_on_sigterm's handler stays out of pytest
-    cfg = SimpleNamespace(collective_timeout=600)
+    cfg = SimpleNamespace()
     parser = lambda: SimpleNamespace(as_typed=lambda message, argv: f"typed: {message}")  # noqa: E731
 
     def ending(exc):

@@ -95,7 +95,7 @@ def test_the_checks_catch_a_missing_section_and_a_missing_function():
     assert "99" in cited(absent) - set(HEADING.findall(MATHS.read_text()))
     assert HEADING.findall("## §5 Gating\n### §5.1 Steps\n#§6 no\n") == ["5", "5.1"]
     assert resolve("oar.gating.bilevel_weights").__name__ == "bilevel_weights"
-    for bad in ("oar.gating.no_such_function", "oar.no_such_module.f", "oar.credit_adapters.bilevel_weights"):
+    for bad in ("oar.gating.no_such_function", "oar.no_such_module.f", "oar.credit_methods.bilevel_weights"):
         try:
             resolve(bad)
         except (ImportError, AttributeError):

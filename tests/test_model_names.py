@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from oar.training.config import parse_args
+
 from oar.training import models
 from oar.training.models import ModelError, resolve_model
 
@@ -35,12 +37,13 @@ def _train_stops(tmp_path, model) -> tuple[str, float]:
     from accelerate.state import AcceleratorState, GradientState
 
     import train
+    from oar.training.checks import check_config
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     out = tmp_path / "out"
-    cfg = train.parse_args(["--model", model, "--output_dir", str(out), "--steps", "1"])
-    train.check_config(cfg, 1)  # its imports (the credit and reward tables), done once before the clock starts
+    cfg = parse_args(["--model", model, "--output_dir", str(out), "--steps", "1"])
+    check_config(cfg, 1)  # its imports (the credit and reward tables), done once before the clock starts
     start = time.perf_counter()
     with pytest.raises(SystemExit) as stop:
         train.main(cfg)
@@ -128,15 +131,15 @@ def test_the_real_model_page_runs_the_studys_settings():
 
     from tinyrun import ROOT
 
-    import train
+    from oar.training.checks import check_config
 
     page = (ROOT / "docs" / "real-model.md").read_text()
     block = page.split("```bash\n", 1)[1].split("```", 1)[0]
     line = block.replace("\\\n", " ").splitlines()[1]
     argv = shlex.split(line)
     assert argv[:4] == ["python", "train.py", "--model", "smollm2"], argv
-    cfg = train.parse_args(argv[2:])
-    train.check_config(cfg, 1)
+    cfg = parse_args(argv[2:])
+    check_config(cfg, 1)
     scripts = sorted(ROOT.glob("**/study_real.py"))
     if not scripts:
         pytest.skip("the study script (study_real.py) is not in this checkout")

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+import oar.training.run as oar_run
 import torch
 
 from tinyrun import run_inprocess
@@ -33,13 +35,11 @@ def test_one_oar_g_training_step_on_smollm2(smollm2, tmp_path, monkeypatch):
     # once: the GGUF's parsing and de-quantization take ~30 s of CPU; this test trains the copy)
     import copy
 
-    from tinyrun import train_module
-
     def load_model(name, dtype):
         assert (name, dtype) == (str(GGUF), "float32"), (name, dtype)
         return copy.deepcopy(smollm2)
 
-    monkeypatch.setattr(train_module(), "load_model", load_model)
+    monkeypatch.setattr(oar_run, "load_model", load_model)
     data = tmp_path / "data.jsonl"
     data.write_text(
         "".join(

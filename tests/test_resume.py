@@ -61,8 +61,6 @@ def _args(model: Path, out: Path, *extra: str) -> list[str]:
         "6",
         "--save_every",
         "1",
-        "--keep_checkpoints",
-        "2",
         "--micro_batch_size",
         "4",
         "--method",

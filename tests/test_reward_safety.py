@@ -5,6 +5,8 @@ exception, no signal or thread trouble for the caller, fuzzed; and math-verify l
 import signal
 import subprocess
 import sys
+import contextlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -47,9 +49,9 @@ ADVERSARIAL = {
 def test_adversarial_inputs_are_fast_and_safe(name):
     completion, gold = ADVERSARIAL[name]
     for call in (lambda: find_answer(completion), lambda: reward(completion, gold)):
-        start = time.perf_counter()
+        start = time.thread_time()  # this thread's CPU seconds: what the deadline bounds, whatever the load
         call()  # must not raise
-        assert time.perf_counter() - start < TIME_LIMIT, name
+        assert time.thread_time() - start < TIME_LIMIT, name
 
 
 def test_large_symbolic_powers_are_not_expanded():
@@ -105,7 +107,59 @@ def test_deadline_interrupts_a_long_block():
     with pytest.raises(_Timeout):
         with _deadline(0.01):
             _spin(5.0)
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 4.0  # 0.01 s of CPU time: long before the 5 s block's end, even loaded
+
+
+def test_deadline_counts_the_thread_s_cpu_time_not_the_clock_s():
+    """A block that waits (no CPU) outlives a CPU deadline it would have run past on the clock; only the wall
+    cap stops it."""
+    with _deadline(0.05):
+        time.sleep(0.3)
+    with pytest.raises(_Timeout):
+        with _deadline(10.0, wall_seconds=0.05):
+            _spin(5.0)
+
+
+def _burn(cpu_seconds):
+    """Busy Python bytecode until this thread has used `cpu_seconds` of CPU time (however long that takes)."""
+    end = time.thread_time() + cpu_seconds
+    while time.thread_time() < end:
+        pass
+
+
+@contextlib.contextmanager
+def _one_loaded_core(busy: int = 3):
+    """This process pinned to one core beside `busy` processes that spin on it: its CPU time then advances at
+    about 1 / (busy + 1) of the clock's rate."""
+    core, before = {min(os.sched_getaffinity(0))}, os.sched_getaffinity(0)
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        for proc in procs:
+            os.sched_setaffinity(proc.pid, core)
+        os.sched_setaffinity(0, core)
+        time.sleep(0.2)  # the busy ones running
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_right_answer_is_not_scored_0_on_a_loaded_machine():
+    """The answer checker's deadline bounds a hostile input's CPU, not the clock. On a core shared with three busy
+    processes, a block that needs 0.1 s of CPU takes several times that on the clock and finishes under a 0.2 s
+    CPU deadline (a wall-clock deadline would have cut it), and sympy-checked right answers stay right."""
+    pairs = [("x^2+2x+1", "(x+1)^2"), (r"\sqrt{50}", r"5\sqrt{2}"), (r"\frac{\sqrt3}{2}", r"\frac{\sqrt{3}}{2}")]
+    assert all(answers_match(p, g) for p, g in pairs)  # warm: sympy's imports and math-verify's grammar
+    with _one_loaded_core():
+        wall = time.perf_counter()
+        with _deadline(0.2):
+            _burn(0.1)
+        wall = time.perf_counter() - wall
+        verdicts = [answers_match(p, g) for p, g in pairs]
+    assert wall > 0.2, wall  # loaded: the clock ran past the deadline, the CPU time did not
+    assert all(verdicts), verdicts
 
 
 def test_deadline_fires_inside_its_block_or_not_at_all():

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+import oar.training.run as oar_run
 from tinyrun import ROOT, TINY, TRAIN, run_inprocess, run_script
 
 from oar.reward_table import BUILTIN, EXAMPLE, RewardError, reward_terms, score
@@ -117,13 +119,12 @@ BROKEN = {  # module text (None: no such file) -> what the message must say besi
 
 @pytest.mark.parametrize("case", BROKEN)
 def test_a_module_that_cannot_serve_stops_the_run_before_the_model_loads(tiny_model, tmp_path, monkeypatch, case):
-    import train
 
     text, needle = BROKEN[case]
     module = tmp_path / f"{case.replace(' ', '_')}.py"
     if text is not None:
         module.write_text(text)
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(oar_run, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stop:
         run_inprocess(_args(tiny_model, out, "--reward_module", str(module), "--reward", "correct,mine:0.5"))

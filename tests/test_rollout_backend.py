@@ -10,6 +10,8 @@ import json
 import math
 
 import pytest
+
+from oar.training.config import parse_args
 import torch
 from tinyrun import TINY, final_params, metrics, run_inprocess
 
@@ -88,8 +90,6 @@ def test_own_backend_ignores_the_vllm_settings(tiny_model, tmp_path):
             str(tmp_path / "moved"),
             "--rollout_backend",
             "own",
-            "--vllm_importance_sampling_cap",
-            "1.5",
             "--vllm_gpu_memory_utilization",
             "0.9",
         ]
@@ -124,25 +124,6 @@ def test_vllm_backend_without_vllm_stops_with_the_install_command(tiny_model, tm
         and "\n" not in message
     )
     assert not (tmp_path / "run").exists()  # refused before anything was loaded or written
-
-
-def test_vllm_backend_refuses_top_p(tiny_model, tmp_path):
-    with pytest.raises(SystemExit, match="--top_p 0.9 with --rollout_backend vllm"):
-        _main(
-            "train",
-            [
-                "--model",
-                str(tiny_model),
-                "--dataset",
-                str(tiny_model / "data.jsonl"),
-                "--output_dir",
-                str(tmp_path / "run"),
-                "--rollout_backend",
-                "vllm",
-                "--top_p",
-                "0.9",
-            ],
-        )
 
 
 @pytest.mark.parametrize(
@@ -185,7 +166,7 @@ def _main(script: str, args: list[str]):
     if script == "train":
         import train
 
-        return train.main(train.parse_args(args))
+        return train.main(parse_args(args))
     import eval as evaluation
 
     return evaluation.main(evaluation.parser().parse(args))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oar.sampler import encode_prompts, format_prompt, sample
-from oar.rollout import build_rollout, with_reference_answer
+from oar.rollout import build_rollout
 from oar.tasks.tiny_arith import make_tokenizer
 
 from conftest import tiny_llama
@@ -57,15 +57,6 @@ def test_truncated_and_answerless_rollouts(tok):
     assert int(ro.completion_mask[0].sum()) == 16
     # No final answer: no reasoning/answer span, so OAR leaves it with GRPO's weights.
     assert not ro.reasoning_mask[1].any() and not ro.answer_mask[1].any()
-
-
-def test_reference_outcome_keeps_reasoning_positions(tok):
-    ro = _rollout(tok, ["Q: 5\nA:\n"], ["2 + 2 = 5\n#### 5"], budget=20)
-    ids, attn, reas, ans = with_reference_answer(ro, tok, ["4"], "#### {answer}")
-    assert torch.equal(reas[0, : ro.reasoning_mask.shape[1]].nonzero(), ro.reasoning_mask[0, : ids.shape[1]].nonzero())
-    text = tok.decode(ids[0][attn[0].bool()])
-    assert text.endswith("2 + 2 = 5\n#### 4")
-    assert tok.decode(ids[0][ans[0]]) == "4"
 
 
 def test_format_prompt_uses_chat_template_when_present(tok):

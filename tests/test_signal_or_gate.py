@@ -17,7 +17,7 @@ MODULE = str(ROOT / "research" / "signal-or-gate" / "inverted.py")
 
 
 def _module():
-    from oar.credit_modules import module_methods
+    from oar.credit import module_methods
 
     return module_methods(MODULE)[0]
 

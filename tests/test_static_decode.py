@@ -235,52 +235,6 @@ def test_a_model_without_an_embedding_module_to_watch_still_samples_with_the_sta
     )
 
 
-def test_train_py_refuses_a_compiled_loop_under_fsdp_and_an_unknown_loop():
-    from oar.training.checks import check_config
-    from oar.training.config import Config
-
-    for kwargs, match in (
-        (dict(decode_loop="compiled", fsdp=True), "under --fsdp"),
-        (dict(decode_loop="graph"), "one of eager"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            check_config(Config(**kwargs), num_processes=2)
-
-
-def test_a_train_py_step_with_the_static_loop_equals_the_eager_one(tiny_model, tmp_path):
-    import json
-
-    from tinyrun import TINY, run_inprocess
-
-    rows = {}
-    for loop in ("eager", "static"):
-        out = tmp_path / loop
-        run_inprocess(
-            [
-                "--model",
-                str(tiny_model),
-                "--dataset",
-                str(tiny_model / "data.jsonl"),
-                "--output_dir",
-                str(out),
-                "--steps",
-                "2",
-                "--save_every",
-                "0",
-                "--method",
-                "oar-g",
-                "--decode_loop",
-                loop,
-                *TINY,
-            ]
-        )
-        rows[loop] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for eager, static in zip(rows["eager"], rows["static"]):  # the same rollouts: the same rewards and lengths
-        for key in ("reward/mean", "completion/length", "completion/frac_truncated"):
-            assert static[key] == eager[key], key
-        assert abs(static["optim/grad_norm"] - eager["optim/grad_norm"]) < 1e-4 * eager["optim/grad_norm"]
-
-
 def test_cache_widths_waste_at_most_an_eighth_and_come_eight_per_doubling():
     for n in range(1, 5000):
         w = sd.cache_width(n)

@@ -4,6 +4,8 @@ file, and a tracker that cannot log (unknown, or its package missing) stopped be
 import json
 
 import pytest
+
+import oar.training.run as oar_run
 from tinyrun import TINY, run_inprocess
 
 
@@ -53,12 +55,10 @@ def test_a_tracker_that_cannot_log_stops_the_run_before_anything_loads(
 ):
     import accelerate.tracking
 
-    import train
-
     monkeypatch.setattr(
         accelerate.tracking, "get_available_trackers", lambda: ["tensorboard"]
     )  # wandb absent, wherever this runs
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(oar_run, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stop:
         run_inprocess(_args(tiny_model, out, "--log_with", f"tensorboard,{name}"))

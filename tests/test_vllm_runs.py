@@ -1,5 +1,5 @@
 """train.py and eval.py on the vLLM rollout backend (docs/vllm.md), run as a user runs them: one process or
-two (gloo, an engine each), after a resume, every credit method, LoRA, --fsdp, and a held-out evaluation
+two (gloo, an engine each), after a resume, every credit method, LoRA, FSDP2, and a held-out evaluation
 split unevenly over processes; each is the same run as its one-process reference, to float rounding.
 The engine's own invariants are tests/test_vllm.py's, whose tiny model these share. Skipped without
 vLLM; CI runs them in a second environment (`pytest -m vllm`, .ci/run).
@@ -113,7 +113,7 @@ METHODS = ["grpo", "oar-g", "oar-p", "entropy", "entropy-mask", "tempo", "oar-g+
 def test_every_credit_method_trains_with_lora_and_fsdp_variants(tiny, tmp_path):
     """Each credit method takes two steps on vLLM's rollouts (an engine per run, held-out evaluation on it
     too), one run after another in one fresh process; LoRA (merged weights to the engine), a 2-process
-    --fsdp run (full gather on each, the same run as one process) and eval.py too.
+    FSDP2 run (full gather on each, the same run as one process) and eval.py too.
 
     Why a fresh process: engines started one after another in a process that had already run others
     (this module's) sampled garbage (held-out accuracy 0 where the same run alone scored 1), which
@@ -156,7 +156,7 @@ def test_every_credit_method_trains_with_lora_and_fsdp_variants(tiny, tmp_path):
         json.loads((tmp_path / "grpo" / "summary.json").read_text())["accuracy_before"] > 0
     )  # the engine serves the model
     fsdp = tmp_path / "fsdp"
-    check_ok(launch(_args(tiny, fsdp, "--steps", "2", "--method", "grpo", "--fsdp"), timeout=600))
+    check_ok(launch(_args(tiny, fsdp, "--steps", "2", "--method", "grpo"), timeout=600, fsdp=True))
     _assert_same(fsdp, tmp_path / "grpo", keys=ANY_SPLIT)
     evaluation = lambda out, n: [
         "--model",

@@ -220,14 +220,17 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {PORT_FLOOR}..{low - 1} after 200 draws")
 
 
-def launch_command(args: list[str], num_processes: int = 2, script: Path = TRAIN) -> list[str]:
+def launch_command(args: list[str], num_processes: int = 2, script: Path = TRAIN, fsdp: bool = False) -> list[str]:
     """`accelerate launch --multi_gpu --num_processes N script args` (train.py by default) on the CPU
-    (gloo), on a free port so that concurrent runs on the machine do not collide."""
+    (gloo), on a free port so that concurrent runs on the machine do not collide. `fsdp`: launched with
+    configs/fsdp2.yaml instead, as a GPU user shards (float32 here: the config's bf16 is overridden), which on
+    CPU processes accelerate runs as DDP and train.py shards itself."""
+    how = ["--config_file", str(ROOT / "configs" / "fsdp2.yaml")] if fsdp else ["--multi_gpu"]
     return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
-        "--multi_gpu",
+        *how,
         "--num_processes",
         str(num_processes),
         "--num_machines",
@@ -244,10 +247,10 @@ def launch_command(args: list[str], num_processes: int = 2, script: Path = TRAIN
 
 
 def launch(
-    args: list[str], num_processes: int = 2, timeout: int = 180, script: Path = TRAIN
+    args: list[str], num_processes: int = 2, timeout: int = 180, script: Path = TRAIN, fsdp: bool = False
 ) -> subprocess.CompletedProcess:
     """`launch_command` run to its end (`finish`)."""
-    return finish(*spawn(launch_command(args, num_processes, script)), timeout=timeout)
+    return finish(*spawn(launch_command(args, num_processes, script, fsdp)), timeout=timeout)
 
 
 @functools.cache

@@ -1,17 +1,21 @@
 """Every setting of a training run: its flag, default, help and group.
 
 `Config` is train.py's command line: one flag per field, its help the docstring under the field
-(oar/training/flags.py), grouped as GROUPS says, with other libraries' names (ALIASES, docs/flags.md).
-The settings token credit reads are declared once, in oar/credit_settings.py, which `Config`
-extends; `Config.credit()` derives a run's CreditSettings. `ModelSettings` and `EvalSettings` are
-shared with eval.py, and so are their checks (oar/training/checks.py, which names every impossible
-setting with its fix). What a resumed run may change is oar/training/resume.py's.
+(oar/training/flags.py), shown in `--help` under the title of the class that declares it (`TITLE`),
+with other libraries' names (ALIASES, docs/flags.md). The settings token credit reads are declared in
+oar/credit_settings.py, which `Config` extends; `Config.credit()` derives a run's CreditSettings.
+`ModelSettings`, `EvalSettings` and `BackendSettings` are shared with eval.py, and so are their checks
+(oar/training/checks.py, which names every impossible setting with its fix). What a resumed run may
+change is oar/training/resume.py's.
 
-This module imports no torch at import time: `train.py --help` and a bad flag answer before torch loads.
+Settings no run turned but tuning studies and tests are constants (REMOVED, docs/flags.md's table): a
+user sets 45 flags. This module imports no torch at import time: `train.py --help` and a bad flag
+answer before torch loads.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -19,8 +23,8 @@ from oar import credit_settings as cs
 from oar.credit_settings import CreditSettings
 from oar.training.flags import Alias, FlagParser
 
-# Flags this version fixes to a constant (only tuning studies turned them), and the value it runs
-# with. A checkpoint that ran with another value of one is refused on resume (oar/training/resume.py).
+# Former flags and the value this version runs with: a checkpoint that ran one of them at another value is
+# refused on resume (oar/training/resume.py), a command line that gives one is told where it went (GONE).
 REMOVED = {
     "train_size": 10_000,
     "max_bad_steps": 3,
@@ -29,13 +33,80 @@ REMOVED = {
     "perturb_span": cs.PERTURB_SPAN,
     "perturb_auto_length": cs.PERTURB_AUTO_LENGTH,
     "perturb_chunk_tokens": cs.PERTURB_CHUNK_TOKENS,
-    "reference_template": cs.REFERENCE_TEMPLATE,
+    "reference_template": "#### {answer}",
+    "preserve_mass": cs.PRESERVE_MASS,
+    "perturb_window": cs.PERTURB_WINDOW,
+    "outcome_source": "rollout",
+    "probe_warmup": 0,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "top_p": 1.0,
+    "lora_alpha": 32.0,
+    "vllm_importance_sampling_cap": 2.0,
+    "keep_checkpoints": 2,
+    "eval_batch_size": None,  # derived: the sequences one sampling call holds (Config.eval_batch)
+    "decode_loop": "eager",
+    "progress": False,
+    "collective_timeout": 3600,
+    "fsdp": None,  # how the run was launched: accelerate's FSDP2 config (oar/training/sharding.py)
 }
+# What a command line that still gives a former flag is told (train.py: error: --NAME is no longer a flag: ...)
+GONE = {
+    "preserve_mass": "the gate always keeps each rollout's advantage mass (oar.gating.bilevel_weights takes "
+    "preserve_mass=False for an ablation)",
+    "perturb_window": f"OAR-P's window mode recomputes {cs.PERTURB_WINDOW} positions after the masked token "
+    "(oar.oar_perturb.perturbation_scores takes window=)",
+    "outcome_source": "OAR reads each rollout's own answer (the authors' code appends the gold answer: "
+    "docs/differences.md)",
+    "probe_warmup": "--probe is the probe of every step",
+    "weight_decay": "AdamW runs without weight decay, as TRL's GRPO does by default",
+    "max_grad_norm": "the gradient norm is clipped at 1.0",
+    "top_p": "rollouts sample the whole distribution (eval.py takes --eval_top_p)",
+    "lora_alpha": "LoRA's alpha is 32 at every rank (docs/lora.md)",
+    "vllm_importance_sampling_cap": "the truncated importance weights are capped at 2 (docs/vllm.md)",
+    "keep_checkpoints": "the newest 2 checkpoints are kept",
+    "eval_batch_size": "held-out problems are sampled in batches of one sampling call's rollouts "
+    "(--rollout_batch_size x --group_size, or a process's prompts x --group_size); eval.py takes --eval_batch_size",
+    "decode_loop": "training samples with the eager loop (eval.py takes --decode_loop; docs/sampler.md)",
+    "progress": "progress bars are drawn when stderr is a terminal",
+    "collective_timeout": "set OAR_COLLECTIVE_TIMEOUT=<seconds> (default 3600; docs/resuming.md)",
+    "fsdp": "launch with `accelerate launch --config_file configs/fsdp2.yaml ...`, on GPUs and CPU processes "
+    "alike (docs/gpu.md)",
+    **{
+        k: "it is a constant of this version (docs/flags.md)"
+        for k in (
+            "train_size",
+            "max_bad_steps",
+            "gate_floor",
+            "entropy_top",
+            "perturb_span",
+            "perturb_auto_length",
+            "perturb_chunk_tokens",
+            "reference_template",
+        )
+    },
+}
+
+
+def collective_timeout() -> float:
+    """Seconds a process waits at a collective for the others before it stops with a message (a process that
+    stalled; one that died stops the others at once): OAR_COLLECTIVE_TIMEOUT, default an hour, which a process
+    may wait for its peers' OAR-P scoring of a long step or for a large checkpoint (docs/resuming.md)."""
+    text = os.environ.get("OAR_COLLECTIVE_TIMEOUT", "3600")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 1:
+        raise ValueError(f"OAR_COLLECTIVE_TIMEOUT={text}: must be a number of seconds >= 1.")
+    return seconds
 
 
 @dataclass(frozen=True)
 class ModelSettings:
     """What train.py and eval.py both load and sample with."""
+
+    TITLE: ClassVar[str] = "run"
 
     model: str = "tiny-arith"
     """Hub id, local folder (e.g. a run's final/), .gguf file, 'tiny-arith' (the small arithmetic model
@@ -50,9 +121,6 @@ class ModelSettings:
     the base model's from the evaluation data, not from what the run trained on."""
     max_new_tokens: int = 64
     """Completion budget of every sample, rollouts and evaluation; longer completions are truncated."""
-    decode_loop: str = "eager"
-    """The sampler's loop: eager | static (fixed shapes, the same samples) | compiled (static through
-    torch.compile: CUDA graphs on a GPU, replays measured on an H200); docs/sampler.md."""
     seed: int = 0
     """Seeds every draw: data order, sampling, OAR-G's noise, evaluation samples."""
 
@@ -61,20 +129,23 @@ class ModelSettings:
 class BackendSettings:
     """Which engine samples, for train.py and eval.py (oar/training/rollout_backend.py, docs/vllm.md)."""
 
+    TITLE: ClassVar[str] = "vLLM rollouts"
+
     rollout_backend: str = "own"
     """own: the project's seeded sampler | vllm: an in-process vLLM engine per process that follows the
     policy's weights (requirements-vllm.txt; docs/vllm.md)."""
-    vllm_importance_sampling_cap: float = 2.0
-    """vllm: truncated importance sampling, each token's surrogate x min(pi_trainer / pi_vllm, cap)
-    (0: off; TRL's cap for this token-level correction; maths §1.3)."""
     vllm_gpu_memory_utilization: float = 0.3
     """vllm on a GPU: the share of its memory the engine may take, weights and KV cache (TRL's colocate
     default). On a CPU the KV cache is 1 GiB per process (VLLM_CPU_KVCACHE_SPACE=<GiB> sets it); docs/vllm.md."""
+
+    vllm_importance_sampling_cap: ClassVar[float] = REMOVED["vllm_importance_sampling_cap"]
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     """How held-out problems are evaluated, by train.py along the run and by eval.py."""
+
+    TITLE: ClassVar[str] = "evaluation"
 
     eval_size: int = 500
     """Held-out problems per evaluation (the first N; 0: all of them)."""
@@ -83,32 +154,16 @@ class EvalSettings:
     eval_temperature: float = 0.0
     """Held-out sampling temperature (0: greedy); k > 1 needs > 0. Seeded per problem: every evaluation
     draws the same streams."""
-    eval_batch_size: int = 256
-    """Sequences per generation batch during evaluation (prompts x samples)."""
 
 
 @dataclass(frozen=True)
-class ProcessSettings:
-    """How a process of a multi-process run waits for the others, for train.py and eval.py."""
+class RunSettings:
+    """What to train on, for how long, and where it goes."""
 
-    collective_timeout: int = 3600
-    """Seconds a process waits at a collective (an all-reduce, a barrier, the evaluation's gather) for the
-    others before it stops with a message (a process that stalled; one that died stops the others at
-    once). An hour: a process may wait that long for its peers' OAR-P scoring of a long step, for the main
-    process to write a large model's checkpoint, or for the slowest shard of an evaluation (docs/resuming.md)."""
-
-
-@dataclass(frozen=True)
-class Config(ModelSettings, EvalSettings, BackendSettings, ProcessSettings, CreditSettings):
-    """Every setting of a run; saved as config.json in the output directory. The fields of the bases
-    (credit, model, evaluation) are declared there, once."""
+    TITLE: ClassVar[str] = "run"
 
     dataset: str = "arith"
-    """'arith', a .jsonl file (problem, answer), or a `datasets` name."""
-    eval_dataset: str = ""
-    """Held-out problems; default: arith's test split for arith, none otherwise."""
-    eval_every: int = 40
-    """Held-out evaluation every N steps and at the last (0: only before and after training)."""
+    """'arith', a .jsonl file (problem, answer), a folder with train.jsonl (and test.jsonl), or a `datasets` name."""
     reward: str = "correct"
     """The reward: comma-separated name[:weight] terms, summed, e.g. correct,format:0.1,length:-0.001;
     built-ins correct | format | length, or one of --reward_module's (docs/rewards.md)."""
@@ -125,29 +180,32 @@ class Config(ModelSettings, EvalSettings, BackendSettings, ProcessSettings, Cred
     """Also log to accelerate trackers, comma-separated: tensorboard (installed; events in
     output_dir/oar), wandb, trackio, ... when installed."""
     save_every: int = 40
-    """Checkpoint every N steps (0: only at the end)."""
-    keep_checkpoints: int = 2
-    """Newest checkpoints kept."""
-    progress: bool = False
-    """Draw progress bars with an ETA (rollouts, scoring, evaluation) on stderr even when it is not a
-    terminal, e.g. a log file (on a terminal they are always drawn; tests and pipes see none)."""
-    # -- sampling
+    """Checkpoint every N steps (0: only at the end); the newest 2 are kept."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How many rollouts a step samples, and in which batches."""
+
+    TITLE: ClassVar[str] = "sampling"
+
     prompts_per_step: int = 32
     """P: prompts per step, over all processes."""
-    top_p: float = 1.0
-    """Nucleus sampling mass of rollouts."""
     rollout_batch_size: int = 0
     """Prompts per sampling call (0: all of a process's prompts at once). A size that divides every
     process's share samples the same batches on 1 or N processes: the same rollouts."""
-    # -- GRPO
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """The policy update (maths §1)."""
+
+    TITLE: ClassVar[str] = "GRPO"
+
     learning_rate: float = 5e-5
     """AdamW learning rate (tiny-arith: 5e-5; 1e-6 suits 1.5B models)."""
     warmup_steps: int = 5
     """Linear learning-rate warm-up steps, then constant."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clip."""
     num_iterations: int = 1
     """mu: policy updates on each batch of rollouts (TRL's num_iterations); pi_old and the credit
     weights come from the sampling policy (train.py)."""
@@ -162,96 +220,82 @@ class Config(ModelSettings, EvalSettings, BackendSettings, ProcessSettings, Cred
     advantage_scale: str = "group"
     """Advantage divisor: group (each group's reward std) | batch (the std of the whole step's rewards, every
     process's) | none."""
-    # -- OAR
-    probe: str = "answer_mean"
-    """Outcome probe: last | answer_mean | answer_joint."""
-    probe_warmup: int = 0
-    """Use the 'last' probe for the first N steps, then --probe (the paper's schedule)."""
-    score_all: bool = False
-    """Also score rollouts with advantage 0 (their group's rewards are all equal): their loss is 0
-    whatever the weights, so this only adds oar/ diagnostics, and time."""
-    # -- LoRA (peft; oar/training/lora.py, docs/lora.md)
+
+    weight_decay: ClassVar[float] = REMOVED["weight_decay"]
+    max_grad_norm: ClassVar[float] = REMOVED["max_grad_norm"]
+
+    def loss(self) -> dict:
+        """The settings oar.grpo.policy_loss takes from the run: the clip range, the KL weight, the aggregation."""
+        return {
+            "clip_low": self.clip_low,
+            "clip_high": self.clip_high,
+            "kl_beta": self.kl_beta,
+            "aggregation": self.aggregation,
+        }
+
+
+@dataclass(frozen=True)
+class HeldOutSettings:
+    """train.py's held-out evaluations: on what, and how often."""
+
+    TITLE: ClassVar[str] = "evaluation"
+
+    eval_dataset: str = ""
+    """Held-out problems; default: arith's test split for arith, a --dataset folder's test.jsonl, none otherwise."""
+    eval_every: int = 40
+    """Held-out evaluation every N steps and at the last (0: only before and after training)."""
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What fits: activations, adapters (oar/training/lora.py, docs/lora.md)."""
+
+    TITLE: ClassVar[str] = "memory and LoRA"
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
     lora_r: int = 0
-    """LoRA rank: train low-rank adapters on a frozen base model (0: full fine-tuning)."""
-    lora_alpha: float = 32.0
-    """LoRA scale numerator: the adapters' update is scaled by lora_alpha / lora_r."""
+    """LoRA rank: train low-rank adapters on a frozen base model, scaled by 32 / r (0: full fine-tuning)."""
     lora_target_modules: str = "all-linear"
     """Modules that get adapters: comma-separated names (e.g. q_proj,v_proj) or all-linear (every
     linear layer but the output head)."""
-    # -- distributed and memory
-    fsdp: bool = False
-    """Shard parameters, gradients and optimizer states with torch's FSDP2 (one unit per decoder layer)
-    on processes where accelerate's FSDP plugin does not (CPU); on GPUs configs/fsdp2.yaml shards."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
 
-    # Fixed, no longer flags (REMOVED): arith problems drawn for training; non-finite steps in a row that stop a run.
-    train_size: ClassVar[int] = REMOVED["train_size"]
-    max_bad_steps: ClassVar[int] = REMOVED["max_bad_steps"]
+    lora_alpha: ClassVar[float] = REMOVED["lora_alpha"]
+
+
+@dataclass(frozen=True)
+class Config(
+    RunSettings,
+    SamplingSettings,
+    GRPOSettings,
+    EvalSettings,
+    HeldOutSettings,
+    MemorySettings,
+    CreditSettings,
+    BackendSettings,
+    ModelSettings,
+):
+    """Every setting of a run; saved as config.json in the output directory. The fields are declared in the
+    bases, each once, with its help (a dataclass lists the last base's fields first: the model's)."""
+
+    # Fixed, no longer flags (REMOVED)
+    train_size: ClassVar[int] = REMOVED["train_size"]  # arith problems drawn for training
+    max_bad_steps: ClassVar[int] = REMOVED["max_bad_steps"]  # non-finite steps in a row that stop a run
+    keep_checkpoints: ClassVar[int] = REMOVED["keep_checkpoints"]
 
     def credit(self) -> CreditSettings:
         """The run's credit settings: the CreditSettings part of this Config."""
         return CreditSettings(**{f.name: getattr(self, f.name) for f in fields(CreditSettings)})
 
 
-BACKEND_FLAGS = ("rollout_backend", "vllm_importance_sampling_cap", "vllm_gpu_memory_utilization")
-GROUPS = {  # --help's sections, in this order; every field in exactly one (tests/test_flags.py)
-    "run": (
-        "model",
-        "dataset",
-        "reward",
-        "reward_module",
-        "output_dir",
-        "resume",
-        "seed",
-        "steps",
-        "instruction",
-        "dtype",
-        "log_with",
-        "save_every",
-        "keep_checkpoints",
-        "progress",
-    ),
-    "sampling": (
-        "prompts_per_step",
-        "group_size",
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "rollout_batch_size",
-        "decode_loop",
-    ),
-    "GRPO": (
-        "learning_rate",
-        "warmup_steps",
-        "weight_decay",
-        "max_grad_norm",
-        "num_iterations",
-        "clip_low",
-        "clip_high",
-        "kl_beta",
-        "aggregation",
-        "advantage_scale",
-        "mask_truncated",
-    ),
-    "OAR and other token credit": (
-        "method",
-        "credit_module",
-        "probe",
-        "probe_warmup",
-        "outcome_source",
-        "gate_quantile",
-        "gate_boost",
-        "preserve_mass",
-        "score_all",
-        "noise_std",
-        "perturb_mode",
-        "perturb_window",
-    ),
-    "evaluation": ("eval_dataset", "eval_every", "eval_size", "eval_samples", "eval_temperature", "eval_batch_size"),
-    "LoRA": ("lora_r", "lora_alpha", "lora_target_modules"),
-    "vLLM rollouts": BACKEND_FLAGS,
-    "distributed and memory": ("micro_batch_size", "fsdp", "gradient_checkpointing", "collective_timeout"),
+TITLES = ("run", "sampling", "GRPO", "token credit (OAR and others)", "evaluation", "memory and LoRA", "vLLM rollouts")
+# Fields declared where a method or eval.py reads them, shown with the settings a user looks for them beside
+SHOWN_IN = {
+    "max_new_tokens": "sampling",
+    "temperature": "sampling",
+    "group_size": "sampling",
+    "mask_truncated": "GRPO",
+    "micro_batch_size": "memory and LoRA",
 }
 
 # Other libraries' names for the same settings (docs/flags.md says where they differ and why some are not here).
@@ -273,7 +317,6 @@ ALIASES = (
     Alias("dataset_name", "dataset"),
     Alias("torch_dtype", "dtype"),
     Alias("save_steps", "save_every", origin="transformers' name"),
-    Alias("save_total_limit", "keep_checkpoints", origin="transformers' name"),
     Alias("eval_steps", "eval_every", origin="transformers' name"),
     Alias(
         "scale_rewards",
@@ -294,6 +337,9 @@ UNMAPPED = {
     "use_peft": "--lora_r > 0 trains LoRA adapters",
     "bf16": "mixed precision comes from the accelerate config (accelerate launch --mixed_precision bf16)",
     "use_vllm": "--rollout_backend vllm samples with a vLLM engine in each process (docs/vllm.md)",
+    "save_total_limit": "the newest 2 checkpoints are kept",
+    "deepspeed": "train.py runs DDP or FSDP2 (accelerate launch --config_file configs/fsdp2.yaml; docs/gpu.md)",
+    "lr_scheduler_type": "the learning rate warms up linearly over --warmup_steps, then stays constant",
 }
 
 DESCRIPTION = (
@@ -304,7 +350,14 @@ DESCRIPTION = (
 
 def parser() -> FlagParser:
     return FlagParser(
-        Config, prog="train.py", description=DESCRIPTION, groups=GROUPS, aliases=ALIASES, unmapped=UNMAPPED
+        Config,
+        prog="train.py",
+        description=DESCRIPTION,
+        titles=TITLES,
+        shown_in=SHOWN_IN,
+        aliases=ALIASES,
+        unmapped=UNMAPPED,
+        gone=GONE,
     )
 
 
@@ -319,3 +372,9 @@ def micro_batch(cfg: Config, num_processes: int) -> int:
     """Rollouts per forward/backward: --micro_batch_size, or all of a process's rollouts when it holds
     fewer (8 GPUs x 4 prompts x 8 rollouts is one micro-batch of 32 at the default 64)."""
     return max(1, min(cfg.micro_batch_size, cfg.prompts_per_step // num_processes * cfg.group_size))
+
+
+def eval_batch(cfg: Config, num_processes: int) -> int:
+    """Sequences per held-out generation batch: as many as one sampling call of a step holds (its memory is
+    known to fit), --rollout_batch_size prompts or a process's share, times --group_size."""
+    return (cfg.rollout_batch_size or cfg.prompts_per_step // num_processes) * cfg.group_size

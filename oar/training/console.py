@@ -1,8 +1,8 @@
 """What a run shows a person: progress bars with an ETA, the step line's legend, library warnings once,
 and `metrics.png` at the end.
 
-Bars (tqdm, on stderr) are drawn on the main process only, and only when stderr is a terminal or
---progress asks for them (a log file then gets tqdm's lines); tests and `> log 2>&1` runs see none.
+Bars (tqdm, on stderr) are drawn on the main process only, and only when stderr is a terminal; tests and
+`> log 2>&1` runs see none.
 The libraries' own bars (transformers' "Loading weights", "Writing model shards") follow the same
 rule. A library log message that repeats (accelerate's "Removed shared tensor" at every save) is
 shown once per run.
@@ -40,9 +40,9 @@ class _Null:
         pass
 
 
-def bars_wanted(main: bool, force: bool = False) -> bool:
-    """Draw bars: on the main process, when stderr is a terminal or `force` (--progress)."""
-    return main and (force or sys.stderr.isatty())
+def bars_wanted(main: bool) -> bool:
+    """Draw bars: on the main process, when stderr is a terminal."""
+    return main and sys.stderr.isatty()
 
 
 def bar(total: int, desc: str, enabled: bool, **kw):

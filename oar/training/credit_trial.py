@@ -77,7 +77,7 @@ def try_credit(
     scored = ro.completion_mask.any(1)  # (G,) every rollout, as --score_all: the method is exercised on each
     seeds = list(range(len(ro)))
     lp = ro.prompt_width
-    reuse = method.uses_clean and settings.outcome_source == "rollout"
+    reuse = method.uses_clean
 
     def once() -> torch.Tensor:
         with torch.no_grad():  # the update forward's logits, detached as train.py hands them over

@@ -5,7 +5,7 @@ Plain argparse, not transformers' HfArgumentParser: this module imports nothing 
 and a mistyped flag answer before torch loads (a fraction of a second, not ten), and argparse gives
 the groups and aliases directly.
 
-    parser = FlagParser(Config, prog="train.py", groups=GROUPS, aliases=ALIASES)
+    parser = FlagParser(Config, prog="train.py", titles=TITLES, aliases=ALIASES)
     cfg = parser.parse(sys.argv[1:])          # a Config, or exit 2 with "train.py: error: ..."
 
 A field's help is the string literal under it in its class (the attribute docstring, read from the
@@ -87,15 +87,19 @@ class _OneLine(argparse.ArgumentParser):
     """argparse that stops with one line, `prog: error: message`, exit status 2, no usage block."""
 
     unmapped: dict[str, str] = {}
+    gone: dict[str, str] = {}
 
     def error(self, message: str):
-        close = re.match(r"unrecognized arguments: --([^\s=]+)", message)
-        if close and close.group(1) in self.unmapped:  # another library's flag with no equivalent: say why
-            message = f"--{close.group(1)} is not a flag here: {self.unmapped[close.group(1)]} (docs/flags.md)"
+        close = re.match(r"unrecognized arguments: --(?:no_)?([^\s=]+)", message)
+        name = close.group(1) if close else None
+        if name in self.gone:  # a former flag: where its setting went
+            message = f"--{name} is no longer a flag: {self.gone[name]} (docs/flags.md)"
+        elif name in self.unmapped:  # another library's flag with no equivalent: say why
+            message = f"--{name} is not a flag here: {self.unmapped[name]} (docs/flags.md)"
         elif close:  # a flag of another library: say what is near, and where the mapping is
-            near = difflib.get_close_matches(
-                f"--{close.group(1)}", [o for a in self._actions for o in a.option_strings], n=1
-            )
+            # a close spelling only: difflib's default cutoff (0.6) offered --seed for --deepspeed
+            flags = [o for a in self._actions for o in a.option_strings]
+            near = difflib.get_close_matches(f"--{close.group(1)}", flags, n=1, cutoff=0.8)
             message += f" (did you mean {near[0]}?" if near else " ("
             message += (" " if near else "") + "every flag: --help; other libraries' names: docs/flags.md)"
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -106,7 +110,11 @@ def _show(value) -> str:
 
 
 class FlagParser:
-    """The command line of `cls` (a dataclass whose every field has a default of type int, float, str or bool)."""
+    """The command line of `cls` (a dataclass whose every field has a default of type int, float, str or bool).
+
+    A field is shown in --help under the TITLE of the class that declares it (`shown_in` names the few shown
+    elsewhere), the groups in the order of `titles`; `aliases` are other libraries' names; `unmapped` and `gone`
+    map a name that is not a flag (another library's, or a former flag) to the line that says why."""
 
     def __init__(
         self,
@@ -114,23 +122,16 @@ class FlagParser:
         *,
         prog: str,
         description: str = "",
-        groups: dict[str, tuple[str, ...]] | None = None,
+        titles: tuple[str, ...] = (),
+        shown_in: dict[str, str] | None = None,
         aliases: tuple[Alias, ...] = (),
         unmapped: dict[str, str] | None = None,
+        gone: dict[str, str] | None = None,
     ):
         self.cls, self.prog = cls, prog
         self.fields = {f.name: f for f in dataclasses.fields(cls)}
         self.docs = field_docs(cls)
         self.aliases = {a.name: a for a in aliases}
-        groups = dict(groups or {"settings": tuple(self.fields)})
-        placed = [n for names in groups.values() for n in names]
-        assert len(placed) == len(set(placed)) and set(placed) <= set(self.fields), (
-            "a group names a field twice or none",
-            placed,
-        )
-        unplaced = tuple(n for n in self.fields if n not in placed)
-        if unplaced:  # a field added without a place still parses (tests/test_flags.py asks for its group)
-            groups["other settings"] = unplaced
         assert all(a.target in self.fields for a in aliases), [a.name for a in aliases if a.target not in self.fields]
         self.parser = _OneLine(
             prog=prog,
@@ -140,10 +141,21 @@ class FlagParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         self.parser.unmapped = dict(unmapped or {})
+        self.parser.gone = dict(gone or {})
+        groups = self.groups(titles, shown_in or {})
         for title, names in groups.items():
             group = self.parser.add_argument_group(title)
             for name in names:
                 self._add(group, name)
+
+    def groups(self, titles: tuple[str, ...], shown_in: dict[str, str]) -> dict[str, list[str]]:
+        """{title: field names}: each field under its `shown_in` title or its declaring class's TITLE."""
+        assert set(shown_in) <= set(self.fields), set(shown_in) - set(self.fields)
+        out: dict[str, list[str]] = {t: [] for t in titles}
+        for name in self.fields:
+            home = next(k for k in reversed(self.cls.__mro__) if name in getattr(k, "__annotations__", {}))
+            out.setdefault(shown_in.get(name) or getattr(home, "TITLE", "settings"), []).append(name)
+        return {t: names for t, names in out.items() if names}
 
     def _add(self, group, name: str) -> None:
         f = self.fields[name]

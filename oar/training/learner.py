@@ -39,10 +39,10 @@ class Learner:
     policy: Any  # the unwrapped transformers model: sampling, scoring, evaluation, save_pretrained
     peft: Any = None  # LoRA's PeftModel around `policy`, else None
     reference: Any = None  # the KL reference's frozen copy (kl_beta > 0 without LoRA), else None
-    own_fsdp: bool = False  # sharded by train.py --fsdp (CPU processes), not by accelerate's plugin
+    own_fsdp: bool = False  # sharded by train.py (CPU processes launched with FSDP2's config), not accelerate's plugin
     adapters_only: bool = False  # checkpoints leave out the frozen base (LoRA, not sharded)
     autocast: Any = nullcontext  # the context the policy's forward computes in: accelerate's autocast, or
-    # none when sharded, by --fsdp or accelerate's plugin (FSDP2's MixedPrecisionPolicy casts the shards, and
+    # none when sharded, by train.py or accelerate's plugin (FSDP2's MixedPrecisionPolicy casts the shards, and
     # accelerate wraps no autocast around an FSDP2 forward; the reference is sharded the same way)
 
     def gathered(self, when: bool = True):
@@ -102,25 +102,25 @@ def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
     if cfg.kl_beta > 0 and not cfg.lora_r:
         reference = load_model(model_source(cfg.model), dtype=cfg.dtype)[0].eval().requires_grad_(False)
         reference = reference.to(accelerator.device)
-    # On CPU processes accelerate's FSDP plugin falls back to DDP: --fsdp shards the model here
+    # On CPU processes accelerate's FSDP plugin falls back to DDP: train.py shards the model here
     plugin_fsdp = sharding.accelerate_shards(accelerator)  # GPUs with configs/fsdp2.yaml: prepare shards it
     upcast = plugin_fsdp and sharding.mixed_precision(accelerator) is not None  # the plugin: float32 masters
     if not cfg.lora_r and getattr(torch, cfg.dtype) in (torch.bfloat16, torch.float16) and not upcast:
         warnings.warn(HALF_WEIGHTS.format(dtype=cfg.dtype, lr=cfg.learning_rate), stacklevel=2)
-    own_fsdp = cfg.fsdp and not plugin_fsdp
+    own_fsdp = sharding.shards_itself(accelerator)
     if own_fsdp:  # before the optimizer: it must hold the sharded parameters
         sharding.shard(model, sharding.mixed_precision(accelerator))
     if reference is not None and (own_fsdp or plugin_fsdp):  # computes as the sharded policy does (bf16
         sharding.shard(reference, sharding.mixed_precision(accelerator))  # shards, no autocast); a shard each
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)  # no decay (GRPO)
     warmup = lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))  # noqa: E731
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     accelerator.gradient_accumulation_steps = n_micro
-    if not own_fsdp:  # (with --fsdp accelerate would wrap the sharded model in DDP; its state is DCP's)
+    if not own_fsdp:  # (else accelerate would wrap the sharded model in DDP; its state is DCP's)
         model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(schedule)  # stepped once per RL step, on every process
-    # LoRA: checkpoints hold the adapters, the frozen base is --model's (--fsdp's do so too, sharding.py);
+    # LoRA: checkpoints hold the adapters, the frozen base is --model's (train.py's shards too, sharding.py);
     # accelerate's FSDP plugin (GPUs) writes the whole model.
     adapters_only = peft is not None and not own_fsdp and not plugin_fsdp
     if adapters_only:

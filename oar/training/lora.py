@@ -43,29 +43,18 @@ def parse_targets(text: str) -> str | list[str]:
     return ALL_LINEAR if text == ALL_LINEAR else [t.strip() for t in text.split(",") if t.strip()]
 
 
-def check_settings(r: int, alpha: float, targets: str, *, default_alpha: float, default_targets: str) -> list[str]:
+def check_settings(r: int, targets: str, *, default_targets: str) -> list[str]:
     """Impossible LoRA settings, each named with its fix (train.py's check_config adds them to its list)."""
     if r == 0:  # full fine-tuning: a LoRA flag without a rank would be silently ignored
-        stray = [
-            f"--{n} {v}"
-            for n, v, d in (("lora_alpha", alpha, default_alpha), ("lora_target_modules", targets, default_targets))
-            if v != d
+        if targets == default_targets:
+            return []
+        return [
+            f"--lora_target_modules {targets} without --lora_r: pass --lora_r > 0 (e.g. 16) to train LoRA adapters, "
+            "or drop it for full fine-tuning."
         ]
-        return (
-            [
-                f"{', '.join(stray)} without --lora_r: pass --lora_r > 0 (e.g. 16) to train LoRA adapters, or drop "
-                "them for full fine-tuning."
-            ]
-            if stray
-            else []
-        )
     problems = []
     if r < 0:
         problems.append(f"--lora_r {r}: the LoRA rank must be > 0 (e.g. 16), or 0 for full fine-tuning.")
-    if not alpha > 0:
-        problems.append(
-            f"--lora_alpha {alpha}: must be > 0 (the update is scaled by lora_alpha / lora_r; 2 x lora_r is common)."
-        )
     if not parse_targets(targets):
         problems.append(f"--lora_target_modules {targets!r}: name modules, e.g. q_proj,v_proj, or pass {ALL_LINEAR}.")
     return problems

@@ -37,6 +37,7 @@ RESUMABLE = {
     "progress",
     "collective_timeout",
     "vllm_gpu_memory_utilization",
+    "fsdp",  # no longer a setting but how the run is launched: the "sharded" fact below
 }
 
 
@@ -46,7 +47,8 @@ def check_resume(cfg: Config, state: dict, where, facts: dict | None = None) -> 
     one it has that is no longer a flag (REMOVED) must have run at the value this version fixes. --steps
     may not end before the checkpoint's step, and the run's `facts` (recorded in its history) must be the
     checkpoint's: the training problems ("train_data", data.problems_digest; an edited file at the same
-    path would reorder the data silently) and accelerate's "mixed_precision" (every forward's floats)."""
+    path would reorder the data silently), accelerate's "mixed_precision" (every forward's floats) and
+    whether the launch shards the model ("sharded": FSDP2's checkpoints are shards)."""
     if cfg.steps < state.get("step", 0):
         raise ValueError(
             f"--resume: {where} is at step {state['step']}, past --steps {cfg.steps}: pass --steps >= "
@@ -66,6 +68,15 @@ def check_resume(cfg: Config, state: dict, where, facts: dict | None = None) -> 
         raise ValueError(
             f"--resume: {where} ran under accelerate's mixed precision {ran}, this launch's is {now}: every "
             f"forward would compute otherwise. Launch with --mixed_precision {ran} to continue it."
+        )
+    was_sharded = recorded.get(
+        "sharded", True if state.get("config", {}).get("fsdp") else None
+    )  # before it was a fact
+    if None not in (was_sharded, facts.get("sharded")) and was_sharded != facts["sharded"]:
+        how = "sharded by FSDP2" if was_sharded else "not sharded"
+        fix = "with --config_file configs/fsdp2.yaml" if was_sharded else "without FSDP2's config"
+        raise ValueError(
+            f"--resume: {where} was {how}, and its checkpoints are written so: launch {fix} to continue it."
         )
     saved = {**asdict(Config()), **state.get("config", {})}
     changed = [
@@ -106,7 +117,7 @@ def refixed(saved: dict) -> str:
     return "; ".join(
         f"{k} {saved[k]!r} (now fixed at {v!r})"
         for k, v in REMOVED.items()
-        if k not in RESUMABLE and k in saved and saved[k] != v
+        if k not in RESUMABLE and v is not None and k in saved and saved[k] != v
     )
 
 

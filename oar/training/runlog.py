@@ -32,11 +32,10 @@ class RunLog:
         resume: bool,
         total_steps: int,
         start_step: int = 0,
-        progress: bool = False,
     ):
         self.acc, self.dir = accelerator, Path(output_dir)
         self.main = accelerator.is_main_process
-        self.bars = console.bars_wanted(self.main, progress)  # stderr a terminal, or --progress
+        self.bars = console.bars_wanted(self.main)  # on the main process, stderr a terminal
         self.metrics_path = self.dir / "metrics.jsonl"
         self.bar = None
         self.drift_said = False
@@ -237,6 +236,27 @@ def step_metrics(
         ).items()
     }
     return m
+
+
+def step_log(ro, valid, rewards, scored, group_size, done, reward_parts, lr, timings: dict, accelerator) -> dict:
+    """Everything a step logs, over every process, as every run has logged it (`as_logged`): its maths §6
+    diagnostics (`step_metrics`), the later passes' (`pass_metrics`), the sampler's gap to the update forward's
+    log-probs (`sampler_gap_metrics`, on the loss tokens `valid` (B, T)), each reward term's mean, and the
+    `timings` (each process's own, averaged) with the credit method's seconds per rollout. `done`: the step's
+    oar.training.update.Update."""
+    lp = ro.prompt_width
+    sampled = ro.sample_logprobs[:, lp:]  # (B, T) log pi_sample, the sampler's own numbers
+    gaps, start = [], 0
+    for kept in done.kept:  # each micro-batch's |log pi_sample - log pi_old| on its loss tokens
+        r, start = slice(start, start + len(kept.old_logprobs)), start + len(kept.old_logprobs)
+        gaps.append((kept.old_logprobs - sampled[r].to(kept.old_logprobs.device)).abs()[valid[r]])
+    first = done.passes[0], done.weights, done.grad_norms[0]  # the first pass's statistics, weights, norm
+    metrics = step_metrics(ro, rewards, scored, group_size, *first, lr, accelerator, nonfinite=done.nonfinite)
+    metrics |= pass_metrics(done.passes[1:], done.grad_norms[1:], accelerator)  # none for mu = 1
+    metrics |= sampler_gap_metrics(gaps, accelerator)
+    metrics |= reward_term_metrics(reward_parts, accelerator)
+    timings = timings | {"oar/seconds_per_rollout": done.credit_seconds / len(ro)}
+    return as_logged(metrics | mean_over_processes(timings, accelerator))
 
 
 def reward_term_metrics(reward_parts: dict[str, list[float]], accelerator) -> dict:

@@ -4,9 +4,9 @@ scoring, save and load sharded state, and count what each process holds.
 Two ways a model arrives sharded, one code path after it:
   * on GPUs, accelerate's own FSDP2 plugin (`accelerate launch --config_file configs/fsdp2.yaml`)
     shards it in `accelerator.prepare`;
-  * on CPU processes (gloo), where accelerate's plugin falls back to DDP (DistributedType.MULTI_CPU),
-    `train.py --fsdp` calls `shard` itself: one FSDP unit per decoder layer plus the root (embeddings,
-    final norm, LM head), the same wrapping as the config's transformer-based auto wrap.
+  * on CPU processes (gloo), where accelerate's plugin falls back to DDP (DistributedType.MULTI_CPU) from
+    the same launch, train.py calls `shard` itself (`shards_itself`): one FSDP unit per decoder layer plus
+    the root (embeddings, final norm, LM head), the same wrapping as the config's transformer-based auto wrap.
 `is_sharded` tells either apart from a plain or DDP model.
 
 Why `gathered`: FSDP2 gathers a unit's parameters only around that unit's own forward (hooks on
@@ -180,6 +180,19 @@ def full_state_dict(model) -> dict[str, torch.Tensor] | None:
         first.setdefault(id(p), name)
     tied = {name for name, p in model.named_parameters(remove_duplicate=False) if first[id(p)] != name}
     return {k: v for k, v in full.items() if k not in tied}
+
+
+def asked_for(environ=None) -> bool:
+    """Whether the launch asked for FSDP: `accelerate launch --config_file configs/fsdp2.yaml` (or --use_fsdp)
+    sets ACCELERATE_USE_FSDP for every process, also where accelerate itself then falls back to DDP."""
+    import os
+
+    return (environ if environ is not None else os.environ).get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+
+
+def shards_itself(accelerator) -> bool:
+    """True when train.py shards the model (`shard`): FSDP was asked for and accelerate's plugin does not."""
+    return asked_for() and not accelerate_shards(accelerator)
 
 
 def accelerate_shards(accelerator) -> bool:

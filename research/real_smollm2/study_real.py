@@ -74,7 +74,6 @@ SETTINGS = {
     "eval_samples": 8,
     "eval_temperature": 0.5,
     "eval_every": 12,
-    "eval_batch_size": 128,
     "save_every": 4,
 }
 TINY = {

@@ -4,7 +4,7 @@
 
 Legend: b rollouts of a micro-batch, L positions.
 
-OAR-G (oar/credit_adapters.py, docs/maths.md) scores each reasoning token, s_t = |<g_t, e_t>|, and the bi-level gate
+OAR-G (oar/credit_methods.py, docs/maths.md) scores each reasoning token, s_t = |<g_t, e_t>|, and the bi-level gate
 (oar/gating.py, docs/maths.md) turns the scores of rollout i into weights through u_t = log(1 + |s_t|) and
 n_t = (u_t - min u) / (max u - min u). Negating s literally would change nothing: the gate takes |s|
 first. What the control must do is hand the gate the opposite ranking with the same spread, so this
@@ -13,35 +13,32 @@ method inverts the scores in the gate's own log space, per rollout over its reas
     u'_t = max u + min u - u_t,   s'_t = exp(u'_t) - 1     so that   n'_t = 1 - n_t
 
 (the token OAR-G ranks first gets OAR-G's last place, and the gaps between tokens are kept). Every
-other step is OAR-G's: the same noise (each rollout's own seed, oar_grad.seeded_noise), the same clean outcome from
-the update forward, the same probe, the same gate settings (--gate_quantile, --gate_boost, --preserve_mass, and the
-fixed floor, oar.credit_settings.GATE_FLOOR). If OAR's scores carry information about which tokens matter, this arm
-should learn worse than `random-gate` (which gates scores that carry none); if only the reshaping matters, the three
-gated arms should tie. tests/test_signal_or_gate.py checks that with the inversion switched off the weights are the
+other step is OAR-G's: the same noise (each rollout's own seed, oar_grad.seeded_noise), the same clean
+outcome from the update forward, the same probe, the same gate settings (--gate_quantile, --gate_boost,
+and the fixed floor and mass preservation, oar.credit_settings.GATE_FLOOR and PRESERVE_MASS). If OAR's
+scores carry information about which tokens matter, this arm should learn worse than `random-gate`
+(which gates scores that carry none); if only the reshaping matters, the three gated arms should tie.
+tests/test_signal_or_gate.py checks that with the inversion switched off the weights are the
 built-in oar-g's, and with it on they are the gate of 1 - n.
 
-Scope: outcome_source=rollout (the study's); other settings stop the run with a message.
-Preserves what the gate preserves (mass with preserve_mass, the sign of A_i).
+Scope: the rollout's own answer is the outcome (the study's, and train.py's only one).
+Preserves what the gate preserves (the mass, the sign of A_i).
 """
 
 from __future__ import annotations
 
 import torch
 
-from oar.credit import CreditError, CreditMethod, MicroBatch, Step
-from oar.credit_adapters import gate
+from oar.credit import CreditMethod, MicroBatch, Step
+from oar.credit_methods import gate
 from oar.oar_grad import gradient_scores
 
 
 def oar_g_scores(step: Step, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """OAR-G's scores (b, L) for the micro-batch's scored rollouts, and the reasoning mask (b, L) they cover,
-    drawn exactly as oar/credit_adapters.py's oar_weights draws them (each rollout's noise from its own seed,
+    drawn exactly as oar/credit_methods.py's oar_weights draws them (each rollout's noise from its own seed,
     oar_grad.seeded_noise; the update forward's clean outcome)."""
     s, mb, rows = step.settings, micro.rollouts, micro.rows
-    if s.outcome_source != "rollout":
-        raise CreditError(
-            f"oar-g-inverted: outcome_source {s.outcome_source!r} is not supported; use --outcome_source rollout."
-        )
     reasoning = mb.reasoning_mask & step.scored[rows][:, None]  # (b, L)
     if not reasoning.any():
         return torch.zeros(mb.input_ids.shape, device=mb.input_ids.device), reasoning

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from dataclasses import asdict  # noqa: E402
 
-from oar.training.config import Config  # noqa: E402
+from oar.training.config import REMOVED, Config  # noqa: E402
 from research.common import paired_t  # noqa: E402
 from research.common.runs import fully_timed  # noqa: E402
 from research.common.study_run import UNMEASURED  # noqa: E402
@@ -127,7 +127,8 @@ def check_runs(runs: dict, build: str | None) -> list[str]:
     settings that differ between runs beyond their arm's own and FREE_SETTINGS (a setting a config.json lacks
     ran as its default), an arm's own settings other than study.py's for that arm, steps other than 1..N
     (N the same for all), a model build other than the ledger's (builds/<task>.json). Empty: all agree."""
-    defaults = asdict(Config())
+    # a former flag a config.json lacks ran at the value this version fixes (config.REMOVED)
+    defaults = {k: v for k, v in REMOVED.items() if v is not None} | asdict(Config())
     problems, first = [], None
     for arm, by_seed in runs.items():
         for seed, r in sorted(by_seed.items()):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from oar.training.config import Config
+from oar.training.config import REMOVED, Config
 from research.common import paired_t
 from study import SETTINGS  # what every run is planned with
 
@@ -173,7 +173,7 @@ def run_table(runs: dict) -> str:
         "| steps to 50% | CPU min in the steps | whole run: wall min, CPU min |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    planned = asdict(Config()) | SETTINGS
+    planned = {k: REMOVED[k] for k in ROUNDING if k in REMOVED} | asdict(Config()) | SETTINGS
     for seed in sorted({s for by_seed in runs.values() for s in by_seed}):
         for arm, by_seed in runs.items():
             if (r := by_seed.get(seed)) is None:
@@ -181,7 +181,7 @@ def run_table(runs: dict) -> str:
             other = [
                 f"{k} {(r['config'] or {}).get(k)}"
                 for k in ROUNDING
-                if (r["config"] or {}).get(k, planned[k]) != planned[k]
+                if (r["config"] or {}).get(k, planned[k]) != planned[k]  # a former flag: its fixed value
             ]
             name = f"{arm}-s{seed}" + (f" ({', '.join(other)})" if other else "")
             held = [r["heldout"][s]["avg"] for s in sorted(r["heldout"], key=int)]

@@ -84,7 +84,6 @@ SETTINGS = {
     "eval_samples": 2,
     "eval_temperature": 0.5,
     "eval_every": 6,
-    "eval_batch_size": 64,
     "save_every": 4,
 }
 TINY = {

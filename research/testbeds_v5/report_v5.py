@@ -33,7 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from oar.credit import COMPARED, METHODS  # noqa: E402
+from oar.credit import METHODS  # noqa: E402
+from research.testbeds_v5.study_v5 import COMPARED  # noqa: E402
 from oar.tasks.teacher import fork_spans, slip_spans  # noqa: E402
 from research.common.runs import accuracy_curve, read_run, stats  # noqa: E402
 from research.common.study_ledger import run_entry  # noqa: E402

@@ -44,7 +44,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from oar.training.checkpoint import write_json_atomic  # noqa: E402
-from oar.credit import COMPARED, METHODS  # noqa: E402
+from oar.credit import METHODS  # noqa: E402
+
+COMPARED = ("grpo", "oar-g", "oar-p", "entropy", "entropy-mask", "tempo")  # the paper's methods and the comparators
 from oar.tasks.testbeds import TESTBEDS  # noqa: E402
 from research.common import study_ledger  # noqa: E402
 from research.common.study_run import run_dir, run_one  # noqa: E402

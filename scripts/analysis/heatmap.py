@@ -306,7 +306,7 @@ def main(argv=None) -> None:
         "quantile": cfg["gate_quantile"],
         "boost": cfg["gate_boost"],
         "floor": cfg.get("gate_floor", Config.gate_floor),
-        "preserve_mass": cfg["preserve_mass"],
+        "preserve_mass": cfg.get("preserve_mass", Config.preserve_mass),
     }
     data = heatmap_data(
         model, tok, ro, probe=a.probe or cfg["probe"], gating=gating, seed=a.seed, noise_std=cfg["noise_std"]

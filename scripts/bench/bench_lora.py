@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
             for b in range(3, 7)
         )
     )
-    settings = {"lora": ["--lora_r", str(args.lora_r), "--lora_alpha", str(2 * args.lora_r)], "full": []}
+    settings = {"lora": ["--lora_r", str(args.lora_r)], "full": []}  # alpha 32: 2 x r at the default r 16
     model = args.model or str(gguf())
     runs = []
     for i in range(args.runs):

@@ -1,5 +1,5 @@
-"""The built-in credit methods' parts in the protocol (oar/credit_protocol.py): each takes a `Step`
-(and a `MicroBatch`) and calls the maths, which take plain tensors.
+"""The built-in credit methods' functions, in oar/credit.py's protocol: each takes a `Step` (and a
+`MicroBatch`) and calls the maths, which take plain tensors; oar/credit.py lists them in METHODS.
 
 Legend: B this process's rollouts, b a micro-batch's rollouts, L positions (prompt width Lp +
 completion), T = L - Lp completion positions, V vocabulary, H hidden width.
@@ -12,24 +12,27 @@ completion), T = L - Lp completion positions, V vocabulary, H hidden width.
   tempo_prepare, precomputed         tempo: tempo.tempo_weights over the whole step
   oar_g_plus_tempo                   oar-g+tempo: OAR-G's weights plus TEMPO's TD share
   random_gate_prepare, random_gate   random-gate: uniform scores from each rollout's seed, gated
-`gate` is gating.bilevel_weights with the run's settings. oar/credit.py lists them in METHODS.
+`gate` is gating.bilevel_weights with the run's settings. This module reads the protocol's types
+only to annotate (the protocol's module, oar/credit.py, imports this one to build its table).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from oar.credit_protocol import CreditSettings, MicroBatch, Step
 from oar.entropy_credit import top_entropy_mask
 from oar.gating import bilevel_weights
 from oar.grpo import token_entropy
 from oar.lm import forward_logits
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
-from oar.rollout import Rollout, with_reference_answer
+from oar.rollout import Rollout
 from oar.tempo import tempo_weights
+
+if TYPE_CHECKING:
+    from oar.credit import CreditSettings, MicroBatch, Step
 
 
 def gate(s: CreditSettings, scores: torch.Tensor, reasoning: torch.Tensor) -> torch.Tensor:
@@ -83,10 +86,6 @@ def oar_weights(step: Step, micro: MicroBatch, scorer: str) -> tuple[torch.Tenso
         return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0
     ids, attn, reas, ans = mb.input_ids, mb.attention_mask, reasoning, mb.answer_mask
     clean, clean_kv = micro.clean, micro.clean_kv
-    if s.outcome_source == "reference":  # score against the gold answer appended after the reasoning
-        ids, attn, reas, ans = with_reference_answer(mb, step.tokenizer, step.golds[micro.rows], s.reference_template)
-        reas = reas & scored[:, None]
-        clean = clean_kv = None
     if scorer == "gradient":
         scores = gradient_scores(
             step.model,
