@@ -19,6 +19,9 @@ functions are oar/credit_methods.py's, which call the maths on plain tensors):
                 credit. Mass: OAR's (preserved) plus one token's worth; sign: can flip, as TEMPO's.
   random-gate   BEYOND THE PAPER, a control: uniform random scores (from each rollout's seed) through
                 the same gate: what the gate does to learning when its scores carry no information.
+  grail         a comparator (GRAIL, arXiv 2606.04889): each reasoning token's saliency for the answer's
+                likelihood, log and z-scored per rollout, clipped to [0.5, 5], on wrong rollouts only
+                (oar/grail.py; no gate, no mass preservation)
 
 The protocol (docs/credit-methods.md has a worked example). A method is a `CreditMethod`, a name and
 two functions, which train.py calls in its steps 4 and 5:
@@ -165,6 +168,7 @@ METHODS = MappingProxyType(
             CreditMethod("tempo", builtin.precomputed, prepare=builtin.tempo_prepare),
             CreditMethod("oar-g+tempo", builtin.oar_g_plus_tempo, prepare=builtin.tempo_prepare, uses_clean=True),
             CreditMethod("random-gate", builtin.random_gate, prepare=builtin.random_gate_prepare),
+            CreditMethod("grail", builtin.grail),
         )
     }
 )

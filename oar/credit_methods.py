@@ -12,6 +12,7 @@ completion), T = L - Lp completion positions, V vocabulary, H hidden width.
   tempo_prepare, precomputed         tempo: tempo.tempo_weights over the whole step
   oar_g_plus_tempo                   oar-g+tempo: OAR-G's weights plus TEMPO's TD share
   random_gate_prepare, random_gate   random-gate: uniform scores from each rollout's seed, gated
+  grail                              grail: grail.grail_scores through grail.grail_weights (a comparator)
 `gate` is gating.bilevel_weights with the run's settings. This module reads the protocol's types
 only to annotate (the protocol's module, oar/credit.py, imports this one to build its table).
 """
@@ -24,6 +25,7 @@ import torch
 
 from oar.entropy_credit import top_entropy_mask
 from oar.gating import bilevel_weights
+from oar.grail import grail_scores, grail_weights, reweighted_rows
 from oar.grpo import token_entropy
 from oar.lm import forward_logits
 from oar.oar_grad import gradient_scores
@@ -199,3 +201,23 @@ def random_gate(step: Step, width: int, micro: MicroBatch) -> torch.Tensor:
         ]
     ).to(full.device)
     return gate(step.settings, full, mb.reasoning_mask & step.scored[micro.rows, None])
+
+
+# -- grail (a comparator, arXiv 2606.04889) --------------------------------------------------------
+
+
+def grail(step: Step, state, micro: MicroBatch) -> tuple[torch.Tensor, int]:
+    """GRAIL's weights (b, L) on the scored rollouts' reasoning tokens: each token's saliency for the answer's
+    likelihood, per rollout log and z-scored, mapped and clipped to [0.5, 5] (oar/grail.py), on the wrong
+    rollouts only (A_i <= 0, GRAIL's run default); 1 elsewhere. Its own forward and backward to the embeddings,
+    from the sampling policy; no noise, no gate, no mass preservation (docs/differences.md)."""
+    mb, scored = micro.rollouts, step.scored[micro.rows]
+    rows = reweighted_rows(step.advantages[micro.rows]) & scored & mb.answer_mask.any(1)  # (b,)
+    mask = mb.reasoning_mask & rows[:, None]  # (b, L)
+    if not mask.any():
+        return torch.ones(mb.input_ids.shape, device=mb.input_ids.device), 0
+    scores = grail_scores(
+        step.model, mb.input_ids, mb.attention_mask, mask, mb.answer_mask, temperature=step.settings.temperature
+    )
+    out = grail_weights(scores, mask, rows)
+    return out.weights, out.nonfinite

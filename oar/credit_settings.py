@@ -35,8 +35,9 @@ class CreditSettings:
     TITLE: ClassVar[str] = "token credit (OAR and others)"  # its group in train.py --help
 
     method: str = "oar-g"
-    """Token credit: grpo | oar-g | oar-p | entropy | entropy-mask | tempo | oar-g+tempo | random-gate
-    (the last two beyond the paper; oar/credit.py), or a method of --credit_module."""
+    """Token credit: grpo | oar-g | oar-p | entropy | entropy-mask | tempo | oar-g+tempo | random-gate | grail
+    (oar-g+tempo and random-gate beyond the paper, grail a comparator; oar/credit.py), or a method of
+    --credit_module."""
     credit_module: str = ""
     """A module (a .py file, or a dotted name on the Python path) whose CREDIT_METHODS list adds methods
     to --method's choices (docs/credit-methods.md)."""

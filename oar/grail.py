@@ -73,9 +73,7 @@ def grail_scores(
     assert score_mask.dtype == answer_mask.dtype == torch.bool, (score_mask.dtype, answer_mask.dtype)
     assert temperature > 0.0, f"temperature must be > 0, got {temperature}"
     real = attention_mask.bool()
-    assert not (score_mask & ~real).any() and not (answer_mask & ~real).any(), (
-        "a scored or answer position is padding"
-    )
+    assert not (score_mask & ~real).any() and not (answer_mask & ~real).any(), "a scored or answer position is padding"
     assert not answer_mask[:, 0].any(), "an answer token in column 0 has no logit that predicts it"
     scores = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
     rows = (score_mask.any(1) & answer_mask.any(1)).nonzero().flatten()
@@ -102,11 +100,7 @@ def grail_scores(
             position_ids=position_ids(attn),
             use_cache=False,
         )  # (b, K, V)
-        logp = (
-            torch.log_softmax(logits.float() / temperature, dim=-1)
-            .gather(-1, targets.unsqueeze(-1))
-            .squeeze(-1)
-        )
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         nll = -torch.where(valid, logp, 0.0).sum(dim=1)  # (b,) J_i; padded answer slots selected away
         # With respect to the leaf alone: no weight-gradient product is formed and no `.grad` is written.
         (grad,) = torch.autograd.grad(nll.sum(), leaf)

@@ -392,3 +392,49 @@ def test_a_micro_batchs_seconds_include_its_rollouts_share_of_prepare(tiny_model
     )
     _, seconds, _ = weigh(slice(0, 2), ro.select(slice(0, 2)), logits)
     assert 0.25 <= seconds < 1.0  # 2/8 of at least 1 s, and not all of it
+
+
+def test_grail_is_grail_s_weights_on_the_wrong_rollouts_reasoning(tiny_model):
+    """--method grail: oar.grail's scores and weights of each scored wrong rollout's reasoning tokens (A_i <= 0),
+    1 on every other token and row (the right rollouts among them), 0 outside the completion; no gradient is
+    left in the model's parameters."""
+    from oar.credit import CreditSettings, step_credit
+    from oar.grail import grail_scores, grail_weights
+    from oar.lm import forward_logits
+    from oar.rewards import reward
+    from oar.rollout import concat_rollouts
+    from oar.training.credit_trial import synthetic_step
+    from oar.training.models import load_model
+
+    model, tok = load_model(str(tiny_model))
+    # two groups of made-up completions: right answers, wrong ones, one without an answer (credit_trial's)
+    steps = [synthetic_step(tok, q, a, 4, "", "cpu") for q, a in (("Compute 3 + 4.", "7"), ("Compute 5 * 2.", "10"))]
+    ro, golds = concat_rollouts([r for r, _ in steps], tok.pad_token_id), steps[0][1] + steps[1][1]
+    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
+    adv = group_advantages(rewards, 4)
+    scored = (adv != 0) & ro.completion_mask.any(1)
+    lp = ro.prompt_width
+    with torch.no_grad():
+        logits = forward_logits(model, ro.input_ids, ro.attention_mask, logits_to_keep=ro.input_ids.shape[1] - lp + 1)
+    credit = step_credit(
+        CreditSettings(method="grail", group_size=4),
+        model,
+        tok,
+        ro,
+        rewards,
+        adv,
+        scored,
+        list(range(8)),
+        golds,
+        "last",
+    )
+    got, _, nonfinite = credit.weigh(slice(0, 8), ro, logits)
+    rows = (adv <= 0) & scored & ro.answer_mask.any(1)
+    assert rows.any() and (~rows & scored).any()  # wrong rollouts to reweight, right ones to leave
+    mask = ro.reasoning_mask & rows[:, None]
+    want = grail_weights(grail_scores(model, ro.input_ids, ro.attention_mask, mask, ro.answer_mask), mask, rows)
+    assert nonfinite == want.nonfinite == 0
+    torch.testing.assert_close(got, want.weights * ro.completion_mask)
+    assert torch.equal(got[~rows], ro.completion_mask[~rows].float())  # right and unscored rollouts: GRPO's
+    assert (got[mask] != 1).any()  # the gate moved something
+    assert all(p.grad is None for p in model.parameters())
