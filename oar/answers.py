@@ -1,4 +1,5 @@
-r"""Where the final answer of a completion is: its text and span A_i (the probes read it), and the reasoning before it.
+r"""Where the final answer of a completion is: its text and answer span (maths §0; the probes read it), and the
+reasoning before it.
 
 `find_answer` gives the final answer of a completion and its character span; the reasoning span
 R_i of maths §0 is `text[:marker_start]`. Markers: the last `\boxed{..}` / `\fbox{..}` (nested braces matched,

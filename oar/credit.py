@@ -11,7 +11,7 @@ functions are oar/credit_methods.py's, which call the maths on plain tensors):
   grpo          w = 1                                                      (the reference)
   oar-g, oar-p  OAR's scores through the bi-level gate (maths §3-5; oar_grad.py, oar_perturb.py)
   entropy       the update forward's token entropy through the same gate
-  entropy-mask  1 on the top-rho entropy tokens of the whole step, else 0    (oar/entropy_credit.py)
+  entropy-mask  1 on the top-lambda entropy tokens of the whole step, else 0 (oar/entropy_credit.py)
   tempo         prefix-tree credit from the group's own rewards, may be < 0 (oar/tempo.py)
   oar-g+tempo   BEYOND THE PAPER: OAR-G's weights plus TEMPO's TD term at branch tokens,
                 A_it = A_i w^OAR_it + (V(child) - V(node)) / d, i.e. w = w^OAR + (w^TEMPO - 1): OAR keeps

@@ -18,7 +18,8 @@ from typing import ClassVar
 
 GATE_FLOOR = 0.1  # a suppressed token's smallest weight before the mass rescale (maths §5; 1.0: boost only)
 PRESERVE_MASS = True  # the gate rescales a rollout's reasoning weights to sum to its length (maths §5 step 5)
-ENTROPY_TOP = 0.2  # entropy-mask's rho: share of the step's tokens, the highest-entropy ones, that carry the advantage
+# entropy-mask's lambda (maths §8.1): the share of the step's tokens, the highest-entropy ones, carrying the advantage
+ENTROPY_TOP = 0.2
 PERTURB_SPAN = 1  # OAR-P: tokens masked together (1 = the definition, exact)
 PERTURB_WINDOW = 32  # OAR-P window mode: positions recomputed after the masked token (plus the answer's)
 # OAR-P auto mode: reasoning-to-answer positions from which the window is used (docs/long-reasoning.md)
@@ -44,7 +45,7 @@ class CreditSettings:
     gate_quantile: float = 0.4
     """q of the bi-level gate: scores below the q-quantile are suppressed (authors' code: 0.25)."""
     gate_boost: float = 2.0
-    """beta of the bi-level gate: boost of scores above the quantile (authors' code: 1.0)."""
+    """kappa of the bi-level gate: boost of scores above the quantile (authors' code: 1.0; maths §5)."""
     probe: str = "answer_mean"
     """Outcome probe: last | answer_mean | answer_joint (maths §2)."""
     noise_std: float = 1e-3

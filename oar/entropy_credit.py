@@ -2,14 +2,14 @@
 
 Legend: B rollouts, L positions (any length axis), N valid tokens of the whole step.
 
-  tau   = quantile_{1 - rho}({H_t : t valid, over every rollout of the step on every process})
-  w_it  = 1 if H_it >= tau and t is valid, else 0
+  tau_H = quantile_{1 - lambda}({H_t : t valid, over every rollout of the step on every process})
+  w_it  = 1 if H_it >= tau_H and t is valid, else 0
 
 H_it is the entropy of the distribution token t was sampled from (the update forward's, at the
 sampling temperature); the quantile interpolates linearly, as torch.quantile (TRL's) does. Only the
-~rho share of "forking" tokens carries the advantage. As in TRL and the paper, the loss keeps its
+~lambda share of "forking" tokens carries the advantage. As in TRL and the paper, the loss keeps its
 normalizer (all valid tokens), so the advantage mass is not preserved: it is the masked tokens' share
-of GRPO's, about rho. Weights are 0 or 1, never negative.
+of GRPO's, about lambda (maths §8.1). Weights are 0 or 1, never negative.
 
 "Batch" here is the WHOLE STEP: every rollout of the optimizer step on every process, gathered before
 the micro-batch loop (credit.step_credit). TRL takes the quantile over one micro-batch's tokens

@@ -4,7 +4,7 @@ Legend: B rollouts, L sequence positions, H embedding width, V vocabulary, K ans
 the longest answer); M_i the positions of rollout i that are scored (`mask`), n_i = |M_i|.
 
 Score (`grail_scores`), from one forward pass whose only autograd leaf is the input embeddings e:
-  J_i = - sum_{k in A_i} log softmax(z_{k-1} / temperature)[x_k]    the answer's negative log-likelihood
+  J_i = - sum_{k in answer} log softmax(z_{k-1} / temperature)[x_k]    the answer's negative log-likelihood
   g_t = dJ / de_t,  J = sum_i J_i (rows are independent)             torch.autograd.grad w.r.t. e alone
   s_t = || g_t * e_t ||_2 = sqrt(sum_h (g_th e_th)^2)                 on M_i, 0 elsewhere
 The L2 norm of the elementwise product, not the dot product <g_t, e_t> of OAR-G (maths §4): s_t >= 0.
@@ -21,7 +21,7 @@ Departures from GRAIL's code (declare-lab/grail at 749aa4c, src/train/grail_trai
   * Alignment: s_t is token t's own embedding's saliency. GRAIL slices the gradient and the
     embeddings with the logits' window [-(T+1), -1), so its score for completion token j is that of
     the token before it (the last prompt token for j = 0).
-  * The answer span A_i and the scored positions M_i are the caller's masks. GRAIL re-tokenizes the
+  * The answer span and the scored positions M_i are the caller's masks. GRAIL re-tokenizes the
     decoded text around the first complete `\\boxed{...}` (marker and braces included), takes its
     statistics over every completion token (the answer span, and the tokens after it, whose gradient is
     exactly 0 and whose u is log 1e-8, included), then sets the answer's content to w_max and the

@@ -12,8 +12,8 @@ Advantages enter the loss per token, shape (B, T): GRPO broadcasts A_i over the 
 multiplies by its weights. There is one loss; OAR with unit weights *is* GRPO.
 
 Off-policy correction (`truncated_is_weights`, applied when a separate engine samples, docs/vllm.md):
-  w_it     = min(pi_old(y_it) / pi_sample(y_it), C)             detached
-  l_it     = -w_it min(rho A_it, clip(rho, 1 - eps_low, 1 + eps_high) A_it) + beta_KL k3_it
+  omega_it = min(pi_old(x_it) / pi_sample(x_it), C)             detached
+  l_it     = -omega_it min(rho A_it, clip(rho, 1 - eps_low, 1 + eps_high) A_it) + beta_KL k3_it
 pi_old is the trainer's own log-prob at sampling time, pi_sample the engine's. Without weights the
 loss is the one above, the same floats.
 
@@ -214,7 +214,7 @@ def truncated_is_weights(
     trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor, cap: float
 ) -> torch.Tensor:
     """Truncated importance sampling (Yao et al. 2025; TRL's vllm_importance_sampling_correction), all (B, T):
-    w_it = min(exp(logpi_trainer - logpi_sampler), cap) on valid tokens, 1 elsewhere, detached.
+    omega_it = min(exp(logpi_trainer - logpi_sampler), cap) on valid tokens, 1 elsewhere, detached (maths §1.3).
 
     Why: a separate engine's numerics make its log-probs differ from the trainer's for the same
     weights, so its rollouts are slightly off-policy; the weight reweights each token towards the

@@ -4,8 +4,8 @@ Legend: B rollouts, L sequence positions, K answer tokens (padded to the longest
 z_p are the logits at position p; they predict token p + 1, so answer token k is read at k - 1.
 
   last         P = softmax(z_{a0 - 1})                    the distribution of the first answer token
-  answer_mean  P = softmax(mean_{k in A} z_{k - 1})       logits averaged over the span, then softmax
-  answer_joint phi = mean_{k in A} log p(x_k | x_<k)      a scalar: how likely the whole answer is
+  answer_mean  P = softmax(mean_{k in answer} z_{k - 1})       logits averaged over the span, then softmax
+  answer_joint phi = mean_{k in answer} log p(x_k | x_<k)      a scalar: how likely the whole answer is
 
 `outcome` returns log P (B, V) for the two distribution probes and phi (B,) for answer_joint;
 `divergence` turns a clean and a perturbed outcome into an importance score: KL(P_clean || P_pert)

@@ -75,9 +75,7 @@ def test_reweighted_rows_follow_the_sign_of_the_advantage():
 def batches(draw):
     b, length = draw(st.integers(1, 5)), draw(st.integers(1, 8))
     score = st.one_of(st.just(0.0), st.floats(1e-6, 1e3))
-    s = torch.tensor(
-        draw(st.lists(st.lists(score, min_size=length, max_size=length), min_size=b, max_size=b))
-    )
+    s = torch.tensor(draw(st.lists(st.lists(score, min_size=length, max_size=length), min_size=b, max_size=b)))
     mask = torch.tensor(
         draw(st.lists(st.lists(st.booleans(), min_size=length, max_size=length), min_size=b, max_size=b))
     )
@@ -116,9 +114,7 @@ def _answer_nll(model, embeds, attention_mask, input_ids, answer_mask, temperatu
     logits = model(
         inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
     ).logits
-    logp = (
-        torch.log_softmax(logits[0, :-1] / temperature, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1)
-    )
+    logp = torch.log_softmax(logits[0, :-1] / temperature, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1)
     return -logp[answer_mask[0, 1:]].sum()
 
 
@@ -146,8 +142,7 @@ def test_scores_match_finite_differences_of_the_answer_nll(temperature):
                 up[0, t, h] += 1e-3
                 down[0, t, h] -= 1e-3
                 g[h] = (
-                    _answer_nll(model, up, a, i, m, temperature)
-                    - _answer_nll(model, down, a, i, m, temperature)
+                    _answer_nll(model, up, a, i, m, temperature) - _answer_nll(model, down, a, i, m, temperature)
                 ) / 2e-3
             # the score of token t is its own embedding's (not the token before it's, as in GRAIL's code)
             torch.testing.assert_close(scores[0, t], (g * e[0, t]).norm().float(), rtol=1e-3, atol=1e-6)

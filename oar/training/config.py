@@ -333,7 +333,7 @@ UNMAPPED = {
     "splits it into forward/backward passes (memory, not the update)",
     "gradient_accumulation_steps": "accumulation follows from --prompts_per_step x --group_size / --micro_batch_size",
     "max_steps": "--steps counts batches of rollouts, each --num_iterations optimizer steps",
-    "top_entropy_quantile": "the forking-tokens mask is a credit method here: --method entropy-mask (rho 0.2)",
+    "top_entropy_quantile": "the forking-tokens mask is a credit method here: --method entropy-mask (lambda 0.2)",
     "use_peft": "--lora_r > 0 trains LoRA adapters",
     "bf16": "mixed precision comes from the accelerate config (accelerate launch --mixed_precision bf16)",
     "use_vllm": "--rollout_backend vllm samples with a vLLM engine in each process (docs/vllm.md)",
