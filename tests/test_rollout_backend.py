@@ -427,3 +427,53 @@ def test_a_gpu_engine_sleeps_through_the_update_and_wakes_for_the_weights():
         ("reset_prefix_cache",),
     ]
     rollout_backend.rest(rollout_backend.sample)  # the own sampler: nothing to do
+
+
+def test_the_weights_are_sent_in_the_engines_dtype(tmp_path, monkeypatch):
+    """policy_weights(dtype=bfloat16), as follow() calls it for a bfloat16 engine: every tensor arrives in
+    bfloat16, equal to the float32 weight rounded once (LoRA: merged in float32, then rounded, as final/'s merge
+    rounded); a float32 engine gets the tensors themselves (no copy). Under FSDP2 (a real sharded model, one gloo
+    process) each shard is cast before the gather: what is all-gathered is bfloat16."""
+    import torch.distributed as dist
+    from conftest import tiny_llama
+    from torch.distributed.tensor import DTensor
+
+    from oar.training import lora, sharding
+    from oar.training.rollout_backend import policy_weights
+
+    model = tiny_llama()
+    plain = dict(model.named_parameters())
+    sent = dict(policy_weights(model, dtype=torch.bfloat16))
+    assert sent.keys() == plain.keys()
+    assert all(
+        t.dtype == torch.bfloat16 and torch.equal(t, plain[k].detach().to(torch.bfloat16)) for k, t in sent.items()
+    )
+    same = dict(policy_weights(model, dtype=torch.float32))
+    assert all(same[k].data_ptr() == plain[k].data_ptr() for k in plain)
+
+    peft = lora.add_adapters(tiny_llama(), r=4, alpha=8.0, targets="q_proj,v_proj")
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    merged, _ = lora.final_weights(peft, None)  # float32
+    sent = dict(policy_weights(lora.inner(peft), peft, dtype=torch.bfloat16))
+    assert set(sent) <= set(merged) and all(t.dtype == torch.bfloat16 for t in sent.values())
+    assert all(torch.equal(t, merged[k].to(torch.bfloat16)) for k, t in sent.items())
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        sharded = sharding.shard(tiny_llama())
+        gathered, real = [], sharding.full_tensor
+        monkeypatch.setattr(sharding, "full_tensor", lambda t: gathered.append(t) or real(t))
+        sent = dict(policy_weights(sharded, dtype=torch.bfloat16))
+        assert len(gathered) == len(plain) and all(isinstance(t, DTensor) for t in gathered)
+        assert all(t.to_local().dtype == torch.bfloat16 for t in gathered)  # the shards, cast before the gather
+        assert all(
+            not isinstance(t, DTensor) and torch.equal(t, plain[k].detach().to(torch.bfloat16))
+            for k, t in sent.items()
+        )
+    finally:
+        dist.destroy_process_group()

@@ -8,10 +8,10 @@ Both are called as `sample` is. `engine_settings(cfg)` is what a run asks of the
 dtype, a request's most tokens, the GPU share; the platform's rules are oar/vllm_settings.py's).
 `rest(sampler)` after a step's rollouts lets the engine sleep through the update where it has sleep
 mode (a GPU). `follow(sampler, policy, peft_model)` after every RL step sends the vLLM engine the
-policy's weights: every process gathers the full tensors of a model sharded by FSDP2 (its own engine
-needs all of them), one at a time as the engine loads them; LoRA's adapters are merged into the base
-weights (the engine serves a plain model), and the engine resets its prefix cache. For the own sampler
-all three do nothing.
+policy's weights in the engine's dtype: every process gathers the full tensors of a model sharded by
+FSDP2 (its own engine needs all of them), one at a time as the engine loads them, each cast before it
+is gathered; LoRA's adapters are merged into the base weights (the engine serves a plain model), and
+the engine resets its prefix cache. For the own sampler all three do nothing.
 """
 
 from __future__ import annotations
@@ -111,19 +111,33 @@ def gguf_identity(model_name: str) -> dict:
     return {"path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def policy_weights(policy, peft_model=None) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(policy, peft_model=None, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under the plain model's names, one tensor at a time (collective when sharded:
     every process must draw them all, in order): FSDP2's gathered as they are drawn, so no process holds
     the whole model twice (its engine keeps its own copy); LoRA's merged (W + s B A) one layer at a time.
-    Detached; no copy where none is needed."""
-    weights = ((name, sharding.full_tensor(p.detach())) for name, p in policy.named_parameters())
+    `dtype` (the engine's): each tensor is cast before it is gathered, so FSDP2 all-gathers bfloat16 for a
+    bfloat16 engine, not the float32 master weights (half the bytes; the engine would round them anyway);
+    a LoRA layer is merged from its own tensors (in float32) and rounded once, after. Detached; no copy
+    where none is needed."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:  # a DTensor stays sharded: its local shard is cast
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    params = policy.named_parameters()
     if peft_model is None:
-        yield from weights
+        for name, p in params:
+            yield name, sharding.full_tensor(cast(p.detach()))
         return
     config = peft_model.peft_config[lora.ADAPTER]
     scaling = config.lora_alpha / config.r
-    for _, layer in itertools.groupby(weights, key=lambda item: _adapted_layer(item[0])):  # a layer's are consecutive
-        yield from lora.merged_state_dict(dict(layer), scaling, fan_in_fan_out=config.fan_in_fan_out).items()
+    for key, layer in itertools.groupby(params, key=lambda item: _adapted_layer(item[0])):  # a layer's are consecutive
+        layer = list(layer)
+        if [name for name, _ in layer] == [key]:  # not adapted: the parameter alone
+            yield key, sharding.full_tensor(cast(layer[0][1].detach()))
+            continue
+        full = {name: sharding.full_tensor(p.detach()) for name, p in layer}
+        for name, t in lora.merged_state_dict(full, scaling, fan_in_fan_out=config.fan_in_fan_out).items():
+            yield name, cast(t)
 
 
 def _adapted_layer(name: str) -> str:
@@ -143,10 +157,10 @@ def rest(sampler) -> None:
 
 
 def follow(sampler, policy, peft_model=None) -> None:
-    """The vLLM engine takes the policy's current weights (every process calls it), waking first if it
-    sleeps; the own sampler reads the model itself, so nothing to do."""
+    """The vLLM engine takes the policy's current weights in its own dtype (every process calls it), waking
+    first if it sleeps; the own sampler reads the model itself, so nothing to do."""
     if isinstance(sampler, vllm_rollouts.VLLMRollouts):
-        sampler.load_weights(policy_weights(policy, peft_model))
+        sampler.load_weights(policy_weights(policy, peft_model, dtype=sampler.dtype))
 
 
 def close(sampler) -> None:
