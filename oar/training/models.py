@@ -177,6 +177,13 @@ def load_model(name: str, *, dtype: str = "float32"):
         model = _loaded(
             name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
         )
+    if broken := nonfinite_parameters(model):  # a model saved after its training broke it (NaN weights)
+        total = sum(1 for _ in model.parameters())
+        raise ModelError(
+            f"--model {name}: {len(broken)} of its {total} weight tensors hold NaN or inf ({broken[0]} first): "
+            f"the weights are broken (a training step overflowed before they were saved), and every answer "
+            f"would be wrong. Use the model from before that step, e.g. an earlier checkpoint."
+        )
     if "gguf_file" in kwargs:
         # transformers dequantizes GGUF weights on load: what remains is a plain float model, which
         # save_pretrained refuses while the GGUF quantizer is still attached.
@@ -184,6 +191,16 @@ def load_model(name: str, *, dtype: str = "float32"):
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config
     return model, tokenizer
+
+
+def nonfinite_parameters(model) -> list[str]:
+    """The names of the parameters holding a NaN or an inf ([] for a sound model): one isfinite pass, as
+    the weights are loaded (well under a second for SmolLM2's 135M parameters)."""
+    named = list(model.named_parameters())
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).tolist()
+    return [n for (n, _), ok in zip(named, finite) if not ok]
 
 
 MODEL_FILES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".tiktoken")  # what from_pretrained reads
