@@ -206,9 +206,11 @@ def load_problems(
 def run_problems(dataset: str, eval_dataset: str, *, train_size: int, eval_size: int, seed: int):
     """A run's (training problems, held-out problems): `dataset`'s train split (arith: `train_size` of
     them, drawn with `seed`), and `eval_dataset`'s test split (its first `eval_size`, 0: all), by default
-    arith's own when training on arith, else none."""
+    `dataset`'s own test split when it has one (arith's; a folder's test.jsonl), else none."""
     train = load_problems(dataset, split="train", limit=train_size if dataset == "arith" else None, seed=seed)
-    eval_name = eval_dataset or ("arith" if dataset == "arith" else "")
+    folder = Path(dataset).expanduser()
+    own = dataset == "arith" or (folder.is_dir() and (folder / "test.jsonl").is_file())  # its own test split
+    eval_name = eval_dataset or (dataset if own else "")
     return train, load_problems(eval_name, split="test", limit=eval_size or None) if eval_name else []
 
 

@@ -62,6 +62,8 @@ class Run:
     micro: int  # rollouts per forward/backward on this process
     local_prompts: int  # this process's prompts per step
     seen: int = 0  # held-out problems that are also training problems
+    tied_steps: int = 0  # steps in a row in which every group's rollouts got one reward (no signal)
+    said_no_signal: bool = False
 
     @property
     def own(self) -> bool:
@@ -152,6 +154,10 @@ class Run:
             self.log.say(
                 f"warning: step {n}: {nonfinite} rollouts had non-finite OAR scores; they got plain GRPO weights"
             )
+        self.tied_steps = self.tied_steps + 1 if metrics["reward/frac_zero_std_groups"] == 1.0 else 0
+        if self.tied_steps == NO_SIGNAL_STEPS and not self.said_no_signal:  # once a run: the metric keeps the rest
+            self.said_no_signal = True
+            self.log.say(no_signal(n, metrics["reward/mean"]))
         if self.eval_set and cfg.eval_every and n % cfg.eval_every == 0 and n < cfg.steps:
             metrics |= on_line(self.held_out()[1])
         if n < cfg.steps:
@@ -163,6 +169,26 @@ class Run:
             ckpt.save_checkpoint(
                 self.accelerator, cfg.output_dir, n, record, cfg.keep_checkpoints, sharded=self.learner.sharded
             )
+
+
+NO_SIGNAL_STEPS = 3  # steps in a row with every group's rewards tied before the run says it cannot learn
+
+
+def no_signal(step: int, mean_reward: float) -> str:
+    """The line a run says after NO_SIGNAL_STEPS steps in a row in which every group's rollouts got one reward:
+    every advantage was 0, so nothing was learned (GRPO learns from the differences within a group)."""
+    first = step - NO_SIGNAL_STEPS + 1
+    why = (
+        "no rollout earned any reward: the task is too hard for the model, or the reward does not match the "
+        "answers (the data's answer column against the final answer the model writes, and --reward)"
+        if mean_reward == 0
+        else "the task is too easy for the model (every rollout earned the same), too hard, or the reward "
+        "does not tell its rollouts apart (--reward)"
+    )
+    return (
+        f"warning: steps {first}-{step}: every group's rollouts got one reward (reward/frac_zero_std_groups 1.0, "
+        f"mean reward {mean_reward:.3f}), so every advantage was 0 and the policy did not move: {why}."
+    )
 
 
 def pass_at(result: dict) -> dict:
@@ -297,6 +323,11 @@ def _before_training(run: Run) -> None:
         for key in ("eval_before", "eval_before_pass"):
             history.pop(key, None)
         log.say("the held-out set is not the one measured before training: no accuracy before it is reported")
+    if not eval_set and run.start_step == 0:  # allowed (a smoke test may), never silent
+        log.say(
+            f"no held-out set: --dataset {cfg.dataset} has none by default, so this run reports no held-out accuracy; "
+            f"give --eval_dataset a .jsonl file (or pass a folder that holds train.jsonl and test.jsonl)"
+        )
     run.seen = seen_in_training(run.train_set, eval_set)
     if run.seen:  # allowed (a smoke test may), never silent
         log.say(
