@@ -51,6 +51,7 @@ import time
 
 import torch
 
+from oar.credit import CreditError
 from oar.grpo import group_advantages, policy_loss, token_logprobs, truncated_is_weights
 from oar.probes import clean_forward, outcome_from_logits
 from oar.reward_table import RewardError, score
@@ -178,4 +179,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":  # each way it ends says something; the process group ends first (launch.run_entry)
-    run_entry(main, CONFIG, "train.py", parser, errors=(RewardError,))  # a --reward_module's error: a line
+    run_entry(main, CONFIG, "train.py", parser, errors=(RewardError, CreditError))  # a user module's error: a line
