@@ -55,9 +55,9 @@ from oar.credit import CreditError
 from oar.grpo import group_advantages, policy_loss, token_logprobs, truncated_is_weights
 from oar.probes import clean_forward, outcome_from_logits
 from oar.reward_table import RewardError, score
-from oar.sampler import format_prompt
 from oar.training import rollout_backend
 from oar.training.config import Config, parser
+from oar.training.data import problem_prompt
 from oar.training.launch import run_entry
 from oar.training.run import finish, start
 from oar.training.runlog import step_log
@@ -74,7 +74,7 @@ def main(cfg: Config) -> dict:
         # 1. sample: this process's slice of the step's prompts, G rollouts each (a group on one process), one
         # seed per rollout; with oar.sampler.sample (the policy, gathered when sharded) or a vLLM engine
         problems, seeds = run.prompts(step)
-        prompts = [format_prompt(tokenizer, p.problem, run.instruction) for p in problems]
+        prompts = [problem_prompt(tokenizer, p, run.instruction) for p in problems]  # a row's system turn first
         ro = run.sample(prompts, seeds)  # (B, L) rollouts: [left pad | prompt | completion | right pad]
         rollout_backend.rest(run.sampler)  # vllm: the engine sleeps through the update where it can (a GPU)
         t_rollout = time.perf_counter() - t0

@@ -53,7 +53,7 @@ def test_train_names_a_malformed_jsonl_line(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_eval_names_a_missing_field(tiny_model, tmp_path):
     data = tmp_path / "test.jsonl"
-    data.write_text('{"problem": "Compute 1 + 1.", "answer": "2"}\n{"prompt": "Compute 2 + 2.", "answer": "4"}\n')
+    data.write_text('{"problem": "Compute 1 + 1.", "answer": "2"}\n{"query": "Compute 2 + 2.", "answer": "4"}\n')
     out = tmp_path / "out"
     proc = run_script(EVAL, ["--model", str(tiny_model), "--dataset", str(data), "--output_dir", str(out)])
     _assert_named(proc, "eval.py: error:", f"{data}:2: missing key 'problem'")

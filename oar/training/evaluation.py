@@ -18,7 +18,8 @@ import torch
 from oar.answers import extract_answer
 from oar.training.console import bar
 from oar.rewards import reward
-from oar.sampler import format_prompt, sample
+from oar.sampler import sample
+from oar.training.data import problem_prompt
 
 
 def evaluate(
@@ -51,7 +52,7 @@ def evaluate(
     shown = bar(len(mine), "held-out", progress and rank == 0, unit="problem")
     for start in range(0, len(mine), per_batch):
         idx = mine[start : start + per_batch]
-        prompts = [format_prompt(tokenizer, problems[i].problem, instruction) for i in idx]
+        prompts = [problem_prompt(tokenizer, problems[i], instruction) for i in idx]  # a system turn first
         seeds = [seed * 1_000_003 + i * num_samples + s for i in idx for s in range(num_samples)]
         out = sampler(
             model,

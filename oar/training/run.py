@@ -32,7 +32,15 @@ from oar.training.checks import check_config, check_launch
 from oar.training.config import Config, collective_timeout, eval_batch, micro_batch
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
-from oar.training.data import DataError, Problem, problems_digest, run_problems, seen_in_training, step_prompts
+from oar.training.data import (
+    DataError,
+    Problem,
+    problems_digest,
+    run_problems,
+    seen_in_training,
+    step_prompts,
+    takes_system_turn,
+)
 from oar.training.evaluation import evaluate
 from oar.training.launch import end, gather_ragged, make_accelerator
 from oar.training.learner import Learner, build_learner
@@ -327,6 +335,11 @@ def _before_training(run: Run) -> None:
         log.say(
             f"no held-out set: --dataset {cfg.dataset} has none by default, so this run reports no held-out accuracy; "
             f"give --eval_dataset a .jsonl file (or pass a folder that holds train.jsonl and test.jsonl)"
+        )
+    if any(p.system for p in run.train_set + eval_set) and not takes_system_turn(run.tokenizer):
+        log.say(
+            f"--model {cfg.model}: its chat template takes no system turn, so each row's system turn opens its "
+            f"user turn instead"
         )
     run.seen = seen_in_training(run.train_set, eval_set)
     if run.seen:  # allowed (a smoke test may), never silent
