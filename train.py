@@ -54,7 +54,7 @@ import torch
 from oar.credit import CreditError
 from oar.grpo import group_advantages, policy_loss, token_logprobs, truncated_is_weights
 from oar.probes import clean_forward, outcome_from_logits
-from oar.reward_table import RewardError, score
+from oar.reward_table import RewardError, score, scorable
 from oar.training import rollout_backend
 from oar.training.config import Config, parser
 from oar.training.data import problem_prompt
@@ -81,13 +81,16 @@ def main(cfg: Config) -> dict:
 
         # 2. reward: --reward's weighted terms (oar/reward_table.py; by default answer correctness alone)
         golds, texts = [p.answer for p in problems for _ in range(G)], [p.problem for p in problems for _ in range(G)]
-        totals, reward_parts = score(run.terms, ro.texts, golds, texts)
+        rows = [p.row for p in problems for _ in range(G)]  # the data's columns, which TRL-style rewards are passed
+        totals, reward_parts = score(run.terms, ro.texts, golds, texts, rows)
         rewards = torch.tensor(totals, device=acc.device)
+        can_score = torch.tensor(scorable(reward_parts), device=acc.device)  # False: every term returned None
 
         # 3. group-relative advantage (a group is on this process; --advantage_scale batch divides by the std of
-        # every process's rewards, so the advantages do not depend on the number of processes)
-        everyone = acc.gather(rewards) if cfg.advantage_scale == "batch" else None
-        advantages = group_advantages(rewards, G, cfg.advantage_scale, batch_rewards=everyone)  # (B,) A_i
+        # every process's rewards, so the advantages do not depend on the number of processes); a rollout that no
+        # reward term could score gets 0 and stays out of the baseline
+        everyone = run.gather(rewards[can_score]) if cfg.advantage_scale == "batch" else None
+        advantages = group_advantages(rewards, G, cfg.advantage_scale, everyone, can_score)  # (B,) A_i
 
         # 4. credit: what the method needs of the whole step, before the update (oar/credit.py), so that its
         # weights depend neither on micro-batching nor on the processes. A rollout with advantage 0 or no valid

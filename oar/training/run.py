@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from oar.credit import CreditError, CreditMethod, StepCredit, credit_methods, step_credit
-from oar.reward_table import reward_terms
+from oar.reward_table import reward_terms, try_on_row, unnamed_rewards
 from oar.rollout import Rollout
 from oar.sampler import TRAINED_INSTRUCTION, resolve_instruction
 from oar.tasks.tiny_arith_cache import model_source
@@ -229,6 +229,7 @@ def start(cfg: Config) -> Run:
         train_set, eval_set = run_problems(
             cfg.dataset, cfg.eval_dataset, train_size=cfg.train_size, eval_size=cfg.eval_size, seed=cfg.seed
         )
+        try_on_row(terms, train_set[0].row, train_set[0].answer, train_set[0].problem)  # TRL-style: its columns
         resume_from = ckpt.resume_point(cfg.output_dir, cfg.resume)
         facts = {  # a resume must find them as its checkpoint did (in the history it records)
             "train_data": problems_digest(train_set),
@@ -282,6 +283,11 @@ def start(cfg: Config) -> Run:
         accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step
     )
     code = ckpt.run_code_version(cfg.credit_module, cfg.reward_module)  # recorded in every checkpoint
+    if unnamed := unnamed_rewards(cfg.reward, cfg.reward_module):  # allowed, never silent
+        log.say(
+            f"--reward_module {cfg.reward_module} defines {', '.join(unnamed)}, which --reward {cfg.reward} does not "
+            f"name: they are not in this run's reward (--reward {','.join([cfg.reward, *unnamed])} adds them)"
+        )
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
         if state.get("code", code) != code:  # allowed (a fix may be why it resumes), but said: two versions
