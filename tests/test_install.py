@@ -25,11 +25,8 @@ def _copy(tmp_path: Path) -> Path:
 
 def test_a_wheel_holds_the_package_and_the_built_in_policy_only(tmp_path):
     src = _copy(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(tmp_path)],
-        capture_output=True,
-        text=True,
-    )
+    wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src)]
+    proc = subprocess.run([*wheel, "-w", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = tmp_path.glob("oar-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
