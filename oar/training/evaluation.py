@@ -12,6 +12,7 @@ one process, and the per-problem records are gathered and put back in order. Sco
 from __future__ import annotations
 
 from math import comb
+from pathlib import Path
 
 import torch
 
@@ -114,3 +115,14 @@ def summarize(records: list[dict], num_samples: int) -> dict:
 def _mean(values) -> float:
     values = list(values)
     return float(sum(values) / len(values)) if values else 0.0
+
+
+def result_files(folder: Path) -> tuple[Path, Path]:
+    """Where eval.py writes an evaluation in `folder`: eval.jsonl and eval_summary.json, or when an earlier
+    evaluation holds those names, the first free eval-<k>.jsonl and eval_summary-<k>.json (k = 2, 3, ...),
+    so no result is written over."""
+    k, suffix = 1, ""
+    while (folder / f"eval{suffix}.jsonl").exists() or (folder / f"eval_summary{suffix}.json").exists():
+        k += 1
+        suffix = f"-{k}"
+    return folder / f"eval{suffix}.jsonl", folder / f"eval_summary{suffix}.json"
