@@ -283,3 +283,31 @@ def test_eval_refuses_a_model_with_non_finite_weights(tiny_model, tmp_path):
     message = _stops(base, f"--model {broken}: 1 of its", "hold NaN or inf", script="eval.py")
     assert len(message.splitlines()) == 1
     _stops(_args(broken, tmp_path / "out"), "hold NaN or inf")
+
+
+# -- one line each (issue 54, item 6) --------------------------------------------------------------------------
+
+
+def test_an_output_dir_under_a_file_is_named_before_anything_loads(tiny_model, tmp_path):
+    """Before: NotADirectoryError from pathlib's mkdir, a traceback, after the model had loaded."""
+    (tmp_path / "afile").write_text("not a folder")
+    message = _stops(_args(tiny_model, tmp_path / "afile" / "run"), f"{tmp_path / 'afile'} is a file, so no folder")
+    assert len(message.splitlines()) == 1
+    base = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl")]
+    _stops([*base, "--output_dir", str(tmp_path / "afile" / "eval")], "is a file, so no folder", script="eval.py")
+
+
+@pytest.mark.parametrize("flag", ["--learning_rate", "--temperature", "--kl_beta", "--clip_low", "--gate_boost"])
+def test_a_value_that_is_not_a_number_is_named_once(flag):
+    """--learning_rate nan printed two lines (not finite; not > 0): NaN fails every range check as well."""
+    with pytest.raises(ValueError) as err:
+        check_config(parse_args([flag, "nan"]), num_processes=1)
+    assert str(err.value) == f"{flag} nan: must be a finite number."
+
+
+def test_a_checkpoint_passed_to_train_py_as_a_model_is_named_with_what_works(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    run_inprocess(_args(tiny_model, run, "--steps", "1"))
+    message = _stops(_args(run / "checkpoint-1", tmp_path / "out"), "a checkpoint of a training run")
+    assert f"python eval.py --model {run / 'checkpoint-1'}" in message and f"--resume --output_dir {run}" in message
+    assert len(message.splitlines()) == 1

@@ -20,6 +20,7 @@ and any process count see the same data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -230,6 +231,7 @@ def _load_hf(name: str, split: str) -> list[Problem]:
     import datasets  # optional dependency, only needed for hub datasets
 
     path, _, config = name.partition(":")
+    _check_hub_dataset(name, path)
     try:
         rows = datasets.load_dataset(path, config or None, split=split)
     except Exception as err:  # the hub raises many types; all mean "cannot load this name"
@@ -239,6 +241,44 @@ def _load_hf(name: str, split: str) -> list[Problem]:
             f"a .jsonl path or 'arith'."
         ) from None
     return problems_from_records(rows, f"{name}[{split}]")
+
+
+HUB_TIMEOUT_S = 5.0  # the one request that asks the hub whether an uncached data set exists
+
+
+@functools.cache
+def _check_hub_dataset(name: str, repo_id: str) -> None:
+    """Stop in seconds on a data set name that is neither in the local Hugging Face cache nor on a reachable hub,
+    as oar.training.models._check_hub does for a model: left to `datasets`, huggingface_hub retries every request
+    with back-off (35-40 s measured without a network) before its error. A name in the cache is left to
+    `datasets`, online or not; a hub that answers otherwise than "no such data set" too."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, RepositoryNotFoundError
+
+    use = "check the name, or pass a .jsonl file, a folder with train.jsonl and test.jsonl, or 'arith'"
+    import datasets
+
+    cached = [  # the hub's download cache, and `datasets`' own of prepared tables
+        Path(constants.HF_HUB_CACHE) / f"datasets--{repo_id.replace('/', '--')}",
+        Path(datasets.config.HF_DATASETS_CACHE) / repo_id.replace("/", "___"),
+    ]
+    if any(c.is_dir() for c in cached) or constants.HF_HUB_OFFLINE:  # offline: `datasets` answers at once
+        return
+    try:
+        HfApi().dataset_info(repo_id, timeout=HUB_TIMEOUT_S)
+    except HFValidationError as err:
+        raise DataError(f"{name!r}: not a data set name ({str(err).splitlines()[0][:200]}); {use}.") from None
+    except (RepositoryNotFoundError, HfHubHTTPError) as err:
+        if isinstance(err, RepositoryNotFoundError) or getattr(err.response, "status_code", None) == 404:
+            raise DataError(
+                f"{name!r}: no such data set on {constants.ENDPOINT} (or it is private: log in with "
+                f"`hf auth login`); {use}."
+            ) from None
+    except Exception as err:  # no answer: a connection refused, a name not resolved, a timeout
+        raise DataError(
+            f"{name!r}: not in the local Hugging Face cache and {constants.ENDPOINT} is not reachable "
+            f"({type(err).__name__}: {str(err)[:120]}); connect, set HF_ENDPOINT to a mirror, or {use}."
+        ) from None
 
 
 def load_problems(
