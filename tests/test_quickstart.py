@@ -1,0 +1,38 @@
+"""The 30-second first command (issue 54: the quick start offered only the 15-minute default run): three steps of
+the default run with 50 held-out problems show every part of a run, from a plain `python train.py` with
+OMP_NUM_THREADS unset, as a user's shell has it. ~20-30 s on one idle core of this project's CPU."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tinyrun import ROOT, TRAIN, check_ok, env
+
+FIRST = ["--steps", "3", "--eval_size", "50"]  # the README's first command: python train.py --steps 3 --eval_size 50
+
+
+@pytest.mark.slow
+def test_the_first_command_shows_every_part_of_a_run(tmp_path):
+    out = tmp_path / "run"
+    shell = {k: v for k, v in env().items() if k != "OMP_NUM_THREADS"}  # unset: the entry point picks one thread
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), *FIRST, "--output_dir", str(out)],
+        cwd=ROOT,
+        env=shell,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    check_ok(proc)
+    said = proc.stdout
+    assert said.startswith("torch threads: 1") and "held-out accuracy before training" in said, said[:2000]
+    assert len(re.findall(r"^step +\d+ \|", said, re.MULTILINE)) == 3 and "summary: " in said
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_problems"] == 50 and summary["accuracy_before"] == pytest.approx(0.4, abs=0.2)
+    assert summary["skipped_steps"] == 0 and summary["accuracy_after"] is not None
+    for name in ("config.json", "metrics.jsonl", "metrics.png", "eval_final.jsonl", "final/model.safetensors"):
+        assert (out / name).is_file(), name
+    assert (out / "checkpoint-3" / "trainer_state.json").is_file()
