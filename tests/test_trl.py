@@ -268,6 +268,32 @@ def test_weights_on_trls_rollouts_are_oars_maths(tmp_path, method):
             ), key
 
 
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_built_in_trains_in_trl_and_keeps_what_it_promises(tmp_path, method):
+    """Each method of oar's table, two steps in TRL: finite weights, 0 off the loss tokens, and on the scored
+    rollouts what maths §8 says it keeps: the advantage mass (sum_t w = T_i: grpo, the gated ones), one token's
+    worth more (tempo, oar-g+tempo: T_i + 1), or a 0/1 mask (entropy-mask); weights >= 0 where the sign is kept."""
+    trainer = _trainer(Spy, tmp_path, trainer_kw={"credit": method})
+    trainer.train()
+    scored_any = False
+    for seen in trainer.seen:
+        w, a, mask = seen["credit"].weights, seen["credit"].advantages, seen["out"]["completion_mask"].bool()
+        assert torch.isfinite(w).all() and torch.equal(w[~mask], torch.zeros_like(w[~mask]))
+        rows = a != 0
+        if not rows.any():  # step 1: every group tied
+            continue
+        scored_any = True
+        total, tokens = w[rows].sum(1), mask[rows].sum(1).float()
+        if method in ("tempo", "oar-g+tempo"):
+            torch.testing.assert_close(total, tokens + 1)
+        elif method == "entropy-mask":
+            assert set(w[rows].unique().tolist()) <= {0.0, 1.0} and (w[rows] == 0).any()
+        else:
+            torch.testing.assert_close(total, tokens)
+            assert (w >= 0).all()
+    assert scored_any
+
+
 # -- 3. LoRA and resuming --------------------------------------------------------------------------
 
 

@@ -23,7 +23,9 @@ oar's credit table (oar.credit.METHODS, plus `credit_module`'s) computed by oar'
   3. credit     oar.credit.step_credit: the method's prepare once, its weigh per micro-batch with a clean
                 forward's logits, outcome and keys/values (oar.probes.clean_forward, as oar's update
                 forward gives them), the model in eval mode (no dropout: one function of the weights, as
-                in oar's loop, which turns dropout off) under TRL's autocast (the update's precision)
+                in oar's loop, which turns dropout off) under TRL's autocast (the update's precision). A
+                micro-batch without a scored rollout (A_i != 0 and a loss token) gets w = 1 and no forward:
+                its weights enter neither the loss nor the diagnostics
   4. hand back  the processes' weights summed into (B, T) (each row from one process), this process's
                 rows taken, A_it = A_i w_it; oar's diagnostics (maths §6) into TRL's metrics as oar/*
 
@@ -49,6 +51,7 @@ from pathlib import Path
 import torch
 import trl
 from accelerate.utils import gather_object
+from trl import GRPOConfig  # noqa: F401 (re-exported: a script's one changed line can be its trl import)
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from oar.credit import METHODS, CreditError, CreditMethod, CreditSettings, credit_methods, step_credit
@@ -379,6 +382,11 @@ class OARGRPOTrainer(trl.GRPOTrainer):
             for start in range(0, len(ro), micro):
                 rows = slice(start, start + micro)
                 mb, logits, clean, kv = ro.select(rows), None, None, None
+                if not scored[rows].any():  # no rollout whose weights the loss or oar/'s statistics read:
+                    weights.append(
+                        mb.completion_mask.float()
+                    )  # w = 1, and no forward (oar's loop has it for free)
+                    continue
                 # what oar's update forward hands a method (oar/training/update.py, step c), from our own forward
                 if method.scores:
                     with torch.no_grad():
