@@ -35,7 +35,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from oar.credit import CreditError  # noqa: E402
 from oar.gating import bilevel_weights, weight_stats  # noqa: E402
-from oar.integrations.trl import OARGRPOTrainer, OARSettings, credit_rows, refusal, rollout_of  # noqa: E402
+from oar.integrations.trl import (  # noqa: E402
+    OARGRPOTrainer,
+    OARSettings,
+    credit_rows,
+    refusal,
+    rollout_of,
+    scored_runs,
+)
 from oar.credit import METHODS  # noqa: E402
 from oar.oar_grad import gradient_scores  # noqa: E402
 from oar.oar_perturb import perturbation_scores  # noqa: E402
@@ -47,6 +54,16 @@ from oar.tasks.tiny_arith_cache import model_source  # noqa: E402
 SOURCE = model_source("tiny-arith")
 G = 4
 PROBLEMS = arith_problems(16, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread, as the suite's xdist workers have (conftest.py): on 2 shared cores a tiny model's step is
+    many times slower with a thread per core beside other work. `pytest -m trl` runs without xdist."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _dataset(conversational: bool = True) -> Dataset:
@@ -136,7 +153,7 @@ def oar_weights(trainer, out, method: str, model=None) -> dict:
     advantages = trainer.last_credit.advantages
     scored = (advantages != 0) & out["completion_mask"].bool().any(1)
     reasoning = ro.reasoning_mask & scored[:, None]
-    generation = trainer.state.global_step  # one generation batch a step here
+    generation = len(getattr(trainer, "seen", []))  # the generation batches before this one
     seeds = [(0 * 1_000_003 + generation) * 10_007 * G + i for i in range(len(ro))]
     was = model.training
     model.eval()
@@ -292,6 +309,26 @@ def test_every_built_in_trains_in_trl_and_keeps_what_it_promises(tmp_path, metho
             torch.testing.assert_close(total, tokens)
             assert (w >= 0).all()
     assert scored_any
+
+
+def test_weights_once_a_generation_batch_reused_by_every_pass(tmp_path):
+    """steps_per_generation 2 and num_iterations 2: a generation batch serves 4 micro-steps, its weights computed
+    once, before them, with seeds of the batch's index; under mask_truncated_completions a truncated rollout (no
+    loss token in TRL's mask) is not scored: w = 1, not OAR's."""
+    trainer = _trainer(Spy, tmp_path, trainer_kw={"credit": "oar-g"}, per_device_train_batch_size=4,
+                       gradient_accumulation_steps=2, num_iterations=2, max_steps=4, mask_truncated_completions=True,
+                       max_completion_length=24)  # fmt: skip
+    calls = []
+    trainer.expect = lambda out: calls.append(trainer._step) or oar_weights(trainer, out, "oar-g")
+    trainer.train()
+    assert calls == [0, 4]  # micro-steps 0 and 4 of 8
+    for k, seen in enumerate(trainer.seen):
+        rec, mask = seen["credit"], seen["out"]["completion_mask"].bool()
+        assert rec.seeds == [(0 * 1_000_003 + k) * 10_007 * G + i for i in range(8)]
+        cut = ~mask.any(1)  # truncated, masked by TRL
+        assert not seen["expected"]["scored"][cut].any()
+        assert set(rec.weights[cut].unique().tolist()) <= {0.0, 1.0}
+    assert any((~s["out"]["completion_mask"].bool().any(1)).any() for s in trainer.seen)  # some were cut
 
 
 # -- 3. LoRA and resuming --------------------------------------------------------------------------
@@ -460,6 +497,14 @@ def test_credit_rows_are_whole_groups_from_their_first_rollout():
     assert [credit_rows(p, 3, 2) for p in (0, 1)] == [slice(0, 4), slice(4, 6)]  # (3 rows a process, G = 2)
 
 
+def test_only_runs_of_scored_rollouts_are_weighed():
+    """The credit's micro-batches: runs of scored rows cut at the micro-batch size; no forward for the rest."""
+    flags = lambda s: torch.tensor([c == "T" for c in s])  # noqa: E731
+    assert scored_runs(flags("FTTTFFT"), 2) == [slice(1, 3), slice(3, 4), slice(6, 7)]
+    assert scored_runs(flags("TTTT"), 8) == [slice(0, 4)]
+    assert scored_runs(flags("FFFF"), 8) == [] and scored_runs(flags(""), 8) == []
+
+
 def test_rollout_of_is_trls_completion_exactly():
     """TRL's token lists in oar's layout: a completion that ended with EOS keeps it; one cut short without EOS
     (shorter than the widest) ends at its own last token, truncated, where build_rollout alone would read its
@@ -600,7 +645,6 @@ def test_two_gloo_processes_give_the_run_of_one(tmp_path):
     done = finish(*spawn(cmd), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     two = torch.load(tmp_path / "two" / "results.pt")
-    torch.set_num_threads(1)
     for case, (_, methods) in CASES.items():
         for method in methods:
             one = run_case(case, method, tmp_path / "one" / case / method, processes=1)

@@ -23,9 +23,9 @@ oar's credit table (oar.credit.METHODS, plus `credit_module`'s) computed by oar'
   3. credit     oar.credit.step_credit: the method's prepare once, its weigh per micro-batch with a clean
                 forward's logits, outcome and keys/values (oar.probes.clean_forward, as oar's update
                 forward gives them), the model in eval mode (no dropout: one function of the weights, as
-                in oar's loop, which turns dropout off) under TRL's autocast (the update's precision). A
-                micro-batch without a scored rollout (A_i != 0 and a loss token) gets w = 1 and no forward:
-                its weights enter neither the loss nor the diagnostics
+                in oar's loop, which turns dropout off) under TRL's autocast (the update's precision). Only
+                runs of scored rollouts (A_i != 0 and a loss token) are weighed (`scored_runs`); the others
+                get w = 1 and no forward: their weights enter neither the loss nor the diagnostics
   4. hand back  the processes' weights summed into (B, T) (each row from one process), this process's
                 rows taken, A_it = A_i w_it; oar's diagnostics (maths §6) into TRL's metrics as oar/*
 
@@ -121,6 +121,21 @@ def credit_rows(process: int, n: int, group_size: int) -> slice:
     n = 2, G = 4: process 0 rows 0..3, process 1 none."""
     first = -(-process * n // group_size) * group_size
     return slice(first, -(-(process + 1) * n // group_size) * group_size)
+
+
+def scored_runs(scored: torch.Tensor, size: int) -> list[slice]:
+    """The micro-batches the credit weighs: each run of consecutive scored rows (b,), cut every `size` rows. The
+    other rows get w = 1 without a forward: their weights enter neither the loss (A_i = 0 or no loss token) nor
+    the diagnostics, and oar's loop, which has their forward for free from its update, gives them 1 too.
+    [F T T T F F T], size 2: rows 1-2, 3, 6."""
+    runs, start = [], None
+    for i, s in enumerate(scored.tolist() + [False]):
+        if s and start is None:
+            start = i
+        elif not s and start is not None:
+            runs += [slice(a, min(a + size, i)) for a in range(start, i, size)]
+            start = None
+    return runs
 
 
 def rollout_seed(seed: int, generation: int, row: int, group_size: int) -> int:
@@ -357,15 +372,12 @@ class OARGRPOTrainer(trl.GRPOTrainer):
             mask_truncated=self.mask_truncated_completions,
         )
         model, lp = acc.unwrap_model(self.model), ro.prompt_width
-        micro = max(1, self.args.per_device_train_batch_size)
         if len(ro) == 0 and method.prepare is TEMPO_PREPARE:
             # TEMPO's prepare reads no other process, and oar.tempo.tempo_weights gives (0,), not (0, T), for no row
             return ro.input_ids.float(), 0
-        weights, nonfinite = [], 0
+        weights, nonfinite = ro.completion_mask.float(), 0  # w = 1 where weigh is not called
+        golds = [""] * len(ro)  # read by outcome_source='reference' only, which this trainer does not offer
         with eval_mode(model), acc.autocast():
-            golds = [""] * len(
-                ro
-            )  # read by outcome_source='reference' only, which this trainer does not offer
             credit = (
                 settings,
                 model,
@@ -379,32 +391,24 @@ class OARGRPOTrainer(trl.GRPOTrainer):
                 s.probe,
             )
             weigh = step_credit(*credit, gather=self._gather)
-            for start in range(0, len(ro), micro):
-                rows = slice(start, start + micro)
+            for rows in scored_runs(scored, max(1, self.args.per_device_train_batch_size)):
                 mb, logits, clean, kv = ro.select(rows), None, None, None
-                if not scored[rows].any():  # no rollout whose weights the loss or oar/'s statistics read:
-                    weights.append(
-                        mb.completion_mask.float()
-                    )  # w = 1, and no forward (oar's loop has it for free)
-                    continue
                 # what oar's update forward hands a method (oar/training/update.py, step c), from our own forward
-                if method.scores:
-                    with torch.no_grad():
-                        keep = mb.input_ids.shape[1] - lp + 1  # logits from column Lp - 1
-                        logits, kv = clean_forward(
-                            model,
-                            mb.input_ids,
-                            mb.attention_mask,
-                            logits_to_keep=keep,
-                            keep_cache=method.uses_clean,
-                        )
-                    if method.uses_clean:
-                        ids, answer = mb.input_ids[:, lp - 1 :], mb.answer_mask[:, lp - 1 :]
-                        clean = outcome_from_logits(logits, ids, answer, s.probe)
+                with torch.no_grad():
+                    keep = mb.input_ids.shape[1] - lp + 1  # logits from column Lp - 1
+                    logits, kv = clean_forward(
+                        model,
+                        mb.input_ids,
+                        mb.attention_mask,
+                        logits_to_keep=keep,
+                        keep_cache=method.uses_clean,
+                    )
+                if method.uses_clean:
+                    ids, answer = mb.input_ids[:, lp - 1 :], mb.answer_mask[:, lp - 1 :]
+                    clean = outcome_from_logits(logits, ids, answer, s.probe)
                 w, _, bad = weigh(rows, mb, logits, clean, kv)
-                weights.append(w.float())
-                nonfinite += bad
-        return (torch.cat(weights) if weights else ro.input_ids.float()), nonfinite
+                weights[rows], nonfinite = w.float(), nonfinite + bad
+        return weights, nonfinite
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every process's 1-D `x` concatenated in process order (the lengths may differ): oar's step.gather."""
