@@ -1,6 +1,6 @@
 """OAR's token credit inside TRL's GRPOTrainer: `OARGRPOTrainer`, the same trainer with token weights (docs/trl.md).
 
-    from oar.integrations.trl import OARGRPOTrainer as GRPOTrainer  # the one line a TRL script changes
+    from oar.integrations.trl import GRPOConfig, OARGRPOTrainer as GRPOTrainer  # a TRL script's one changed line
 
 Legend: N processes, n this process's rows of a generation batch (per_device_train_batch_size x
 steps_per_generation), B = N n the generation batch, G rollouts per prompt (num_generations), Lp prompt
@@ -30,8 +30,8 @@ oar's credit table (oar.credit.METHODS, plus `credit_module`'s) computed by oar'
                 rows taken, A_it = A_i w_it; oar's diagnostics (maths §6) into TRL's metrics as oar/*
 
 Departures from train.py, each because TRL owns that part:
-  * the clean pass is one more no-grad forward a rollout: TRL's update forward runs after the batch is
-    shuffled and split, through a fused LM head that never forms the logits OAR's probe reads;
+  * the clean pass is one more no-grad forward of each scored rollout: TRL's update forward runs after the
+    batch is shuffled and split, through a fused LM head that never forms the logits OAR's probe reads;
   * rollout seeds (OAR-G's noise, random-gate's draws): maths §0's formula, the generation batch's index
     for the step and the row in the generation batch for the slot: the same for any number of processes
     and after a resume, but not train.py's numbers (TRL samples other rollouts);
@@ -378,31 +378,15 @@ class OARGRPOTrainer(trl.GRPOTrainer):
         weights, nonfinite = ro.completion_mask.float(), 0  # w = 1 where weigh is not called
         golds = [""] * len(ro)  # read by outcome_source='reference' only, which this trainer does not offer
         with eval_mode(model), acc.autocast():
-            credit = (
-                settings,
-                model,
-                self._tokenizer,
-                ro,
-                rewards,
-                advantages,
-                scored,
-                seeds,
-                golds,
-                s.probe,
-            )
-            weigh = step_credit(*credit, gather=self._gather)
+            weigh = step_credit(settings, model, self._tokenizer, ro, rewards, advantages, scored, seeds, golds,
+                                s.probe, gather=self._gather)  # fmt: skip
             for rows in scored_runs(scored, max(1, self.args.per_device_train_batch_size)):
-                mb, logits, clean, kv = ro.select(rows), None, None, None
+                mb, clean = ro.select(rows), None
                 # what oar's update forward hands a method (oar/training/update.py, step c), from our own forward
                 with torch.no_grad():
                     keep = mb.input_ids.shape[1] - lp + 1  # logits from column Lp - 1
-                    logits, kv = clean_forward(
-                        model,
-                        mb.input_ids,
-                        mb.attention_mask,
-                        logits_to_keep=keep,
-                        keep_cache=method.uses_clean,
-                    )
+                    logits, kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=keep,
+                                               keep_cache=method.uses_clean)  # fmt: skip
                 if method.uses_clean:
                     ids, answer = mb.input_ids[:, lp - 1 :], mb.answer_mask[:, lp - 1 :]
                     clean = outcome_from_logits(logits, ids, answer, s.probe)
