@@ -76,7 +76,10 @@ def load(name: str):
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
     if "gguf_file" in kwargs:  # de-quantized on load: a plain float model, as train.py's loader leaves it
-        model.hf_quantizer = None
+        model.hf_quantizer, model.is_quantized = (
+            None,
+            False,
+        )  # (transformers' Trainer refuses a quantized one)
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config
     return model, tokenizer, where
