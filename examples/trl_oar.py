@@ -52,7 +52,7 @@ def main() -> None:
         learning_rate=2e-4,
         logging_steps=5,
         report_to="none",
-        bf16=False,  # a CPU run in float32 (OAR-G's default noise is below bfloat16's rounding: docs/model-families.md)
+        bf16=False,  # a CPU run in float32 (OAR-G's default noise is below bf16's rounding: docs/model-families.md)
         gradient_checkpointing=False,
     )
     trainer = GRPOTrainer(

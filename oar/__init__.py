@@ -13,5 +13,6 @@ contracts check it), bottom to top:
                 `credit` (the protocol, the table of methods, `step_credit`)
   sampling      `eager_decode`, `static_decode`, `sampler` (rollouts)
   tasks         `tasks` (the built-in arith task and tiny-arith model; never the training machinery)
-  training      `training` (config, data, model loading, LoRA, sharding, checkpoints, logging)
+  training      `training` (config, data, model loading, LoRA, sharding, checkpoints, logging) and, beside
+                it, `integrations` (OAR inside other trainers: TRL's GRPOTrainer; optional dependencies)
 """

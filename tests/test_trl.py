@@ -81,10 +81,7 @@ def _dataset(conversational: bool = True) -> Dataset:
 
 
 def correct(completions, answer, **_):
-    return [
-        correctness_reward(c if isinstance(c, str) else c[0]["content"], a)
-        for c, a in zip(completions, answer)
-    ]
+    return [correctness_reward(c if isinstance(c, str) else c[0]["content"], a) for c, a in zip(completions, answer)]
 
 
 def _config(out, **kw) -> trl.GRPOConfig:
@@ -147,9 +144,7 @@ def oar_weights(trainer, out, method: str, model=None) -> dict:
     """oar's maths on TRL's output: build_rollout of its padded tensors, then the method's scores through the
     gate, with train.py's definition of what is scored (A_i != 0, a loss token) and maths §0's seeds."""
     tok, model = trainer.processing_class, model or trainer.accelerator.unwrap_model(trainer.model)
-    ro = build_rollout(
-        tok, out["prompt_ids"], out["prompt_mask"], out["completion_ids"], trainer.eos_token_ids
-    )
+    ro = build_rollout(tok, out["prompt_ids"], out["prompt_mask"], out["completion_ids"], trainer.eos_token_ids)
     advantages = trainer.last_credit.advantages
     scored = (advantages != 0) & out["completion_mask"].bool().any(1)
     reasoning = ro.reasoning_mask & scored[:, None]
@@ -251,25 +246,19 @@ def test_weights_on_trls_rollouts_are_oars_maths(tmp_path, method):
         torch.testing.assert_close(got[rows] / a[rows, None], want["weights"][rows], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(rec.weights[rows], want["weights"][rows], rtol=1e-4, atol=1e-4)
         # mass: sum_t A_it over the loss tokens is A_i T_i
-        torch.testing.assert_close(
-            (got * mask)[rows].sum(1), a[rows] * mask[rows].sum(1), rtol=1e-5, atol=1e-5
-        )
+        torch.testing.assert_close((got * mask)[rows].sum(1), a[rows] * mask[rows].sum(1), rtol=1e-5, atol=1e-5)
         # and the weights are not GRPO's ones: OAR reshaped something
         assert not rows.any() or not torch.allclose(rec.weights[rows], mask[rows].float())
         log = trainer.state.log_history[step - 1]
         for key in ("weight_mean", "weight_max", "frac_boosted", "frac_suppressed", "ess_ratio"):
             assert log[f"oar/{key}"] == pytest.approx(want["stats"][key], rel=1e-4, abs=1e-6), key
-        assert log["oar/frac_scored"] == pytest.approx(
-            float((want["scored"] & want["answered"]).float().mean())
-        )
+        assert log["oar/frac_scored"] == pytest.approx(float((want["scored"] & want["answered"]).float().mean()))
         assert log["oar/frac_nonfinite_scores"] == 0.0
     assert scored_any  # the test compared weights that OAR computed
     if logged:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        (folder,) = (
-            tmp_path / "run" / "runs"
-        ).iterdir()  # transformers' TensorBoardCallback: output_dir/runs/<run>
+        (folder,) = (tmp_path / "run" / "runs").iterdir()  # transformers' TensorBoardCallback: output_dir/runs/<run>
         events = EventAccumulator(str(folder)).Reload()
         for key in (
             "ess_ratio",
@@ -280,9 +269,7 @@ def test_weights_on_trls_rollouts_are_oars_maths(tmp_path, method):
             "frac_nonfinite_scores",
         ):
             values = [s.value for s in events.Scalars(f"train/oar/{key}")]
-            assert values == pytest.approx(
-                [h[f"oar/{key}"] for h in trainer.state.log_history[:2]], rel=1e-6
-            ), key
+            assert values == pytest.approx([h[f"oar/{key}"] for h in trainer.state.log_history[:2]], rel=1e-6), key
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -348,9 +335,7 @@ def test_lora_weights_are_the_adapted_policys(tmp_path):
         trainer_kw={
             "credit": "oar-g",
             "settings": OARSettings(noise_std=0.1),
-            "peft_config": LoraConfig(
-                r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
-            ),
+            "peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
         },
         learning_rate=5e-2,
         max_steps=3,
@@ -387,9 +372,7 @@ def test_a_resume_from_a_trl_checkpoint_continues_the_run(tmp_path):
     resumed = _trainer(Spy, tmp_path / "b", trainer_kw={"credit": "oar-g"}, max_steps=3, save_strategy="no")
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
     assert [s["credit"].seeds for s in resumed.seen] == [s["credit"].seeds for s in straight.seen[1:]]
-    assert any(
-        (s["credit"].advantages != 0).any() for s in straight.seen[1:]
-    )  # OAR scored after the checkpoint
+    assert any((s["credit"].advantages != 0).any() for s in straight.seen[1:])  # OAR scored after the checkpoint
     a, b = _params(straight.model), _params(resumed.model)
     assert all(torch.equal(a[k], b[k]) for k in a)
     other = _trainer(Spy, tmp_path / "c", trainer_kw={"credit": "oar-p"}, max_steps=3)
@@ -428,13 +411,9 @@ def test_what_the_build_refuses_and_what_it_allows(tmp_path, monkeypatch):
     does not; a vision processor; FSDP / ZeRO-3; another TRL release), read off `refusal`; bad OAR settings; and
     what credit='grpo' allows (TRL's own run, whatever TRL does), built."""
     args = _config(tmp_path)
-    assert "tools / environment_factory" in refusal(
-        METHODS["grpo"], args, tools=True, vision=False, sharded=False
-    )
+    assert "tools / environment_factory" in refusal(METHODS["grpo"], args, tools=True, vision=False, sharded=False)
     assert "read token ids only" in refusal(METHODS["oar-p"], args, tools=False, vision=True, sharded=False)
-    assert "FSDP or DeepSpeed ZeRO-3" in refusal(
-        METHODS["oar-g"], args, tools=False, vision=False, sharded=True
-    )
+    assert "FSDP or DeepSpeed ZeRO-3" in refusal(METHODS["oar-g"], args, tools=False, vision=False, sharded=True)
     assert refusal(METHODS["grpo"], args, tools=False, vision=True, sharded=True) is None
     assert refusal(METHODS["tempo"], args, tools=False, vision=False, sharded=False) is None
     monkeypatch.setattr(trl, "__version__", "1.17.0")
@@ -444,9 +423,7 @@ def test_what_the_build_refuses_and_what_it_allows(tmp_path, monkeypatch):
         OARSettings(gate_quantile=1.5)
     with pytest.raises(CreditError, match="probe='mean'"):
         OARSettings(probe="mean")
-    _trainer(
-        OARGRPOTrainer, tmp_path, trainer_kw={"credit": "grpo"}, top_entropy_quantile=0.2, loss_type="sapo"
-    )
+    _trainer(OARGRPOTrainer, tmp_path, trainer_kw={"credit": "grpo"}, top_entropy_quantile=0.2, loss_type="sapo")
 
 
 NEGATIVE = """
@@ -462,7 +439,8 @@ CREDIT_METHODS = [CreditMethod("negative", weigh)]
 
 def test_a_sign_flip_under_a_sign_reading_loss_stops_the_batch_that_shows_it(tmp_path):
     """A credit module's method whose weights are < 0 trains under loss_type='grpo', and stops in one line under
-    'sapo' (which picks each token's temperature by the sign TRL takes for the rollout's) once a scored batch shows it."""
+    'sapo' (which picks each token's temperature by the sign TRL takes for the rollout's) once a scored batch shows
+    it."""
     module = tmp_path / "negative.py"
     module.write_text(NEGATIVE)
     _trainer(
@@ -518,10 +496,7 @@ def test_rollout_of_is_trls_completion_exactly():
     assert lp == len(sampled[0][0]) and ro.input_ids.shape[1] == lp + len(sampled[0][1])
     assert ro.completion_mask.sum(1).tolist() == [len(sampled[0][1]), len(sampled[1][1])]
     assert ro.truncated.tolist() == [False, True]
-    assert (
-        ro.attention_mask[1].tolist()
-        == [0] * (lp - len(sampled[1][0])) + [1] * (len(sampled[1][0]) + 3) + [0] * 14
-    )
+    assert ro.attention_mask[1].tolist() == [0] * (lp - len(sampled[1][0])) + [1] * (len(sampled[1][0]) + 3) + [0] * 14
     assert ro.texts == ["1 + 2 = 3\n#### 3", "4 -"]
     completion = ro.input_ids[0, lp:].tolist()
     assert [completion[t] for t in ro.answer_mask[0, lp:].nonzero().flatten().tolist()] == enc("3")[-1:]
@@ -532,10 +507,10 @@ def test_rollout_of_is_trls_completion_exactly():
 
 
 def test_import_oar_needs_no_trl():
-    code = "import sys, oar, oar.integrations, oar.credit, oar.rollout; assert 'trl' not in sys.modules, 'trl imported'"
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1]
+    code = (
+        "import sys, oar, oar.integrations, oar.credit, oar.rollout; assert 'trl' not in sys.modules, 'trl imported'"
     )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -604,11 +579,7 @@ def run_case(case: str, method: str, out: Path, processes: int) -> dict:
     )
     trainer.train()
     logs = [
-        {
-            k: v
-            for k, v in h.items()
-            if k.startswith(("oar/", "loss", "grad_norm")) and k != "oar/seconds_per_rollout"
-        }
+        {k: v for k, v in h.items() if k.startswith(("oar/", "loss", "grad_norm")) and k != "oar/seconds_per_rollout"}
         for h in trainer.state.log_history[:2]
     ]
     return {
@@ -650,9 +621,9 @@ def test_two_gloo_processes_give_the_run_of_one(tmp_path):
             one = run_case(case, method, tmp_path / "one" / case / method, processes=1)
             _same(two[case][method], one, f"{case}/{method}")
             # the weights were not GRPO's: the method reshaped reasoning tokens
-            assert any(
-                log["oar/ess_ratio"] < 1 - 1e-6 or log["oar/weight_max"] != 1 for log in one["logs"]
-            ), case + method
+            assert any(log["oar/ess_ratio"] < 1 - 1e-6 or log["oar/weight_max"] != 1 for log in one["logs"]), (
+                case + method
+            )
 
 
 def main() -> None:

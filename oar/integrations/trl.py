@@ -69,23 +69,20 @@ SIGN_READING_LOSSES = ("sapo", "vespo")  # choose a rollout's temperature / gamm
 
 @dataclass(frozen=True)
 class OARSettings:
-    """OAR's settings for a TRL run: train.py's flags of the same names and defaults. The rest of what oar's
-    credit reads comes from TRL's config: temperature, num_generations, mask_truncated_completions."""
+    """OAR's settings for a TRL run: train.py's flags of the same names and defaults (oar.credit.CreditSettings).
+    The rest of what oar's credit reads comes from TRL's config: temperature, num_generations,
+    mask_truncated_completions; the gate's floor and mass preservation and OAR-P's window are oar's constants."""
 
     gate_quantile: float = CreditSettings.gate_quantile
     """q of the bi-level gate: scores below the q-quantile are suppressed (maths §5)."""
     gate_boost: float = CreditSettings.gate_boost
-    """beta of the bi-level gate: boost of scores above the quantile."""
-    preserve_mass: bool = CreditSettings.preserve_mass
-    """Rescale a rollout's reasoning weights to sum to its reasoning length (its advantage mass stays GRPO's)."""
-    probe: str = "answer_mean"  # train.py's --probe default (oar/training/config.py)
+    """kappa of the bi-level gate: boost of scores above the quantile."""
+    probe: str = CreditSettings.probe
     """Outcome probe: last | answer_mean | answer_joint (maths §2)."""
     noise_std: float = CreditSettings.noise_std
     """OAR-G: std of the Gaussian noise on the reasoning positions' embeddings (maths §4)."""
     perturb_mode: str = CreditSettings.perturb_mode
     """OAR-P: exact | window | auto (maths §3.3)."""
-    perturb_window: int = CreditSettings.perturb_window
-    """OAR-P window mode: positions recomputed after the masked token."""
 
     def __post_init__(self):
         for ok, problem in (
@@ -100,7 +97,6 @@ class OARSettings:
                 self.perturb_mode in ("exact", "window", "auto"),
                 f"perturb_mode={self.perturb_mode!r}: choose exact, window or auto",
             ),
-            (self.perturb_window >= 1, f"perturb_window={self.perturb_window} must be >= 1"),
         ):
             if not ok:
                 raise CreditError(f"OARSettings: {problem}.")
@@ -146,7 +142,10 @@ def rollout_seed(seed: int, generation: int, row: int, group_size: int) -> int:
 def refusal(method: CreditMethod, args, *, tools: bool, vision: bool, sharded: bool) -> str | None:
     """Why OAR cannot honour this TRL run, in one line with the fix, or None. `args`: the GRPOConfig."""
     if not trl.__version__.startswith(TESTED_TRL):
-        return f"trl {trl.__version__}: OARGRPOTrainer overrides TRL {TESTED_TRL}x's internals; pip install -r requirements-trl.txt"
+        return (
+            f"trl {trl.__version__}: OARGRPOTrainer overrides TRL {TESTED_TRL}x's internals; "
+            "pip install -r requirements-trl.txt"
+        )
     if tools:  # multi-turn completions: end-of-turn tokens inside, tool output the model did not write
         return (
             "tools / environment_factory: OAR's layout is one completion the model wrote, ended by its first EOS; "
@@ -155,11 +154,14 @@ def refusal(method: CreditMethod, args, *, tools: bool, vision: bool, sharded: b
     if not method.scores:  # w = 1: TRL's own loss, whatever TRL does
         return None
     if vision:
-        return f"credit {method.name!r}: OAR's forwards read token ids only, not images; use credit='grpo' for a vision-language model"
+        return (
+            f"credit {method.name!r}: OAR's forwards read token ids only, not images; use credit='grpo' for a "
+            "vision-language model"
+        )
     if sharded:
         return (
             f"credit {method.name!r} with FSDP or DeepSpeed ZeRO-3: OAR's forwards run on each process's whole model, "
-            f"which sharding splits (train.py --fsdp gathers it); use DDP or ZeRO-1/2"
+            f"which sharding splits (train.py gathers it for them); use DDP or ZeRO-1/2"
         )
     if args.top_entropy_quantile < 1.0:
         return (
@@ -173,8 +175,10 @@ def refusal(method: CreditMethod, args, *, tools: bool, vision: bool, sharded: b
         )
     if method.prepare is TEMPO_PREPARE and sign_reading(args):
         return (
-            f"credit {method.name!r} with {sign_reading(args)}: TEMPO's weights can flip a token's sign, and that loss "
-            f"reads each token's sign where TRL reads the rollout's; use loss_type='grpo' and no off_policy_mask_threshold"
+            f"credit {method.name!r} with {sign_reading(args)}: TEMPO's weights can flip a token's sign, and that "
+            "loss "
+            "reads each token's sign where TRL reads the rollout's; use loss_type='grpo' and no "
+            "off_policy_mask_threshold"
         )
     return None
 
@@ -197,9 +201,7 @@ def reward_sums(per_function: torch.Tensor, weights: torch.Tensor) -> torch.Tens
     return total.masked_fill(per_function.isnan().all(1), float("nan"))
 
 
-def rollout_of(
-    tokenizer, sampled: list[tuple[list[int], list[int]]], eos_token_ids: list[int], device
-) -> Rollout:
+def rollout_of(tokenizer, sampled: list[tuple[list[int], list[int]]], eos_token_ids: list[int], device) -> Rollout:
     """oar's layout (b, L) of TRL's rollouts, (prompt ids, completion ids) as TRL sampled them: TRL cut each
     completion at its first EOS (kept) or at max_completion_length. b = 0 gives an empty layout."""
     pad, eos = tokenizer.pad_token_id, set(eos_token_ids)
@@ -220,9 +222,7 @@ def rollout_of(
     for i, (p, c) in enumerate(sampled):
         prompt_ids[i, lp - len(p) :], prompt_mask[i, lp - len(p) :] = torch.tensor(p, dtype=torch.long), 1
         completion[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-    ro = build_rollout(
-        tokenizer, prompt_ids.to(device), prompt_mask.to(device), completion.to(device), eos_token_ids
-    )
+    ro = build_rollout(tokenizer, prompt_ids.to(device), prompt_mask.to(device), completion.to(device), eos_token_ids)
     # The completion is TRL's tokens exactly: the filler ended a row without EOS (build_rollout would read on),
     # one column too late; cut it, so the layout's masks are TRL's.
     lengths = torch.tensor([len(c) for _, c in sampled], device=device)
@@ -365,7 +365,7 @@ class OARGRPOTrainer(trl.GRPOTrainer):
         settings = CreditSettings(
             method=method.name,
             credit_module=self.oar_module,
-            **{f.name: getattr(s, f.name) for f in fields(s) if f.name != "probe"},
+            **{f.name: getattr(s, f.name) for f in fields(s)},
             temperature=self.temperature,
             micro_batch_size=self.args.per_device_train_batch_size,
             group_size=self.num_generations,
@@ -376,17 +376,29 @@ class OARGRPOTrainer(trl.GRPOTrainer):
             # TEMPO's prepare reads no other process, and oar.tempo.tempo_weights gives (0,), not (0, T), for no row
             return ro.input_ids.float(), 0
         weights, nonfinite = ro.completion_mask.float(), 0  # w = 1 where weigh is not called
-        golds = [""] * len(ro)  # read by outcome_source='reference' only, which this trainer does not offer
+        golds = [""] * len(ro)  # no built-in reads them; TRL has no gold-answer column to take them from
         with eval_mode(model), acc.autocast():
-            weigh = step_credit(settings, model, self._tokenizer, ro, rewards, advantages, scored, seeds, golds,
-                                s.probe, gather=self._gather)  # fmt: skip
+            weigh = step_credit(
+                settings,
+                model,
+                self._tokenizer,
+                ro,
+                rewards,
+                advantages,
+                scored,
+                seeds,
+                golds,
+                s.probe,
+                gather=self._gather,
+            )
             for rows in scored_runs(scored, max(1, self.args.per_device_train_batch_size)):
                 mb, clean = ro.select(rows), None
                 # what oar's update forward hands a method (oar/training/update.py, step c), from our own forward
                 with torch.no_grad():
                     keep = mb.input_ids.shape[1] - lp + 1  # logits from column Lp - 1
-                    logits, kv = clean_forward(model, mb.input_ids, mb.attention_mask, logits_to_keep=keep,
-                                               keep_cache=method.uses_clean)  # fmt: skip
+                    logits, kv = clean_forward(
+                        model, mb.input_ids, mb.attention_mask, logits_to_keep=keep, keep_cache=method.uses_clean
+                    )
                 if method.uses_clean:
                     ids, answer = mb.input_ids[:, lp - 1 :], mb.answer_mask[:, lp - 1 :]
                     clean = outcome_from_logits(logits, ids, answer, s.probe)
@@ -439,9 +451,7 @@ class OARGRPOTrainer(trl.GRPOTrainer):
         for key, value in logged.items():
             self._metrics["train"][f"oar/{key}"].append(float(value))
         if nonfinite_n:
-            logger.warning(
-                f"{int(nonfinite_n)} rollouts had non-finite OAR scores; they got plain GRPO weights"
-            )
+            logger.warning(f"{int(nonfinite_n)} rollouts had non-finite OAR scores; they got plain GRPO weights")
 
     # -- checkpoints: the credit they trained with -------------------------------------------------
 
@@ -455,9 +465,7 @@ class OARGRPOTrainer(trl.GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            folder = (
-                Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             (folder / CREDIT_FILE).write_text(json.dumps(self._credit_record(), indent=1))
 
     def _load_optimizer_and_scheduler(self, checkpoint):

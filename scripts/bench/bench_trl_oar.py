@@ -33,9 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DATA = ROOT / "research" / "real_smollm2" / "data"
-INSTRUCTION = (
-    r"End your reply with the answer in \boxed{}, like this: The answer is \boxed{17}."  # the study's
-)
+INSTRUCTION = r"End your reply with the answer in \boxed{}, like this: The answer is \boxed{17}."  # the study's
 TRL_RUNS = {
     "trl grpo": None,
     "trl + oar-g": "oar-g",
@@ -104,9 +102,7 @@ def trl_steps(base, tokenizer, data, credit, args, out: str) -> list[dict]:
             self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
-            self.steps.append(
-                {"wall_s": time.perf_counter() - self.t0, "cpu_s": time.process_time() - self.c0}
-            )
+            self.steps.append({"wall_s": time.perf_counter() - self.t0, "cpu_s": time.process_time() - self.c0})
 
     rollouts = args.prompts * args.group
     cfg = trl.GRPOConfig(
@@ -273,9 +269,7 @@ def main() -> None:
                     got[name] = trl_steps(base, tokenizer, data, TRL_RUNS[name], args, out)
                 else:
                     got[name] = oar_steps(source, name.split()[1], args, out)
-                print(
-                    f"round {r}: {name}: " + ", ".join(f"{s['wall_s']:.1f}s" for s in got[name]), flush=True
-                )
+                print(f"round {r}: {name}: " + ", ".join(f"{s['wall_s']:.1f}s" for s in got[name]), flush=True)
             rounds.append(got)
     result = {
         "settings": vars(args),
@@ -291,8 +285,10 @@ def main() -> None:
     for side in ("trl", "oar"):
         for name, s in result[side].items():
             print(
-                f"{name:12s} CPU x{s['cpu_ratio']:.2f}  wall x{s['wall_ratio']:.2f}  median step {s['median_wall_s']:.1f}s "
-                f"(CPU {s['median_cpu_s']:.1f}s)  credit {s['median_credit_s']:.2f}s  scored {s['median_frac_scored']:.2f}"
+                f"{name:12s} CPU x{s['cpu_ratio']:.2f}  wall x{s['wall_ratio']:.2f}  median step "
+                f"{s['median_wall_s']:.1f}s "
+                f"(CPU {s['median_cpu_s']:.1f}s)  credit {s['median_credit_s']:.2f}s  scored "
+                f"{s['median_frac_scored']:.2f}"
                 f"  same rollouts {s['same_rollouts']}"
             )
     print(f"total {result['seconds']:.0f} s")
