@@ -11,7 +11,7 @@ contracts check it), bottom to top:
   rollouts      `rollout` (a step's layout and masks)
   credit        `credit_protocol`, `credit_adapters` (the built-in methods), `credit_modules`,
                 `credit` (the table of methods, `step_credit`)
-  sampling      `eager_decode`, `static_decode`, `sampler` (rollouts)
+  sampling      `decode_loops` (the eager and the fixed-shape loop), `sampler` (rollouts)
   tasks         `tasks` (the built-in arith task and tiny-arith model; never the training machinery)
   training      `training` (config, data, model loading, LoRA, sharding, checkpoints, logging)
 """

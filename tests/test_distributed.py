@@ -53,7 +53,7 @@ SETTINGS = {  # (method, aggregation, extra flags): both aggregations, both OAR 
     "random-gate/seq_mean": ["--method", "random-gate", "--aggregation", "seq_mean"],  # beyond the paper: a control
     # rollouts sampled a prompt at a time (--rollout_batch_size 1): the same batches on 1 and 2 processes
     "grpo/chunked": ["--method", "grpo", "--aggregation", "seq_mean", "--rollout_batch_size", "1"],
-    # the same through the fixed-shape decode loop (oar/static_decode.py)
+    # the same through the fixed-shape decode loop (oar/decode_loops.py)
     "oar-p/chunked/static": [
         "--method",
         "oar-p",
