@@ -8,8 +8,10 @@ per step with the same pieces: `draw_uniforms` (each rollout's seeded stream of 
 (B, T) table up front), `prefill` and `choose` (one step's token and log-prob per row, by inverse-CDF
 sampling: oar/inverse_cdf.py). They differ only in where the state lives:
 
-* `decode_eager` (`oar.sampler.decode`'s default): a DynamicCache that grows by one column a step, until
-  every row has ended.
+* `decode_eager` (`oar.sampler.decode`'s default): the cache holds exactly the columns written so far, as
+  a DynamicCache would, until every row has ended. Its keys/values and its attention mask are preallocated
+  (`lm.in_place_cache`: each step writes its column, the forward reads the written ones as views), which
+  gives the numbers of growing them by `torch.cat`, bit for bit, without a copy of the whole cache a step.
 * `decode_static` (issue 20, for a GPU to replay): the keys and values go into a preallocated
   `StaticCache` of width Lp + T rounded up (`cache_width`: at most 1/8 more, so that calls with nearby
   prompt widths share compiled shapes), the attention mask is one (B, width) tensor made up front, and
@@ -30,20 +32,27 @@ all full-attention layers (a sliding window, chunked or linear attention), under
 static cache gave other tokens than the eager loop on every family tried: 4.57.6; 5.24 gives the same),
 and under autocast (accelerate's mixed precision) with a transformers before 5.24, whose static cache
 holds the values in the keys' dtype (an H200 run stopped at its first step).
+
+What neither loop does per token (issue 52), each giving the same numbers as doing it: wait for the device
+(whether every row is done is read every `check_interval` steps, every step on a CPU, where the read costs
+nothing, and the output is cut where a check after every step would have stopped; transformers' own sdpa mask
+still reads the padding mask once a forward, outside the compiled step), or cast the policy again under autocast
+(accelerate's mixed precision with float32 master weights casts every linear weight at every forward: the steps
+run with copies already in the autocast dtype, `lm.linear_weights_in`; not the compiled step, whose CUDA graph
+would record the copies' new addresses at every call).
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from typing import Callable
 
 import torch
 
 from oar import inverse_cdf
-from oar.lm import cache_kwargs, position_ids
+from oar.lm import autocast_seen, cache_kwargs, in_place_cache, linear_weights_in, position_ids
 
-CHECK_EVERY = 16  # steps between the fixed-shape loop's host checks that every row is done
+CHECK_EVERY = 16  # steps between the host's checks that every row is done, on an accelerator
 _SAID: set[str] = set()
 
 
@@ -61,38 +70,48 @@ def decode_eager(
     seeds,
     group_size: int = 1,
     skip_draws: list[int] | None = None,
+    check_every: int | None = None,
     on_token: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache (`oar.sampler.decode`'s default loop). (P, Lp) prompts ->
     ((B, T) completion ids, (B, T) float32 log-probs of them), B = P x group_size (a prompt's rollouts
     contiguous), ids padded with `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens.
-    Each prompt is prefilled once and its keys/values copied to its G rollouts."""
-    b = prompt_ids.shape[0] * group_size
+    Each prompt is prefilled once and its keys/values copied to its G rollouts. `check_every`: steps between
+    the checks that every row is done (None: `check_interval`); any value gives the same output."""
+    device, T = prompt_ids.device, max_new_tokens
+    b, lp = prompt_ids.shape[0] * group_size, prompt_ids.shape[1]
     assert len(seeds) == b, (len(seeds), b)
-    uniforms = draw_uniforms(seeds, max_new_tokens, prompt_ids.device, skip_draws)  # (B, max_new_tokens)
-    eos = torch.tensor(sorted(eos_token_ids), device=prompt_ids.device)
-    logits, cache, pos = prefill(model, prompt_ids, prompt_mask)
-    if group_size > 1:  # the G rollouts of a prompt share its prefill
-        cache.batch_repeat_interleave(group_size)
-    logits, mask, pos = (x.repeat_interleave(group_size, dim=0) for x in (logits, prompt_mask, pos))
+    every = check_every or check_interval(device)
+    uniforms = draw_uniforms(seeds, T, device, skip_draws)  # (B, T)
+    eos = torch.tensor(sorted(eos_token_ids), device=device)
+    with autocast_seen(model) as seen:  # accelerate's mixed precision wraps the forward itself in autocast
+        logits, cache, pos = prefill(model, prompt_ids, prompt_mask)
+    cache = in_place_cache(cache, lp + T, repeats=group_size)  # the G rollouts of a prompt share its prefill
+    logits, pos = (x.repeat_interleave(group_size, dim=0) for x in (logits, pos))
+    mask = torch.ones(b, lp + T, dtype=prompt_mask.dtype, device=device)  # step t reads columns 0 .. Lp + t
+    mask[:, :lp] = prompt_mask.repeat_interleave(group_size, dim=0)
     next_pos = pos[:, -1:] + 1
-    done = torch.zeros(b, dtype=torch.bool, device=prompt_ids.device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
     tokens, logprobs = [], []
-    for t in range(max_new_tokens):
-        token, logp = choose(logits, temperature, top_p, uniforms[:, t], done, pad_token_id)
-        tokens.append(token)
-        logprobs.append(logp)
-        done = done | torch.isin(token, eos)
-        if on_token is not None:  # a progress bar's tick
-            on_token()
-        if bool(done.all()):
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        logits = model(
-            input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, **cache_kwargs(cache), use_cache=True
-        ).logits[:, -1]
-        next_pos = next_pos + 1
-    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+    with linear_weights_in(model, seen.get("dtype")):  # cast once for the steps, not once a step
+        for t in range(T):
+            token, logp = choose(logits, temperature, top_p, uniforms[:, t], done, pad_token_id)
+            tokens.append(token)
+            logprobs.append(logp)
+            done = done | torch.isin(token, eos)
+            if on_token is not None:  # a progress bar's tick
+                on_token()
+            if t == T - 1 or ((t + 1) % every == 0 and bool(done.all())):
+                break
+            logits = model(
+                input_ids=token[:, None],
+                attention_mask=mask[:, : lp + t + 1],
+                position_ids=next_pos,
+                **cache_kwargs(cache),
+                use_cache=True,
+            ).logits[:, -1]
+            next_pos = next_pos + 1
+    return _cut(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), eos)
 
 
 def draw_uniforms(seeds: list[int], length: int, device, skip: list[int] | None = None) -> torch.Tensor:
@@ -166,28 +185,6 @@ def static_cache_or_reason(model, width: int):
     return (cache, None) if not kinds else (None, f"its cache has {', '.join(kinds)} layers")
 
 
-@contextlib.contextmanager
-def autocast_seen(model):
-    """A dict that gets {"dtype": d} when the model's forward, inside, runs under autocast to d: read at its
-    input embeddings, since accelerate's mixed precision enables autocast within the wrapped forward only."""
-    seen: dict = {}
-    device = model.device.type
-
-    def note(module, args):
-        if torch.is_autocast_enabled(device):
-            seen["dtype"] = torch.get_autocast_dtype(device)
-
-    try:
-        handle = model.get_input_embeddings().register_forward_pre_hook(note)
-    except (AttributeError, NotImplementedError):  # no embedding module to watch: nothing seen, as without autocast
-        handle = None
-    try:
-        yield seen
-    finally:
-        if handle is not None:
-            handle.remove()
-
-
 def keeps_each_dtype(layer_type, keys: torch.dtype, values: torch.dtype) -> bool:
     """Whether a cache layer of `layer_type` stores keys and values of these dtypes each in its own:
     transformers before 5.24 allocates the values in the keys' dtype, and a step's values of another
@@ -214,11 +211,11 @@ def decode_static(
     group_size: int = 1,
     skip_draws: list[int] | None = None,
     compiled: bool = False,
-    check_every: int = CHECK_EVERY,
+    check_every: int | None = None,
     on_token: Callable[[], None] | None = None,
 ):
     """`oar.sampler.decode` in fixed shapes (same arguments and outputs); `compiled`: the step through
-    torch.compile (a CUDA graph on a GPU)."""
+    torch.compile (a CUDA graph on a GPU). `check_every` as in `decode_eager`."""
     device, T = prompt_ids.device, max_new_tokens
     b = prompt_ids.shape[0] * group_size
     assert len(seeds) == b, (len(seeds), b)
@@ -243,9 +240,11 @@ def decode_static(
             seeds=seeds,
             group_size=group_size,
             skip_draws=skip_draws,
+            check_every=check_every,
             on_token=on_token,
         )
 
+    every = check_every or check_interval(device)
     cache, why = static_cache_or_reason(model, width)
     if cache is None:
         return eager_instead(why)
@@ -296,13 +295,26 @@ def decode_static(
     record(logits.repeat_interleave(group_size, 0))
     tick = on_token or (lambda: None)  # a progress bar's tick, outside the compiled step
     tick()
-    for i in range(1, T):
-        if i % check_every == 0 and bool(done.all()):
-            break
-        run()
-        tick()
-    # Cut where the eager loop stops: after the step at which the last row ended (T if one never did).
+    # the compiled step's CUDA graph would record new addresses for the copies at every call: it casts as before
+    with linear_weights_in(model, None if compiled else seen.get("dtype")):
+        for i in range(1, T):
+            if i % every == 0 and bool(done.all()):
+                break
+            run()
+            tick()
+    return _cut(tokens, logprobs, eos)
+
+
+def check_interval(device) -> int:
+    """Steps between the host's checks that every row is done: 1 on a CPU, where reading a flag costs nothing and
+    each step run past the end costs a forward; CHECK_EVERY on an accelerator, where a read waits for the queue."""
+    return 1 if torch.device(device).type == "cpu" else CHECK_EVERY
+
+
+def _cut(tokens, logprobs, eos):
+    """(B, n) tokens and log-probs cut where a check after every step stops: after the step at which the last row
+    ended (n if one never did). A finished row's tokens after its EOS are pads, so its first EOS is its end."""
     ended = torch.isin(tokens, eos)
-    length = torch.where(ended.any(1), ended.int().argmax(1) + 1, T)
-    width_out = int(length.max())
-    return tokens[:, :width_out].clone(), logprobs[:, :width_out].clone()
+    length = torch.where(ended.any(1), ended.int().argmax(1) + 1, tokens.shape[1])
+    width = int(length.max())
+    return (tokens, logprobs) if width == tokens.shape[1] else (tokens[:, :width].clone(), logprobs[:, :width].clone())
