@@ -211,3 +211,50 @@ def _parameters_managed(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters()) or any(
         hasattr(m, "_hf_hook") for m in model.modules()
     )
+
+
+CPU_FORWARD_POSITIONS = 8192  # positions (cached + recomputed) of masked copies in one scoring forward on a CPU
+DEVICE_MEMORY_SHARE = 0.5  # of an accelerator's free memory, what one scoring forward may plan to take
+
+
+def positions_that_fit(model, device, *, per_copy: int, logit_columns: int) -> int:
+    """How many (cached + recomputed) positions of masked copies one no-grad scoring forward holds on `device`.
+
+    On a CPU, CPU_FORWARD_POSITIONS (8192: OAR-P's budget before it was sized by the device; larger forwards
+    run no faster there, and the memory is the host's). On a CUDA device, as many whole copies of `per_copy`
+    positions and `logit_columns` vocabulary-wide logit columns each as DEVICE_MEMORY_SHARE of its free memory
+    holds (the caching allocator's unused reserve counted free), by the model's sizes: a position holds its
+    keys/values in every layer twice (the gathered prefix and the cache's own) and one layer's activations, a
+    logit column the logits and two float32 copies; never fewer than on a CPU. An estimate from the config,
+    not a measurement: it has not run on a GPU (docs/long-reasoning.md)."""
+    free = _free_bytes(device)
+    if free is None:
+        return CPU_FORWARD_POSITIONS
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    inner = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    elem = next(model.parameters()).element_size()
+    position = (
+        4 * c.num_hidden_layers * kv_heads * head_dim + 4 * c.hidden_size + 3 * inner + 2 * heads * head_dim
+    ) * elem
+    column = c.vocab_size * (elem + 8)
+    copies = int(DEVICE_MEMORY_SHARE * free) // (per_copy * position + logit_columns * column)
+    return max(CPU_FORWARD_POSITIONS, copies * per_copy)
+
+
+def _free_bytes(device) -> int | None:
+    """Free memory of a CUDA device, with what its caching allocator holds unused; None for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def on_device(device, values) -> torch.Tensor:
+    """A host list (of lists) of ints as a long tensor on `device`: on a GPU pinned and copied without waiting,
+    so a scorer's index tables do not drain the queue (a plain copy from pageable memory synchronises)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
