@@ -159,13 +159,17 @@ def device_budget(model, device, end: int, answer_tokens: int, window: int) -> i
 
 
 def _blocks(rows: list[_Row], budget: int):
-    """Consecutive rows (sorted by cut, longest first) whose clean keys/values, E positions each at the
-    block's longest E, take at most `budget` positions (at least one row)."""
+    """Consecutive rows (sorted by cut, longest first) of nearly one length, whose clean keys/values take at most
+    `budget` positions at the block's longest E (at least one row). A row joins while its E is at least 7/8 of
+    the block's: every row of a block attends over the longest E (the rest masked), so rows of mixed lengths in
+    one block would pay for the longest one's keys (5x at E = 201 beside 1,037, measured 0.65x before this rule)."""
     i = 0
     while i < len(rows):
-        most = max(1, budget // rows[i].end)
-        yield rows[i : i + most]
-        i += most
+        e, j = rows[i].end, i + 1
+        while j < len(rows) and j - i < budget // e and 8 * rows[j].end >= 7 * e:
+            j += 1
+        yield rows[i:j]
+        i = j
 
 
 @dataclass(frozen=True)

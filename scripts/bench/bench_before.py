@@ -14,8 +14,9 @@ reported against the largest score).
 --decode: SmolLM2-135M's eager loop in float32 and under accelerate's bf16 autocast (float32 master weights, as
 train.py under --mixed_precision bf16), and tiny-arith at the default run's batch; every row runs exactly T
 tokens (no EOS), temperature 1.
---oar_p: SmolLM2-135M scoring synthetic rollouts of mixed reasoning lengths (scripts/bench/bench_parts.py's
-layout, random ids), exact OAR-P and the window mode (W = 32) each on every row, with the clean pass run here.
+--oar_p: SmolLM2-135M scoring synthetic rollouts of mixed reasoning lengths in one batch (bench_parts.py's
+layout, random ids), exact OAR-P on 16 evenly spaced positions a row and the window mode (W = 32) on 128 (as
+many as a row of 128 has), at training's budget (None), with the clean pass run here.
 """
 
 from __future__ import annotations
@@ -187,11 +188,11 @@ def oar_p_main(args, say) -> dict:
     model, tok, _, source = bp.smollm2(Path(args.cache_dir))
     pad = tok.pad_token_id if tok is not None else 2
     lengths = [int(x) for x in args.lengths.split(",")]
-    ids, attn, reas, ans = mixed_rollouts(lengths, prompt=args.prompt, answer=args.answer)
-    reas = bp.every_kth(reas, args.positions) if args.positions else reas
+    ids, attn, every, ans = mixed_rollouts(lengths, prompt=args.prompt, answer=args.answer)
     res = {"model": source, "reasoning_lengths": lengths, "prompt": args.prompt, "answer": args.answer}
-    res["scored_positions"] = int(reas.sum())
-    for mode in ("exact", "window"):
+    for mode in args.modes.split(","):
+        k = args.positions if mode == "exact" else args.window_positions
+        reas = bp.every_kth(every, k) if k else every
         kw = dict(probe="answer_mean", pad_token_id=pad, mode=mode, window=32)
         fns = {
             "before": lambda: old(model, ids, attn, reas, ans, **kw),  # its budget: 8192 (exact), 2,048 (window)
@@ -200,6 +201,7 @@ def oar_p_main(args, say) -> dict:
         r = _timed(fns, args.repeats)
         a, b = r["before"].pop("result"), r["today"].pop("result")
         res[mode] = {
+            "scored_positions": int(reas.sum()),
             "variants": r,
             "speedup": r["before"]["median_s"] / r["today"]["median_s"],
             "max_abs_diff": float((a - b).abs().max()),
@@ -226,10 +228,14 @@ def main() -> None:
     ap.add_argument("--decode_rollouts", type=int, default=64, help="--decode: SmolLM2 rollouts (8 per prompt)")
     ap.add_argument("--decode_tokens", type=int, default=256, help="--decode: SmolLM2 new tokens a rollout")
     ap.add_argument("--lengths", default="64,160,320,600,900", help="--oar_p: reasoning lengths, one rollout each")
+    ap.add_argument("--modes", default="exact,window", help="--oar_p: the modes to time, comma-separated")
     ap.add_argument("--prompt", type=int, default=128, help="--oar_p: prompt tokens")
     ap.add_argument("--answer", type=int, default=8, help="--oar_p: answer tokens")
     ap.add_argument(
-        "--positions", type=int, default=0, help="--oar_p: score this many evenly spaced positions a row (0: all)"
+        "--positions", type=int, default=16, help="--oar_p: exact mode's evenly spaced positions a row (0: all)"
+    )
+    ap.add_argument(
+        "--window_positions", type=int, default=128, help="--oar_p: the window mode's positions a row (0: all)"
     )
     args = ap.parse_args()
     if args.threads:
