@@ -17,7 +17,7 @@ sampling: oar/inverse_cdf.py). They differ only in where the state lives:
   prompt widths share compiled shapes), the attention mask is one (B, width) tensor made up front, and
   the step counter, the positions, the done flags and the output tokens and log-probs are tensors updated
   in place. One decode step (forward, choice, bookkeeping) is then a function of fixed shapes with no
-  host work in it: the host asks whether every row is done only every CHECK_EVERY steps. Finished rows
+  host work in it: the host asks whether every row is done every `check_interval` steps. Finished rows
   keep being fed (their token is the pad, their log-prob 0) and are never compacted, so a row's numbers
   do not depend on when its batch-mates stop; the output is cut where the eager loop stops, so both give
   the same shapes. `compiled=True` wraps the step in `torch.compile(mode="reduce-overhead")`: on CUDA,

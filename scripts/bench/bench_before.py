@@ -15,8 +15,8 @@ reported against the largest score).
 train.py under --mixed_precision bf16), and tiny-arith at the default run's batch; every row runs exactly T
 tokens (no EOS), temperature 1.
 --oar_p: SmolLM2-135M scoring synthetic rollouts of mixed reasoning lengths in one batch (bench_parts.py's
-layout, random ids), exact OAR-P on 16 evenly spaced positions a row and the window mode (W = 32) on 128 (as
-many as a row of 128 has), at training's budget (None), with the clean pass run here.
+layout, random ids), exact OAR-P on 16 evenly spaced positions a row and the window mode (W = 32) on 128 (every
+position of a shorter row), at training's budget (None), with the clean pass run here.
 """
 
 from __future__ import annotations
