@@ -74,6 +74,7 @@ def main(cfg: Config) -> dict:
         problems, seeds = run.prompts(step)
         prompts = [format_prompt(tokenizer, p.problem, run.instruction) for p in problems]
         ro = run.sample(prompts, seeds)  # (B, L) rollouts: [left pad | prompt | completion | right pad]
+        rollout_backend.rest(run.sampler)  # vllm: the engine sleeps through the update where it can (a GPU)
         t_rollout = time.perf_counter() - t0
 
         # 2. reward: --reward's weighted terms (oar/reward_table.py; by default answer correctness alone)

@@ -11,7 +11,8 @@ contracts check it), bottom to top:
   rollouts      `rollout` (a step's layout and masks)
   credit        `credit_settings` (what a method reads of a run), `credit_methods` (the built-ins),
                 `credit` (the protocol, the table of methods, `step_credit`)
-  sampling      `eager_decode`, `static_decode`, `sampler` (rollouts)
+  sampling      `decode_loops` (the eager and the fixed-shape loop), `sampler` (rollouts)
   tasks         `tasks` (the built-in arith task and tiny-arith model; never the training machinery)
-  training      `training` (config, data, model loading, LoRA, sharding, checkpoints, logging)
+  training      `training` (config, data, model loading, LoRA, sharding, checkpoints, logging) and, beside
+                it, `integrations` (OAR inside other trainers: TRL's GRPOTrainer; optional dependencies)
 """

@@ -24,8 +24,9 @@ PERTURB_SPAN = 1  # OAR-P: tokens masked together (1 = the definition, exact)
 PERTURB_WINDOW = 32  # OAR-P window mode: positions recomputed after the masked token (plus the answer's)
 # OAR-P auto mode: reasoning-to-answer positions from which the window is used (docs/long-reasoning.md)
 PERTURB_AUTO_LENGTH = 512
-# OAR-P: recomputed tokens per batch of masked copies (a memory bound, not a number changer)
-PERTURB_CHUNK_TOKENS = 8192
+# OAR-P: (cached + recomputed) positions per forward of masked copies, a memory bound, not a number changer;
+# None: chosen from the device (oar.lm.positions_that_fit: 8,192 on a CPU, from the free memory on a GPU)
+PERTURB_CHUNK_TOKENS = None
 
 
 @dataclass(frozen=True)
@@ -74,4 +75,4 @@ class CreditSettings:
     entropy_top: ClassVar[float] = ENTROPY_TOP
     perturb_span: ClassVar[int] = PERTURB_SPAN
     perturb_auto_length: ClassVar[int] = PERTURB_AUTO_LENGTH
-    perturb_chunk_tokens: ClassVar[int] = PERTURB_CHUNK_TOKENS
+    perturb_chunk_tokens: ClassVar[int | None] = PERTURB_CHUNK_TOKENS

@@ -22,7 +22,7 @@ Cost (all exact, pinned by tests against a plain full-sequence backward):
   * columns after the last answer token are cut, and only the K answer-predicting positions of a
     row (from its first on) go through the model's own head, not every position x V;
   * rows are scored in groups of the same columns (first .. last answer token rounded up to a
-    multiple of GRAIN), so short rows do not pay for the longest one's; a row's shapes never
+    multiple of COLUMN_STEP), so short rows do not pay for the longest one's; a row's shapes never
     depend on the other rows, and groups too small for the BLAS kernels of large matrices are
     filled up with duplicate rows (probes.min_rows): micro-batching stays exact to float rounding.
 
@@ -102,7 +102,7 @@ def gradient_scores(
         )
     assert noise.shape == (*input_ids.shape, hidden), (noise.shape, input_ids.shape, hidden)
     # Each row's columns: from the first that the noise or the probe touches through its last answer
-    # token, rounded up to a multiple of GRAIN; rows with the same columns are scored together. A row's
+    # token, rounded up to a multiple of COLUMN_STEP; rows with the same columns are scored together. A row's
     # shapes, hence its numbers, never depend on the other rows (micro-batching is exact).
     cols = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = torch.where(answer_mask, cols, -1).amax(1)  # (B,) last answer token, -1 without one
@@ -111,7 +111,9 @@ def gradient_scores(
     first = torch.minimum(torch.where(noisy, cols, input_ids.shape[1]).amin(1), (a0 - 1).clamp(min=0))
     if model.training and _checkpointing(model):
         first = torch.zeros_like(first)  # checkpointed layers drop caches in training mode: all columns in the graph
-    end = torch.minimum(first + (last + GRAIN - first) // GRAIN * GRAIN, torch.tensor(input_ids.shape[1]))  # > last
+    end = torch.minimum(
+        first + (last + COLUMN_STEP - first) // COLUMN_STEP * COLUMN_STEP, torch.tensor(input_ids.shape[1])
+    )  # > last
     groups: dict[tuple[int, int], list[int]] = {}
     for b in noisy.any(1).nonzero().flatten().tolist():  # rows without an answer or noise score 0
         groups.setdefault((int(first[b]), int(end[b])), []).append(b)
@@ -147,7 +149,8 @@ def seeded_noise(seeds: list[int], reasoning_mask: torch.Tensor, hidden: int) ->
     return noise
 
 
-GRAIN = 8  # a row's graph columns are rounded up to a multiple of this, so rows of similar length share a forward
+# a row's graph columns are rounded up to a multiple of this, so rows of similar length share a forward
+COLUMN_STEP = 8
 
 
 @dataclass(frozen=True)

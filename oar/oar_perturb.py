@@ -40,7 +40,7 @@ def perturbation_scores(
     *,
     probe: str = "answer_mean",
     pad_token_id: int,
-    max_chunk_tokens: int = 8192,
+    max_chunk_tokens: int | None = None,
     span: int = 1,
     clean: torch.Tensor | None = None,
     clean_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -61,6 +61,10 @@ def perturbation_scores(
     The window mode falls back to exact, saying so once, on models where it is not supported
     (`oar_perturb_window.window_supported`).
 
+    max_chunk_tokens: (cached + recomputed) positions of masked copies per forward, a memory bound that changes
+    the scores by float rounding only; None (the default): chosen from the device (`lm.positions_that_fit`:
+    8192 on a CPU, from the free memory on a GPU).
+
     clean, clean_kv: optionally the clean outcome (as `probes.outcome` returns it) and the keys/values
     (per layer, each (B, heads, >= L', head_dim)) of a clean forward over these rows, as
     `probes.clean_forward` gives them from the update's own forward: then no clean pass runs here
@@ -70,7 +74,7 @@ def perturbation_scores(
     assert clean_kv is None or clean is not None, "clean_kv needs the clean outcome too"
     check_probe(probe)
     assert input_ids.shape == attention_mask.shape == reasoning_mask.shape == answer_mask.shape
-    assert span >= 1 and max_chunk_tokens >= 1
+    assert span >= 1 and (max_chunk_tokens is None or max_chunk_tokens >= 1), (span, max_chunk_tokens)
     # span > 1 is the exact mode's approximation; a window row masks one token, and would ignore it silently
     assert span == 1 or mode == "exact", f"span={span} needs mode='exact' (the window mode masks one token at a time)"
     exact = lambda reasoning: exact_perturbation_scores(
@@ -121,6 +125,7 @@ def perturbation_scores(
                 window=window,
                 probe=probe,
                 pad_token_id=pad_token_id,
+                max_chunk_tokens=max_chunk_tokens,
                 clean=clean,
                 clean_kv=clean_kv,
             )

@@ -242,7 +242,10 @@ def _deadline(seconds: float, wall_seconds: float | None = None):
 
     def watch():
         while not stop.wait(DEADLINE_POLL):
-            used = cpu() - cpu_start if cpu else wall() - wall_start
+            try:
+                used = cpu() - cpu_start if cpu else wall() - wall_start
+            except OSError:  # the thread ended between the block's exit and this look: nothing to stop
+                return
             if used >= seconds or wall() - wall_start >= cap:
                 with lock:
                     if not state["done"]:

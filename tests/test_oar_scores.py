@@ -169,3 +169,87 @@ def test_answer_positions_pad_a_short_answer_with_its_own_last_position():
     pos, valid = answer_positions(mask)
     assert pos.tolist() == [[3, 4, 5], [5, 5, 5], [0, 0, 0]]
     assert valid.tolist() == [[True] * 3, [True, False, False], [False] * 3]
+
+
+def _long_batch(seed=0, lengths=(12, 30, 55, 70, 20), vocab=40):
+    """Rows of mixed reasoning lengths (left pads 0-2, answers of 1-3 tokens), long enough that the window mode
+    packs several copies to a sequence and the exact mode's copies fill several chunks."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths) + 12
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attn, reas, ans = (
+        torch.zeros_like(ids),
+        torch.zeros(ids.shape, dtype=torch.bool),
+        torch.zeros(ids.shape, dtype=torch.bool),
+    )
+    for i, r in enumerate(lengths):
+        lp, a = i % 3, 1 + i % 3
+        n = lp + 3 + r + 1 + a + 1  # left pad, prompt 3, reasoning, marker, answer, EOS
+        ids[i, lp:n] = torch.randint(3, vocab, (n - lp,), generator=g)
+        attn[i, lp:n] = 1
+        reas[i, lp + 3 : lp + 3 + r] = True
+        ans[i, lp + 4 + r : lp + 4 + r + a] = True
+    return ids, attn, reas, ans
+
+
+@pytest.mark.parametrize("mode", ["exact", "window", "auto"])
+def test_oar_p_budget_from_the_device_gives_todays_scores(monkeypatch, mode):
+    # max_chunk_tokens=None is chosen from the device: on a CPU 8192, the budget before issue 52, so the same
+    # numbers bit for bit; on a GPU from its free memory (faked here), forwards many times larger, which, like a
+    # budget of one copy a forward, change the scores by float rounding only (a copy's shapes are its own)
+    import oar.lm as lm
+
+    model = tiny_llama(layers=3, seed=3)
+    ids, attn, reas, ans = _long_batch()
+    kw = dict(probe="answer_mean", pad_token_id=0, mode=mode, window=4, auto_length=40)
+    want = perturbation_scores(model, ids, attn, reas, ans, max_chunk_tokens=8192, **kw)
+    assert want[reas].abs().min() > 0
+    assert torch.equal(perturbation_scores(model, ids, attn, reas, ans, **kw), want)
+    forwards = []
+    model.register_forward_pre_hook(lambda m, a, k: forwards.append(k["input_ids"].shape), with_kwargs=True)
+    perturbation_scores(model, ids, attn, reas, ans, max_chunk_tokens=8192, **kw)
+    at_8192 = len(forwards)
+    monkeypatch.setattr(lm, "_free_bytes", lambda device: 8 << 30)  # an accelerator with 8 GiB free
+    assert lm.positions_that_fit(model, "cpu", per_copy=100, logit_columns=4) > 100 * lm.CPU_FORWARD_POSITIONS
+    # float32 rounding of KLs of 1e-7 to 7e-5 from logits of ~1: a few 1e-7 absolute (as test_perturb_window's)
+    tol = dict(rtol=0, atol=max(1e-4 * want.abs().max().item(), 1e-6))
+    for budget in (None, 1):  # at 1, one copy (exact) or one sequence of copies (window) a forward
+        forwards.clear()
+        got = perturbation_scores(model, ids, attn, reas, ans, max_chunk_tokens=budget, **kw)
+        torch.testing.assert_close(got, want, **tol)
+        assert len(forwards) <= at_8192 if budget is None else len(forwards) > 4 * at_8192, (budget, at_8192)
+
+
+def test_the_device_budget_never_falls_below_a_cpus():
+    import oar.lm as lm
+
+    model = tiny_llama()
+    assert lm.positions_that_fit(model, "cpu", per_copy=1000, logit_columns=64) == lm.CPU_FORWARD_POSITIONS
+    assert lm._free_bytes("cpu") is None
+
+
+@pytest.mark.parametrize("mode", ["exact", "window"])
+def test_oar_p_reads_nothing_back_from_the_device_per_copy(monkeypatch, mode):
+    # On a GPU a read of a tensor's value waits for the queue: the scorers read the masks once per call and
+    # build their tables of copies on the host, so rows four times longer (four times the copies) read the
+    # same number of values back. Counted at oar/'s own reads (int(), bool(), .item(), .tolist(), .nonzero()).
+    import sys
+
+    reads = []
+    for name in ("__bool__", "__int__", "__index__", "__float__", "item", "tolist", "nonzero"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, **k):
+            if "/oar/" in sys._getframe(1).f_code.co_filename:
+                reads.append(sys._getframe(1).f_lineno)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    model = tiny_llama(layers=2, seed=3)
+    counts = []
+    for lengths in ((10, 6), (40, 24)):
+        ids, attn, reas, ans = _long_batch(lengths=lengths)
+        reads.clear()
+        perturbation_scores(model, ids, attn, reas, ans, pad_token_id=0, mode=mode, window=3, max_chunk_tokens=64)
+        counts.append(len(reads))
+    assert counts[0] == counts[1], counts

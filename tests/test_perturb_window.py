@@ -262,3 +262,71 @@ def test_span_above_one_is_the_exact_modes_alone():
     for mode in ("window", "auto"):
         with pytest.raises(AssertionError, match="span=2 needs mode='exact'"):
             perturbation_scores(model, ids, attn, reas, ans, span=2, mode=mode, pad_token_id=0)
+
+
+def _window_definition(model, ids, attn, reas, ans, window: int, probe: str) -> torch.Tensor:
+    """maths §3.2 one copy at a time, nothing packed or padded: the copy that masks j recomputes
+    P_j = {j .. j+W} u {a0-1 .. E-1} (within the row's cut E) in a forward of its own after the row's clean cache,
+    position p of P_j attending to the clean keys of the real positions q < p outside P_j and to its own q <= p;
+    the clean outcome is read off the clean forward's logits."""
+    from oar.lm import cache_kwargs, full_cache, position_ids, returned_cache
+    from oar.probes import divergence, outcome
+
+    scores = torch.zeros(ids.shape, dtype=torch.float32)
+    pos = position_ids(attn)
+    for b in range(ids.shape[0]):
+        answer = ans[b].nonzero().flatten().tolist()
+        if not answer:
+            continue
+        a0, end = max(answer[0], 1), answer[-1]
+        row = dict(
+            input_ids=ids[b : b + 1, :end], attention_mask=attn[b : b + 1, :end], position_ids=pos[b : b + 1, :end]
+        )
+        out = model(**row, use_cache=True)
+        kv = [(layer.keys, layer.values) for layer in returned_cache(out).layers]
+        targets, valid = ids[b, a0 : end + 1][None], ans[b, a0 : end + 1][None]
+        clean = outcome(out.logits[:, a0 - 1 : end], targets, valid, probe)
+        for j in [j for j in reas[b].nonzero().flatten().tolist() if j < end]:
+            p = torch.tensor(sorted(set(range(j, min(j + window, end - 1) + 1)) | set(range(a0 - 1, end))))
+            keys = torch.arange(end)
+            to_cache = attn[b, :end].bool()[None] & (keys[None] < p[:, None]) & ~torch.isin(keys, p)[None]
+            allowed = torch.cat([to_cache, p[None, :] <= p[:, None]], 1)
+            if model.config._attn_implementation == "eager":
+                allowed = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill(
+                    ~allowed, torch.finfo(model.dtype).min
+                )
+            logits = model(
+                input_ids=torch.where(p == j, 0, ids[b, p])[None],
+                attention_mask=allowed[None, None],
+                position_ids=pos[b, p][None],
+                **cache_kwargs(full_cache(kv)),
+                use_cache=True,
+            ).logits
+            masked = outcome(logits[:, -(end - a0 + 1) :], targets, valid, probe)  # the answer slots come last
+            scores[b, j] = divergence(clean, masked, probe).float()
+    return scores
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("probe", PROBES)
+def test_the_packed_copies_give_the_definitions_scores_whatever_the_budget(family, probe):
+    # the batched window mode (U sequences of c copies a forward, rows padded to their block's longest, K
+    # padded to its longest answer) against maths §3.2 one copy at a time, for windows that stop short of the
+    # answer (where the mode is an approximation, so only the definition can pin it), the forwards in float64
+    from test_oar_scores import _long_batch
+
+    model = tiny_llama(layers=3, seed=3) if family == "llama" else tiny_qwen2(layers=3, seed=3)
+    model = model.double()
+    model.set_attn_implementation("sdpa")  # eager attention in float64 turns left-padded rows into NaN here
+    with torch.no_grad():  # logits of ~10, not ~0.1: KLs far above the float32 rounding of the probes' log-probs
+        model.lm_head.weight.mul_(100)
+    ids, attn, reas, ans = _long_batch(lengths=(12, 50, 70, 20))
+    for window in (0, 3):
+        want = _window_definition(model, ids, attn, reas, ans, window, probe)
+        assert want[reas].abs().max() > 0
+        for budget in (None, 1, 200):
+            got = window_perturbation_scores(
+                model, ids, attn, reas, ans, window=window, probe=probe, pad_token_id=0, max_chunk_tokens=budget
+            )
+            # the probes compute in float32 (probes.outcome): their rounding, ~1e-6 of the largest score, is the floor
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())

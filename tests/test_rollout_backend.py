@@ -8,6 +8,7 @@ where it is not installed (or with top-p it cannot score) stops with one line sa
 
 import json
 import math
+import re
 
 import pytest
 
@@ -15,7 +16,7 @@ from oar.training.config import parse_args
 import torch
 from tinyrun import TINY, final_params, metrics, run_inprocess
 
-from oar import vllm_rollouts
+from oar import vllm_rollouts, vllm_settings
 from oar.grpo import policy_loss, truncated_is_weights
 
 
@@ -258,3 +259,221 @@ def test_a_mixture_of_experts_is_told_from_a_dense_model_by_its_config():
     assert vllm_rollouts._experts(tf.MixtralConfig(num_local_experts=4)) == 4
     assert vllm_rollouts._experts(tf.Qwen3MoeConfig(num_experts=6)) == 6
     assert vllm_rollouts._experts(tf.DbrxConfig(ffn_config={"moe_num_experts": 3})) == 3
+
+
+CPU = vllm_settings.Platform("cpu", cpu=True, sleep_mode=False)  # vLLM 0.32's CPU build, as here
+CUDA = vllm_settings.Platform("cuda", cpu=False, sleep_mode=True)  # what vLLM reports on a GPU (faked: none here)
+
+
+def test_what_the_engine_is_given_on_a_cpu_and_on_a_gpu():
+    """oar/vllm_settings.py engine_args, the one place the engine's settings are decided, on this CPU and on a
+    faked CUDA platform: the dtype (the trainer's on a CPU; bfloat16 on a GPU whatever the master weights), a
+    request's length (what train.py asks, capped at the model's limit), chunked prefill (off on the CPU build
+    only), sleep mode (a training engine where the platform has it), compilation and the KV cache."""
+    args = dict(dtype="float32", max_model_length=4096 + 1024, model_limit=131072)
+    cpu, gpu = vllm_settings.engine_args(CPU, **args, environ={}), vllm_settings.engine_args(CUDA, **args, environ={})
+    assert cpu == {
+        "dtype": "float32",
+        "max_model_len": 5120,
+        "enable_sleep_mode": False,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.3,
+        "kv_cache_memory_bytes": 2**30,
+        "enable_chunked_prefill": False,
+    }
+    assert gpu == {  # no chunked prefill key: vLLM's default (on); no KV size: what the GPU share leaves
+        "dtype": "bfloat16",
+        "max_model_len": 5120,
+        "enable_sleep_mode": True,
+        "enforce_eager": False,
+        "gpu_memory_utilization": 0.3,
+        "kv_cache_memory_bytes": None,
+    }
+    engine = lambda p, **kw: vllm_settings.engine_args(p, **{**args, **kw}, environ={})  # noqa: E731
+    # the dtype: the trainer's on a CPU (vLLM has no float64); on a GPU bfloat16, float16 weights kept, unless asked
+    assert [engine(CPU, dtype=d)["dtype"] for d in ("bfloat16", "float16", "float64")] == [
+        "bfloat16",
+        "float16",
+        "float32",
+    ]
+    assert [engine(CUDA, dtype=d)["dtype"] for d in ("bfloat16", "float16", "float64")] == [
+        "bfloat16",
+        "float16",
+        "bfloat16",
+    ]
+    assert engine(CUDA, engine_dtype="float32")["dtype"] == "float32" == engine(CPU, engine_dtype="float32")["dtype"]
+    # the length: capped at the model's own limit (Qwen2.5-Math-1.5B's 4096), and the model's own when none is asked
+    assert engine(CUDA, model_limit=4096)["max_model_len"] == 4096
+    assert engine(CUDA, max_model_length=0, model_limit=0)["max_model_len"] is None
+    # sleep mode: a training engine only, and only where the platform has it
+    assert engine(CUDA, training=False)["enable_sleep_mode"] is False
+    no_sleep = vllm_settings.Platform("tpu", cpu=False, sleep_mode=False)
+    assert engine(no_sleep)["enable_sleep_mode"] is False and "enable_chunked_prefill" not in engine(no_sleep)
+    # what a caller asks outranks the platform's defaults; VLLM_CPU_KVCACHE_SPACE is vLLM's to read
+    assert engine(CPU, enforce_eager=False, kv_cache_gib=0.5)["enforce_eager"] is False
+    assert engine(CPU, kv_cache_gib=0.5)["kv_cache_memory_bytes"] == 2**29
+    kv = vllm_settings.engine_args(CPU, **args, environ={"VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert kv["kv_cache_memory_bytes"] is None
+
+
+def test_what_a_run_asks_of_the_engine_and_its_environment_variables(monkeypatch):
+    """rollout_backend.engine_settings: the trainer's dtype, PROMPT_TOKENS + --max_new_tokens, the GPU share; the
+    environment's OAR_VLLM_DTYPE and OAR_VLLM_PROMPT_TOKENS in their place, checked; nothing for the own backend."""
+    from oar.training.config import Config
+    from oar.training.rollout_backend import engine_settings
+
+    monkeypatch.delenv("OAR_VLLM_DTYPE", raising=False)
+    monkeypatch.delenv("OAR_VLLM_PROMPT_TOKENS", raising=False)
+    cfg = Config(rollout_backend="vllm", max_new_tokens=1024, dtype="float32")
+    assert engine_settings(cfg) == {
+        "dtype": "float32",
+        "engine_dtype": None,
+        "max_model_length": vllm_settings.PROMPT_TOKENS + 1024,
+        "gpu_memory_utilization": 0.3,
+    }
+    assert engine_settings(Config()) == {}  # the own sampler takes none
+    monkeypatch.setenv("OAR_VLLM_DTYPE", "float32")
+    monkeypatch.setenv("OAR_VLLM_PROMPT_TOKENS", "8000")
+    assert engine_settings(cfg)["engine_dtype"] == "float32" and engine_settings(cfg)["max_model_length"] == 9024
+    for name, bad, says in (
+        ("OAR_VLLM_DTYPE", "fp8", "OAR_VLLM_DTYPE=fp8: the vLLM engine's dtype, one of float32, bfloat16, float16."),
+        ("OAR_VLLM_PROMPT_TOKENS", "0", "OAR_VLLM_PROMPT_TOKENS=0: the prompt tokens the vLLM engine is started for"),
+        ("OAR_VLLM_PROMPT_TOKENS", "2k", "OAR_VLLM_PROMPT_TOKENS=2k"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            vllm_settings.overrides({name: bad})
+
+
+def test_a_bad_engine_variable_stops_the_run_before_anything_loads(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("OAR_VLLM_DTYPE", "fp8")
+    args = [
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(tiny_model / "data.jsonl"),
+        "--output_dir",
+        str(tmp_path / "r"),
+    ]
+    with pytest.raises(SystemExit, match="train.py: error: OAR_VLLM_DTYPE=fp8: the vLLM engine's dtype"):
+        _main("train", [*args, "--rollout_backend", "vllm"])
+    assert not (tmp_path / "r").exists()
+
+
+class _FakeLLM:
+    """The calls VLLMRollouts makes of vllm.LLM, recorded (the weights drawn as vLLM draws them)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", *tags))
+
+    def collective_rpc(self, method, kwargs=None):
+        drawn = len(list(kwargs["weights_iterator"])) if kwargs else None
+        self.calls.append(("rpc", method if isinstance(method, str) else method.__name__, drawn))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+def _engine(*, sleeps: bool, cpu: bool):
+    """A VLLMRollouts around the fake engine, as __init__ leaves it (which needs vLLM)."""
+    engine = vllm_rollouts.VLLMRollouts.__new__(vllm_rollouts.VLLMRollouts)
+    engine.llm, engine.sleeps, engine.asleep, engine.cpu, engine.training = _FakeLLM(), sleeps, False, cpu, True
+    engine.dtype = torch.float32
+    return engine
+
+
+def test_a_gpu_engine_sleeps_through_the_update_and_wakes_for_the_weights():
+    """The CUDA-only branch, on a fake engine: train.py's rest() after the rollouts puts a sleep-mode engine to
+    sleep at level 2 (weights discarded, so sampling is refused until new ones come); follow() maps the weights'
+    memory, loads them, then the KV cache's, and resets the prefix cache. Without sleep mode (this CPU) neither
+    call touches the engine's memory, and only the CPU build re-processes a tied head."""
+    from conftest import tiny_llama
+
+    from oar.training import rollout_backend
+
+    model = tiny_llama()
+    n = len(list(model.parameters()))
+    gpu = _engine(sleeps=True, cpu=False)
+    rollout_backend.follow(gpu, model)  # awake (the engine starts so): a plain reload
+    assert gpu.llm.calls == [("rpc", "reload_weights", n), ("reset_prefix_cache",)]
+    gpu.llm.calls = []
+    rollout_backend.rest(gpu)
+    rollout_backend.rest(gpu)  # asleep already: nothing more
+    assert gpu.llm.calls == [("sleep", 2)] and gpu.asleep
+    with pytest.raises(AssertionError, match="the vLLM engine sleeps"):
+        gpu(model, None, ["x"], group_size=1, seeds=[0], max_new_tokens=1)
+    rollout_backend.follow(gpu, model)
+    assert gpu.llm.calls == [
+        ("sleep", 2),
+        ("wake_up", "weights"),
+        ("rpc", "reload_weights", n),
+        ("wake_up", "kv_cache"),
+        ("reset_prefix_cache",),
+    ]
+    assert not gpu.asleep
+
+    cpu = _engine(sleeps=False, cpu=True)
+    rollout_backend.rest(cpu)
+    rollout_backend.follow(cpu, model)
+    assert cpu.llm.calls == [
+        ("rpc", "reload_weights", n),
+        ("rpc", "_refresh_tied_head", None),
+        ("reset_prefix_cache",),
+    ]
+    rollout_backend.rest(rollout_backend.sample)  # the own sampler: nothing to do
+
+
+def test_the_weights_are_sent_in_the_engines_dtype(tmp_path, monkeypatch):
+    """policy_weights(dtype=bfloat16), as follow() calls it for a bfloat16 engine: every tensor arrives in
+    bfloat16, equal to the float32 weight rounded once (LoRA: merged in float32, then rounded, as final/'s merge
+    rounded); a float32 engine gets the tensors themselves (no copy). Under FSDP2 (a real sharded model, one gloo
+    process) each shard is cast before the gather: what is all-gathered is bfloat16."""
+    import torch.distributed as dist
+    from conftest import tiny_llama
+    from torch.distributed.tensor import DTensor
+
+    from oar.training import lora, sharding
+    from oar.training.rollout_backend import policy_weights
+
+    model = tiny_llama()
+    plain = dict(model.named_parameters())
+    sent = dict(policy_weights(model, dtype=torch.bfloat16))
+    assert sent.keys() == plain.keys()
+    assert all(
+        t.dtype == torch.bfloat16 and torch.equal(t, plain[k].detach().to(torch.bfloat16)) for k, t in sent.items()
+    )
+    same = dict(policy_weights(model, dtype=torch.float32))
+    assert all(same[k].data_ptr() == plain[k].data_ptr() for k in plain)
+
+    peft = lora.add_adapters(tiny_llama(), r=4, alpha=8.0, targets="q_proj,v_proj")
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    merged, _ = lora.final_weights(peft, None)  # float32
+    sent = dict(policy_weights(lora.inner(peft), peft, dtype=torch.bfloat16))
+    assert set(sent) <= set(merged) and all(t.dtype == torch.bfloat16 for t in sent.values())
+    assert all(torch.equal(t, merged[k].to(torch.bfloat16)) for k, t in sent.items())
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        sharded = sharding.shard(tiny_llama())
+        gathered, real = [], sharding.full_tensor
+        monkeypatch.setattr(sharding, "full_tensor", lambda t: gathered.append(t) or real(t))
+        sent = dict(policy_weights(sharded, dtype=torch.bfloat16))
+        assert len(gathered) == len(plain) and all(isinstance(t, DTensor) for t in gathered)
+        assert all(t.to_local().dtype == torch.bfloat16 for t in gathered)  # the shards, cast before the gather
+        assert all(
+            not isinstance(t, DTensor) and torch.equal(t, plain[k].detach().to(torch.bfloat16))
+            for k, t in sent.items()
+        )
+    finally:
+        dist.destroy_process_group()

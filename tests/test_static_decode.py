@@ -1,4 +1,4 @@
-"""The fixed-shape decode loop (oar/static_decode.py) gives the eager loop's rollouts (docs/sampler.md).
+"""The fixed-shape decode loop (oar/decode_loops.py) gives the eager loop's rollouts (docs/sampler.md).
 
 Every family of tests/families.py runs in float64 with sdpa attention where the family has it
 (eager attention in float64 turns left-padded rows into NaN in this transformers), so the two loops'
@@ -11,7 +11,7 @@ say so. The compiled step runs through torch's CPU backend here; on a GPU the sa
 import pytest
 import torch
 
-import oar.static_decode as sd
+import oar.decode_loops as sd
 from oar.sampler import decode, sample
 
 from families import EOS, FAMILIES, PAD, VOCAB, build
@@ -71,7 +71,7 @@ def test_the_fixed_shape_loop_gives_the_eager_loop_tokens_on_every_family(name, 
     said = capsys.readouterr().err
     import transformers
 
-    old_release = int(transformers.__version__.split(".")[0]) < 5  # its static cache is refused (oar/static_decode.py)
+    old_release = int(transformers.__version__.split(".")[0]) < 5  # its static cache is refused (oar/decode_loops.py)
     assert ("the eager loop samples instead" in said) == (name in SLIDING or old_release), said
 
 

@@ -182,6 +182,32 @@ def test_weights_follow_a_step_and_come_back(engine, loaded, tiny, tmp_path):
     assert _rows(_draw(engine, loaded, PROBLEMS, seeds)) == before
 
 
+def test_the_engine_got_what_was_decided(engine, loaded, tiny):
+    """What vLLM started with on this CPU is what oar/vllm_settings.py decided for it (its rules on a GPU are
+    tests/test_rollout_backend.py's, with the platform faked): the trainer's float32, the 256 tokens asked for
+    (under the model's 512), chunked prefill off, no sleep mode (the CPU platform has none), eager; the summary
+    says so in one line. rest() is then nothing, and a prompt too long for the engine is refused by name."""
+    from oar.vllm_settings import Platform, engine_args
+
+    here = vllm_rollouts.platform()
+    assert here == Platform("cpu", cpu=True, sleep_mode=False)
+    assert vllm_rollouts._model_limit(str(tiny)) == 512  # the model's max_position_embeddings, as vLLM reads it
+    assert engine.settings == engine_args(here, dtype="float32", model_limit=512, **ENGINE)
+    config = engine.llm.llm_engine.vllm_config
+    assert config.model_config.dtype == torch.float32 and engine.dtype == torch.float32
+    assert config.model_config.max_model_len == 256 == engine.max_model_length
+    assert config.scheduler_config.enable_chunked_prefill is False
+    assert config.model_config.enable_sleep_mode is False and config.model_config.enforce_eager is True
+    assert engine.summary == (
+        "vLLM engine on cpu: float32, 256 tokens a request (as asked), chunked prefill off, no sleep mode on cpu "
+        "(vLLM has it on CUDA, ROCm and XPU): its weights and KV cache stay allocated through each update"
+    )
+    engine.rest()
+    assert not engine.asleep and not engine.sleeps
+    with pytest.raises(BackendError, match=r"exceeds the engine's 256 tokens a request \(as asked\).*OAR_VLLM_PROMPT"):
+        _draw(engine, loaded, PROBLEMS[:1], [0], group_size=1, max_new_tokens=250)
+
+
 def test_refuses_what_it_cannot_serve(tiny, tmp_path):
     import json
     import shutil

@@ -95,7 +95,13 @@ def test_train_on_one_or_two_processes_and_after_a_resume(tiny, tmp_path):
     # GRPO: OAR-G's scores magnify float rounding ~1/noise_std-fold (tests/test_distributed.py), which would
     # blur the comparison; every method runs on vLLM's rollouts in the next test.
     one, two, cut = tmp_path / "one", tmp_path / "two", tmp_path / "cut"
-    check_ok(run_script(TRAIN, _args(tiny, one, "--steps", "3", "--method", "grpo"), timeout=600))
+    proc = run_script(TRAIN, _args(tiny, one, "--steps", "3", "--method", "grpo"), timeout=600)
+    check_ok(proc)
+    # what train.py's engine was given (oar/vllm_settings.py): PROMPT_TOKENS + 20 new tokens, capped at the model's 512
+    assert (
+        "vLLM engine on cpu: float32, 512 tokens a request (the model's own limit), chunked prefill off, no sleep "
+        "mode on cpu" in proc.stdout
+    )
     rows = metrics(one)
     assert any(r["reward/frac_zero_std_groups"] < 1 and r["optim/grad_norm"] > 0 for r in rows)  # it learns something
     assert all(r["sampler/logprob_diff_max"] < 1e-3 and abs(r["sampler/is_weight_mean"] - 1) < 1e-3 for r in rows)

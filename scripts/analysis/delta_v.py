@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oar.eager_decode import choose, draw_uniforms
+from oar.decode_loops import choose, draw_uniforms
 from oar.lm import forward_logits
 from oar.rewards import reward
 from oar.rollout import Rollout, char_offsets
@@ -143,7 +143,7 @@ def deviations(
     max_new_tokens: int,
 ) -> set[tuple[int, int]]:
     """The (j, c) whose continuation must be sampled: continuation c of prefix j draws at position j another
-    token than the rollout's (chosen as the sampler chooses, `eager_decode.choose`, from the rollout's own
+    token than the rollout's (chosen as the sampler chooses, `decode_loops.choose`, from the rollout's own
     teacher-forced distribution there and the stream's draw j), or prefix j + 1 is not one of `prefixes`."""
     needed = set(prefixes)
     ids = torch.tensor([prompt + completion], device=next(model.parameters()).device)
@@ -283,7 +283,7 @@ VALUE_CODE = (
     "oar/rewards.py",
     "oar/rollout.py",
     "oar/sampler.py",
-    "oar/eager_decode.py",
+    "oar/decode_loops.py",
     "oar/inverse_cdf.py",
     "oar/lm.py",
     "scripts/analysis/delta_v.py",

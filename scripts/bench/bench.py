@@ -23,7 +23,6 @@ Timings are medians over repeats after a warm-up, with A and B interleaved.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 import time
@@ -33,11 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_parts as bp  # noqa: E402
 import bench_steps  # noqa: E402
-from oar.oar_perturb_window import window_perturbation_scores  # noqa: E402
 from oar.tasks.tiny_arith_cache import ensure_tiny_arith  # noqa: E402
 
-# The window mode's recomputed positions a forward in training: oar_perturb calls it at its default, on any device.
-TRAINING_WINDOW_CHUNK = inspect.signature(window_perturbation_scores).parameters["max_chunk_tokens"].default
 # SmolLM2-135M rarely writes an extractable answer to arith problems (0 of 8 with the \boxed{} request in
 # 64 tokens); this wording gets about a quarter. Rollouts without an answer cost OAR nothing (weights 1),
 # so the table prints their fraction next to the SmolLM2 ratios.
@@ -369,7 +365,6 @@ def growth_main(args) -> None:
         f"growth with R (1 rollout, prompt 128 + R + answer 8; sampled scorers on {args.sample_k} positions, "
         "window modes on whole forwards of training's size, x n_R/k + clean pass):"
     )
-    big = device.type == "cuda"
     res["growth"] = bg.growth(
         model,
         pad,
@@ -382,8 +377,8 @@ def growth_main(args) -> None:
         k=args.sample_k,
         exact_all_up_to=args.exact_all_up_to,
         window_all_up_to=args.window_all_up_to,
-        chunk_tokens=65536 if big else 8192,
-        window_chunk_tokens=TRAINING_WINDOW_CHUNK,
+        chunk_tokens=None,  # as training sizes both modes' forwards: by the device (lm.positions_that_fit)
+        window_chunk_tokens=None,
     )
     if args.decode:
         p, g, lp, t = (int(x) for x in args.decode.split(","))

@@ -6,9 +6,9 @@ Growth (one synthetic rollout per R: prompt P + reasoning R + answer A tokens, a
                 blocks of 4 spread evenly, x n_R / k (a copy costs its recomputed length, so evenly
                 spread blocks average it), as the sweep of bench_parts.oar_p_sweep does
   window W      the clean pass plus k' evenly spaced positions x n_R / k' beyond `window_all_up_to`, k'
-                the multiple of training's copies per forward (`copies_per_forward`) at or
-                above k: a copy attends to all E + c N keys of its forward, so it costs more when more
-                copies share it, and a sample of fewer copies than training packs would flatter the window
+                the multiple of training's copies per forward (`oar_perturb_window.packing`: U sequences
+                of c copies) at or above k: a copy attends to all E + c N keys of its sequence, and a
+                forward of fewer copies than training packs would time other kernels
   OAR-G         the whole gradient_scores call
   GRPO update   forward + token log-probs + backward over the completion (what every method pays)
 Timings are single runs after one warm-up at the first length (CUDA synchronized around each).
@@ -23,7 +23,7 @@ import torch
 from oar.grpo import token_logprobs
 from oar.oar_grad import gradient_scores
 from oar.oar_perturb import perturbation_scores
-from oar.oar_perturb_window import copies_per_forward, window_perturbation_scores
+from oar.oar_perturb_window import device_budget, packing, window_perturbation_scores
 from oar.probes import clean_forward, outcome_from_logits
 
 QWEN15B_SHAPE = dict(
@@ -83,8 +83,8 @@ def growth(
     k: int,
     exact_all_up_to: int,
     window_all_up_to: int,
-    chunk_tokens: int,
-    window_chunk_tokens: int,
+    chunk_tokens: int | None,
+    window_chunk_tokens: int | None,
 ) -> list[dict]:
     """Seconds per rollout of each scorer and of the GRPO update at each reasoning length R."""
     device = next(model.parameters()).device
@@ -117,7 +117,10 @@ def growth(
             win = lambda m, c=None, kv=None, w=w: window_perturbation_scores(
                 model, ids, attn, m, ans, window=w, max_chunk_tokens=window_chunk_tokens, clean=c, clean_kv=kv, **kw
             )
-            per = copies_per_forward(w, answer, window_chunk_tokens)  # as training packs them
+            end = ids.shape[1] - 2  # the last answer token (then EOS)
+            budget = window_chunk_tokens or device_budget(model, device, end, answer, w)
+            c, u = packing(end, answer, w, budget)
+            per = c * u  # copies a forward, as training packs them
             whole = min(-(-k // per) * per, n_r)  # whole forwards (or every position)
             fns[f"window{w}"] = (
                 (lambda win=win: win(reas))

@@ -130,10 +130,10 @@ def rollout_speeds(
 
 
 def choose_seconds(model, ids, attn, group_size: int, repeats: int = 10) -> tuple[float, float]:
-    """Median seconds of one step's token choice alone (`oar.eager_decode.choose`: softmax, the search,
+    """Median seconds of one step's token choice alone (`oar.decode_loops.choose`: softmax, the search,
     the log-prob) on the model's own next-token logits after the prompts (one row per rollout), with
     the head search and with every row sorted."""
-    from oar.eager_decode import choose
+    from oar.decode_loops import choose
 
     device = ids.device
     with torch.no_grad():
