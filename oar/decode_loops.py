@@ -24,7 +24,7 @@ sampling: oar/inverse_cdf.py). They differ only in where the state lives:
   torch captures it as a CUDA graph and replays it; on a CPU, the same call runs inductor's compiled
   step, which the CPU suite tests. Attention runs over the whole width (the unwritten columns are
   masked), so the logits agree with the eager loop's up to float rounding, not bit for bit: the tokens
-  are the same unless two tokens are tied to within rounding (tests/test_static_decode.py: 16 families
+  are the same unless two tokens are tied to within rounding (tests/package/test_static_decode.py: 16 families
   in float64).
 
 The fixed-shape loop hands over to the eager one, said once per process, for a model whose cache is not
@@ -175,7 +175,9 @@ def static_cache_or_reason(model, width: int):
     from transformers import StaticCache, __version__
     from transformers.cache_utils import StaticLayer
 
-    if Version(__version__).major < 5:  # 4.57.6 samples other tokens than the eager loop (tests/test_static_decode.py)
+    if (
+        Version(__version__).major < 5
+    ):  # 4.57.6 samples other tokens than the eager loop (tests/package/test_static_decode.py)
         return None, f"transformers {__version__}'s static cache does not give the eager loop's tokens; 5.x does"
     try:
         cache = StaticCache(config=model.config, max_cache_len=width)
