@@ -224,6 +224,7 @@ def test_chunks_are_sampled_as_separate_batches_and_laid_out_as_one(tok):
         sample(model, tok, prompts, seeds=seeds, chunk=3, **kw)
 
 
+@pytest.mark.slow  # an end-to-end run of 10-35 s
 @pytest.mark.parametrize("loop", ["eager", "static"])
 def test_a_published_v5_ledger_run_reproduces_to_the_digit(tmp_path, loop):
     # fork/grpo-s0 of the 90-run study, from its recorded config and its starting model (the shipped

@@ -242,6 +242,7 @@ def test_cache_widths_waste_at_most_an_eighth_and_come_eight_per_doubling():
     assert len({sd.cache_width(n) for n in range(1025, 2049)}) == 8
 
 
+@pytest.mark.slow  # an end-to-end run of 10-35 s
 def test_eval_py_with_the_static_loop_writes_the_eager_loop_records(tiny_model, tmp_path):
     import json
 

@@ -54,6 +54,7 @@ def test_tiny_arith_builds_saves_and_loads_like_a_hub_model(tmp_path):
     assert out_ids.shape[0] == 2
 
 
+@pytest.mark.slow  # an end-to-end run of 10-35 s
 def test_tiny_arith_overwrite_replaces_atomically(tmp_path):
     from oar.tasks.tiny_arith import TinyArithRecipe
     from oar.tasks.tiny_arith_cache import build_tiny_arith
@@ -101,6 +102,7 @@ def test_sft_target_is_lazy_on_a_fixed_share_of_the_longer_problems():
         TinyArithRecipe(lazy_ops=1)
 
 
+@pytest.mark.slow  # an end-to-end run of 10-35 s
 def test_tiny_arith_is_deterministic_for_a_seed(tmp_path):
     from safetensors.torch import load_file
 

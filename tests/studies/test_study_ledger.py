@@ -115,6 +115,7 @@ def test_an_unfinished_run_is_not_recorded(tmp_path):
         study_ledger.record_run(tmp_path / "ledger", tmp_path, "slip", "grpo-s0")
 
 
+@pytest.mark.slow  # an end-to-end run of 10-35 s
 def test_one_testbed_is_claimed_by_one_process(tmp_path):
     import subprocess
     import sys

@@ -196,6 +196,7 @@ def test_report_v5_from_the_ledger_alone(tmp_path):
     assert (tmp_path / "out" / "runs.csv").read_text().splitlines()[0].endswith(",code")
 
 
+@pytest.mark.slow  # an end-to-end run of 10-35 s
 def test_study_v5_runs_skips_and_resumes_at_toy_scale(tmp_path, capsys):
     """The whole pipeline at --scale tiny (one testbed, GRPO, seed 0): build, attribution, one run; run
     again: skipped; with its summary gone (stopped after its last checkpoint): resumed, not restarted."""
