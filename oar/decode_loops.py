@@ -12,7 +12,7 @@ sampling: oar/inverse_cdf.py). They differ only in where the state lives:
   a DynamicCache would, until every row has ended. Its keys/values and its attention mask are preallocated
   (`lm.in_place_cache`: each step writes its column, the forward reads the written ones as views), which
   gives the numbers of growing them by `torch.cat`, bit for bit, without a copy of the whole cache a step.
-* `decode_static` (issue 20, for a GPU to replay): the keys and values go into a preallocated
+* `decode_static` (for a GPU to replay; docs/sampler.md): the keys and values go into a preallocated
   `StaticCache` of width Lp + T rounded up (`cache_width`: at most 1/8 more, so that calls with nearby
   prompt widths share compiled shapes), the attention mask is one (B, width) tensor made up front, and
   the step counter, the positions, the done flags and the output tokens and log-probs are tensors updated
@@ -33,7 +33,7 @@ static cache gave other tokens than the eager loop on every family tried: 4.57.6
 and under autocast (accelerate's mixed precision) with a transformers before 5.24, whose static cache
 holds the values in the keys' dtype (an H200 run stopped at its first step).
 
-What neither loop does per token (issue 52), each giving the same numbers as doing it: wait for the device
+What neither loop does per token (docs/sampler.md), each giving the same numbers as doing it: wait for the device
 (whether every row is done is read every `check_interval` steps, every step on a CPU, where the read costs
 nothing, and the output is cut where a check after every step would have stopped; transformers' own sdpa mask
 still reads the padding mask once a forward, outside the compiled step), or cast the policy again under autocast

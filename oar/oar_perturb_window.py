@@ -18,7 +18,8 @@ positions still attend directly to the masked token at every layer. The mode is 
   * for a one-layer model whatever W (keys/values of layer 1 depend on one token each),
 and tests/package/test_perturb_window.py pins both against `perturbation_scores_naive`.
 
-How it runs, batched across rows (issue 52): rows sorted by length form blocks whose clean keys/values are
+How it runs, batched across rows (docs/long-reasoning.md): rows sorted by length form blocks whose clean keys/values
+are
 held at once, from one clean forward per block (or the caller's clean keys/values). A row's copies are
 packed c at a time side by side in one sequence of c N new tokens after the row's clean cache, and U such
 sequences, of any rows of the block, make one forward, under a custom 4D attention mask: copy m's slot for
