@@ -101,3 +101,16 @@ def test_every_study_in_the_notebook_names_a_page_and_commands_that_run():
 def test_the_command_finder_reads_fenced_blocks_only():
     text = "run `python a.py`\n```bash\nOMP_NUM_THREADS=1 python research/x/y.py --n 2\npython z.py   # note\n```\n"
     assert _commands(text) == ["research/x/y.py", "z.py"]
+
+
+def test_the_code_cites_docs_pages_not_a_tracker():
+    """Comments and docstrings of oar/, train.py and eval.py point at docs pages: the issue tracker is not in the
+    repository, so "issue 52" tells a reader nothing."""
+    sources = [ROOT / "train.py", ROOT / "eval.py", *sorted((ROOT / "oar").rglob("*.py"))]
+    cited = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sources
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"\bissues? #?\d+", line)
+    ]
+    assert not cited, f"cite a docs page instead of an issue number: {cited}"
