@@ -26,7 +26,7 @@ Departures from the paper and the authors' code (docs/differences.md has them al
   * Rollout reuse, --num_iterations mu (TRL's name; verl's ppo_epochs): mu optimizer steps on each batch
     of rollouts, clipped against the sampling policy; scores, weights and --steps are per batch.
 
-Degenerate numbers, each with a defined outcome (tests/test_degenerate_numbers.py): a group whose rewards
+Degenerate numbers, each with a defined outcome (tests/package/test_degenerate_numbers.py): a group whose rewards
 are all equal has advantage 0 and is not scored (its loss is 0 whatever w; --score_all scores it); a
 rollout with no extractable answer, or an empty reasoning span, keeps weights 1; non-finite OAR scores give
 their rollout weights 1 (counted, warned); no valid completion token in the batch: the normalizers are

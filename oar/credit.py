@@ -37,7 +37,7 @@ two functions, which train.py calls in its steps 4 and 5:
                                     is cut to it), of which the loss reads the completion columns; or
                                     (w, n) with n the rollouts whose scores were not finite (w = 1).
 So a method's weights can be, and every built-in's are, a function of the step, never of the
-micro-batching or of the number of processes (tests/test_credit.py, tests/test_distributed.py).
+micro-batching or of the number of processes (tests/package/test_credit.py, tests/package/test_distributed.py).
 `step_credit` runs a method's prepare and checks, for every method, what the loss relies on: finite
 float weights of the micro-batch's shape, constants of the loss.
 

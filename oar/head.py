@@ -24,7 +24,7 @@ tests/families.py. `reproduces` checks, once per run and on a short input, that 
 forward changes its logits some other way) train.py reads the model's own logits as before (`Forward` with
 no head) and says so once. The log-probs, entropies and outcome are then today's functions
 (oar.grpo.token_logprobs, token_entropy, oar.probes.outcome) on the same logits, so the loss and its
-gradient equal the full-logits path's to float rounding (tests/test_head.py, on every family). When one
+gradient equal the full-logits path's to float rounding (tests/package/test_head.py, on every family). When one
 chunk holds the whole micro-batch (a small vocabulary: tiny-arith), the head's product is the one the
 model's own forward computes, over the same (b, C) columns.
 """

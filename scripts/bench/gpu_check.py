@@ -428,7 +428,7 @@ def sampler_phase(ctx) -> dict:
     """The eager loop against `generate` in bf16 weights (tokens/s, fraction of the bandwidth bound); then float32
     master weights under bf16 autocast (train.py under --mixed_precision bf16): the eager loop as it runs (the
     linear weights cast once per call, `lm.linear_weights_in`) against the same loop with that cast made at every
-    step (linear_weights_in a no-op: the loop before issue 52 part 3), whose difference is the per-token cast."""
+    step (linear_weights_in a no-op: the loop of c0ec13d, docs/sampler.md), whose difference is the per-token cast."""
     import torch
 
     import bench_rollouts as br
