@@ -7,7 +7,8 @@ stops rank 0 at once (SIGTERM; oar/training/launch.py's stop_on_sigterm) unless 
 stops it first. A stopped rank is seen by nobody: rank 0 waits in its next collective until
 OAR_COLLECTIVE_TIMEOUT, exits with a message, and the launcher then kills the stopped rank (SIGTERM,
 which a stopped process does not act on, then SIGKILL 30 s later). Nothing in the code knows about
-the test: the signals are real. eval.py, which has nothing to resume, stops the same way (the last test).
+the test: the signals are real. eval.py, which has nothing to resume, stops the same way, whether a process never
+joins or is lost mid-evaluation (the eval.py tests).
 """
 
 import os
@@ -210,6 +211,90 @@ def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout
         done.stderr[-3000:]
     )
     assert "starts over" in said[0] and "--resume" not in said[0]  # an evaluation has nothing to resume
+    assert not re.search(r"\[rank\d\]:\s*Traceback", done.stderr), done.stderr[-3000:]
+
+
+# Run before eval.py in each launched process: its evaluation, as it starts, leaves a file named by the rank
+MARK_EVALUATING = """
+import os, runpy, sys
+from pathlib import Path
+import oar.training.evaluation as evaluation
+
+real = evaluation.evaluate
+
+
+def evaluate(*args, **kwargs):
+    Path({folder!r}, "evaluating-" + os.environ["LOCAL_RANK"]).touch()
+    return real(*args, **kwargs)
+
+
+evaluation.evaluate = evaluate  # eval.py imports it by name after this
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+def test_eval_py_that_loses_a_process_mid_evaluation_stops_with_a_message(tiny_model, tmp_path, sig):
+    """eval.py's rank 1 is killed or stopped during the evaluation: half a second after rank 0 started it (a
+    prelude run before eval.py leaves a file as evaluate starts: the model loaded, the process group joined), into
+    seconds of sampling. Rank 0 evaluates its share, then waits in the evaluation's gather of the records, which
+    fails at once on a killed peer's closed socket (or the launcher's SIGTERM) and after OAR_COLLECTIVE_TIMEOUT on
+    a stopped one; either way eval.py ends in train.py's one line, nothing is written and no process is left."""
+    args = [
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(tiny_model / "data.jsonl"),
+        "--output_dir",
+        str(tmp_path / "eval"),
+        "--instruction",
+        "",
+        "--max_new_tokens",
+        "64",
+        "--eval_samples",
+        "64",
+        "--eval_temperature",
+        "1.5",
+        "--eval_batch_size",
+        "64",  # 15 sampling calls of 64 rows a rank: seconds of evaluation on either side of the signal
+    ]
+    script = tmp_path / "marking_eval.py"  # eval.py run after the prelude, in each launched process
+    script.write_text(MARK_EVALUATING.format(folder=str(tmp_path), script=str(EVAL)))
+    proc, token = spawn(launch_command(args, num_processes=2, script=script))
+    try:
+        ranks = _wait(
+            lambda: r if len(r := _ranks(token, "eval.py")) == 2 and (tmp_path / "evaluating-0").exists() else None,
+            180,
+            "rank 0 to start evaluating",
+        )
+        time.sleep(0.5)  # into the evaluation
+        os.kill(ranks[1], sig)
+        lost = time.monotonic()
+        _wait(
+            lambda: (
+                not Path(f"/proc/{ranks[0]}").exists() or Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] == "Z"
+            ),
+            TIMEOUT + MARGIN + 60,
+            "rank 0 to exit",
+        )  # + 60: rank 0 first evaluates its own share
+        survivor_s = time.monotonic() - lost
+        done = finish(proc, token, timeout=GRACE + MARGIN)
+        left = marked(token)
+    finally:
+        kill_all(proc, token)
+    assert not left, left
+    assert done.returncode != 0 and survivor_s <= TIMEOUT + MARGIN + 60, (done.returncode, survivor_s)
+    if sig == signal.SIGSTOP:  # only the timeout could end it
+        assert survivor_s >= TIMEOUT, survivor_s
+    said = [line for line in done.stderr.splitlines() if line.startswith("eval.py: ")]
+    assert said and all("starts over" in line and "--resume" not in line for line in said), done.stderr[-3000:]
+    if sig == signal.SIGSTOP:
+        assert any("died or stalled" in line and f"OAR_COLLECTIVE_TIMEOUT is {TIMEOUT} s" in line for line in said), (
+            said
+        )
+    assert not (tmp_path / "eval" / "eval.jsonl").exists()  # nothing partial
     assert not re.search(r"\[rank\d\]:\s*Traceback", done.stderr), done.stderr[-3000:]
 
 
