@@ -5,7 +5,9 @@
         --dataset HuggingFaceH4/MATH-500 --eval_samples 16 --eval_temperature 0.6 --max_new_tokens 2048
 
 Writes `<output_dir>/eval.jsonl` (one line per problem: problem, gold, completion, extracted answer,
-correct) and `<output_dir>/eval_summary.json`, and prints a one-line summary. Scoring is
+correct) and `<output_dir>/eval_summary.json`, and prints a one-line summary; into a folder that holds
+them already, `eval-2.jsonl` and `eval_summary-2.json` (then -3, ...): an earlier evaluation is kept.
+`--model` also takes a training run's checkpoint-N/ folder (oar/training/run_folders.py). Scoring is
 `oar.rewards`, the same as training's reward. The evaluation flags are train.py's (--eval_size,
 --eval_samples, --eval_temperature), with eval.py's own --eval_top_p, --eval_batch_size and --decode_loop;
 the old names (--limit, --num_samples, --temperature, --top_p, --batch_size) still work.
@@ -107,11 +109,12 @@ from oar.training.checkpoint import write_json_atomic
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training import rollout_backend
 from oar.training.data import DataError, load_problems
-from oar.training.evaluation import evaluate
+from oar.training.evaluation import evaluate, result_files
 from oar.training.config import collective_timeout
 from oar.training.launch import end, make_accelerator, run_entry
 from oar.training.models import ModelError, load_model, resolve_model
-from oar.sampler import resolve_instruction
+from oar.training.run_folders import checkpoint_settings, load_checkpoint_model
+from oar.training.run_folders import instruction as run_instruction
 from oar.tasks.tiny_arith_cache import model_source
 
 
@@ -124,14 +127,22 @@ def main(cfg: EvalConfig) -> dict:
     accelerator = make_accelerator(collective_timeout())
     quiet_libraries(bars_wanted(accelerator.is_main_process))  # their bars where ours are; each warning once
     try:  # cheap checks before the model is loaded
-        resolve_model(cfg.model)
+        run = checkpoint_settings(cfg.model)  # a run's checkpoint-N/: its --model with the checkpoint's weights
+        resolve_model(run["model"] if run else cfg.model)
         problems = load_problems(cfg.dataset, split=cfg.split, limit=cfg.eval_size or None)
-        instruction = resolve_instruction(cfg.instruction, cfg.dataset, cfg.model)
+        instruction = run_instruction(cfg.model, cfg.instruction, cfg.dataset)
+        if run and cfg.rollout_backend != "own":
+            raise ModelError(
+                f"--model {cfg.model}: a checkpoint evaluates with --rollout_backend own (vLLM loads "
+                f"a model folder: the run's final/)."
+            )
         rollout_backend.check(
             cfg.rollout_backend, model_source(cfg.model), top_p=cfg.eval_top_p, training=False
         )  # vllm: can serve it
-        model, tokenizer = load_model(
-            model_source(cfg.model), dtype=cfg.dtype
+        model, tokenizer = (
+            load_checkpoint_model(cfg.model, dtype=cfg.dtype)
+            if run
+            else load_model(model_source(cfg.model), dtype=cfg.dtype)
         )  # the tokenizer is checked before the weights load
     except (ValueError, DataError, ModelError) as err:
         raise SystemExit(f"eval.py: error: {err}") from None
@@ -164,15 +175,16 @@ def main(cfg: EvalConfig) -> dict:
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "eval.jsonl.tmp"
+        records_file, summary_file = result_files(out)  # an earlier evaluation's files are kept
+        tmp = records_file.with_name(records_file.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-        tmp.replace(out / "eval.jsonl")
-        write_json_atomic(out / "eval_summary.json", {"config": asdict(cfg), **summary})
+        tmp.replace(records_file)
+        write_json_atomic(summary_file, {"config": asdict(cfg), **summary})
         passes = " ".join(f"{k} {v:.3f}" for k, v in summary.items() if k.startswith("pass@"))
         print(
             f"{cfg.model} on {cfg.dataset}: accuracy {summary['accuracy']:.3f} over {summary['problems']} problems"
             f" (k={cfg.eval_samples}) | {passes} | no answer {summary['frac_no_answer']:.3f}"
-            f" | truncated {summary['frac_truncated']:.3f} -> {out / 'eval.jsonl'}",
+            f" | truncated {summary['frac_truncated']:.3f} -> {records_file}",
             flush=True,
         )
     rollout_backend.close(sampler)  # vllm: the engine ends before the process group does

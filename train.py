@@ -51,11 +51,12 @@ import time
 
 import torch
 
+from oar.credit import CreditError
 from oar.grpo import group_advantages, policy_loss, truncated_is_weights
-from oar.reward_table import RewardError, score
-from oar.sampler import format_prompt
+from oar.reward_table import RewardError, score, scorable
 from oar.training import rollout_backend
 from oar.training.config import Config, parser
+from oar.training.data import problem_prompt
 from oar.training.launch import run_entry
 from oar.training.run import finish, start
 from oar.training.runlog import step_log
@@ -72,20 +73,23 @@ def main(cfg: Config) -> dict:
         # 1. sample: this process's slice of the step's prompts, G rollouts each (a group on one process), one
         # seed per rollout; with oar.sampler.sample (the policy, gathered when sharded) or a vLLM engine
         problems, seeds = run.prompts(step)
-        prompts = [format_prompt(tokenizer, p.problem, run.instruction) for p in problems]
+        prompts = [problem_prompt(tokenizer, p, run.instruction) for p in problems]  # a row's system turn first
         ro = run.sample(prompts, seeds)  # (B, L) rollouts: [left pad | prompt | completion | right pad]
         rollout_backend.rest(run.sampler)  # vllm: the engine sleeps through the update where it can (a GPU)
         t_rollout = time.perf_counter() - t0
 
         # 2. reward: --reward's weighted terms (oar/reward_table.py; by default answer correctness alone)
         golds, texts = [p.answer for p in problems for _ in range(G)], [p.problem for p in problems for _ in range(G)]
-        totals, reward_parts = score(run.terms, ro.texts, golds, texts)
+        rows = [p.row for p in problems for _ in range(G)]  # the data's columns, which TRL-style rewards are passed
+        totals, reward_parts = score(run.terms, ro.texts, golds, texts, rows)
         rewards = torch.tensor(totals, device=acc.device)
+        can_score = torch.tensor(scorable(reward_parts), device=acc.device)  # False: every term returned None
 
         # 3. group-relative advantage (a group is on this process; --advantage_scale batch divides by the std of
-        # every process's rewards, so the advantages do not depend on the number of processes)
-        everyone = acc.gather(rewards) if cfg.advantage_scale == "batch" else None
-        advantages = group_advantages(rewards, G, cfg.advantage_scale, batch_rewards=everyone)  # (B,) A_i
+        # every process's rewards, so the advantages do not depend on the number of processes); a rollout that no
+        # reward term could score gets 0 and stays out of the baseline
+        everyone = run.gather(rewards[can_score]) if cfg.advantage_scale == "batch" else None
+        advantages = group_advantages(rewards, G, cfg.advantage_scale, everyone, can_score)  # (B,) A_i
 
         # 4. credit: what the method needs of the whole step, before the update (oar/credit.py), so that its
         # weights depend neither on micro-batching nor on the processes. A rollout with advantage 0 or no valid
@@ -172,4 +176,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":  # each way it ends says something; the process group ends first (launch.run_entry)
-    run_entry(main, CONFIG, "train.py", parser, errors=(RewardError,))  # a --reward_module's error: a line
+    run_entry(main, CONFIG, "train.py", parser, errors=(RewardError, CreditError))  # a user module's error: a line

@@ -59,6 +59,7 @@ import importlib.util
 import inspect
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -264,7 +265,10 @@ class StepCredit:
         are the update forward's from column Lp - 1: a tensor, or a function that makes them when the method reads
         them. Seconds: the micro-batch's weigh plus its rollouts' share of prepare."""
         method, start = self.method, time.perf_counter()
-        out = method.weigh(self.step, self.state, MicroBatch(rows, mb, logits, clean, clean_kv))
+        micro = MicroBatch(rows, mb, logits, clean, clean_kv)
+        out = user_call(method, self.step.settings, f"in weigh on rows {rows.start}:{rows.stop}", method.weigh)(
+            self.step, self.state, micro
+        )
         weights, nonfinite = out if isinstance(out, tuple) else (out, 0)
         # what the loss relies on, checked for every method: one finite float weight per position
         shape = tuple(mb.input_ids.shape)
@@ -325,5 +329,31 @@ def step_credit(
     method = table[settings.method]
     step = Step(settings, model, tokenizer, ro, rewards, advantages, scored, list(seeds), list(golds), probe, gather)
     start = time.perf_counter()
-    state = method.prepare(step)
+    state = user_call(method, settings, f"in prepare on a step of {len(ro)} rollouts", method.prepare)(step)
     return StepCredit(method, step, state, (time.perf_counter() - start) / max(1, len(ro)))
+
+
+class MethodRaised(CreditError):
+    """A --credit_module method raised; the message names it, the error, the file and line, and the call."""
+
+
+def user_call(method: CreditMethod, settings: CreditSettings, call: str, fn: Callable) -> Callable:
+    """`fn` (a method's prepare or weigh) as it is for a built-in (an exception is a bug, with its traceback),
+    and for a method of --credit_module's with its exceptions turned into one MethodRaised line: a method
+    that passed the trial on a synthetic step can still fail on a real one."""
+    if method.name in METHODS:
+        return fn
+
+    def called(*args):
+        try:
+            return fn(*args)
+        except CreditError:
+            raise
+        except Exception as err:
+            where = traceback.extract_tb(err.__traceback__)[-1]
+            raise MethodRaised(
+                f"credit method {method.name!r} (--credit_module {settings.credit_module}) raised "
+                f"{type(err).__name__}: {err} at {where.filename}:{where.lineno}, {call}."
+            ) from None
+
+    return called

@@ -31,7 +31,11 @@ ADVANTAGE_EPS = 1e-4
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale: str = "group", batch_rewards: torch.Tensor | None = None
+    rewards: torch.Tensor,
+    group_size: int,
+    scale: str = "group",
+    batch_rewards: torch.Tensor | None = None,
+    scorable: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group-relative advantages A_i (maths §1.1). `rewards` (B,) -> (B,).
 
@@ -40,9 +44,15 @@ def group_advantages(
                    TRL's scale_rewards="batch"): `batch_rewards`, every process's (train.py gathers
                    them), else `rewards`;
     scale="none":  centre only (Dr. GRPO). Rollouts of one prompt are contiguous: rewards.view(P, G).
+
+    `scorable` (B,) bool: the rollouts a reward could score (None: all). One that is not (a TRL-style reward's
+    None from every term) gets A_i = 0 and has no part in its group's mean and std, nor in the batch std
+    (`batch_rewards` are then the scorable ones'); a group with fewer than 2 scorable rollouts has A = 0.
     """
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (rewards.shape, group_size)
     assert group_size >= 2, "a group needs at least 2 rollouts to have a baseline"
+    if scorable is not None and not bool(scorable.all()):
+        return _scorable_advantages(rewards, group_size, scale, batch_rewards, scorable)
     r = rewards.float().view(-1, group_size)  # (P, G)
     centred = r - r.mean(dim=1, keepdim=True)
     if scale == "group":
@@ -55,6 +65,30 @@ def group_advantages(
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     tied = (r == r[:, :1]).all(dim=1, keepdim=True)  # every reward equal to the first
     return adv.masked_fill(tied, 0.0).view(-1)
+
+
+def _scorable_advantages(rewards, group_size: int, scale: str, batch_rewards, scorable) -> torch.Tensor:
+    """group_advantages over each group's scorable rollouts only (n_g of them): mean and unbiased std over those,
+    0 for the others. E.g. rewards (1, 0, x, 0) with the third not scorable, scale group: mean 1/3, std
+    sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = 0.5774, A = (1.1545, -0.5773, 0, -0.5773) (the 1e-4 in the divisor)."""
+    m = scorable.view(-1, group_size)  # (P, G) bool
+    r = torch.where(m, rewards.float().view(-1, group_size), 0.0)
+    n = m.sum(dim=1, keepdim=True)  # (P, 1) scorable rollouts of each group
+    mean = r.sum(dim=1, keepdim=True) / n.clamp(min=1)
+    centred = torch.where(m, r - mean, 0.0)
+    if scale == "group":
+        std = (centred.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        adv = centred / (std + ADVANTAGE_EPS)
+    elif scale == "batch":
+        pool = rewards.float()[scorable] if batch_rewards is None else batch_rewards.float()
+        adv = centred / ((pool.std() if pool.numel() > 1 else pool.new_zeros(())) + ADVANTAGE_EPS)
+    elif scale == "none":
+        adv = centred
+    else:
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    first = r.gather(1, m.float().argmax(dim=1, keepdim=True))  # each group's first scorable reward
+    tied = (n < 2) | ((r == first) | ~m).all(dim=1, keepdim=True)  # no two scorable rewards differ
+    return torch.where(m & ~tied, adv, 0.0).view(-1)
 
 
 CHUNK_ELEMENTS = 2**24  # logits handled at once by the chunked helpers: 64 MB of float32

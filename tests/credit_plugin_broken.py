@@ -37,3 +37,22 @@ CREDIT_METHODS = [
         "prepare-raises", lambda step, state, micro: torch.ones(micro.rollouts.input_ids.shape), prepare=prepare_raises
     ),
 ]
+
+
+def fails_on_a_real_step(step, state, micro):
+    """Passes the trial (one group of G rollouts) and raises on a training step's larger micro-batch."""
+    if len(micro.rollouts) > step.settings.group_size:
+        raise IndexError("a real micro-batch holds more than one group")
+    return torch.ones(micro.rollouts.input_ids.shape)
+
+
+def nan_on_a_real_step(step, state, micro):
+    """Passes the trial and returns NaN weights on a training step's micro-batch."""
+    fill = float("nan") if len(micro.rollouts) > step.settings.group_size else 1.0
+    return torch.full(micro.rollouts.input_ids.shape, fill)
+
+
+CREDIT_METHODS += [
+    CreditMethod("fails-on-a-real-step", fails_on_a_real_step),
+    CreditMethod("nan-on-a-real-step", nan_on_a_real_step),
+]

@@ -9,6 +9,7 @@ module imports no torch at import time: a bad flag answers before torch loads.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from oar.training.config import BackendSettings, Config, EvalSettings, ModelSettings, micro_batch
@@ -56,7 +57,10 @@ def check_eval_settings(cfg: EvalSettings) -> list[str]:
     need = lambda ok, msg: ok or problems.append(msg)
     need(cfg.eval_size >= 0, f"--eval_size {cfg.eval_size}: must be >= 0 (0: every problem).")
     need(
-        cfg.eval_samples >= 1 and cfg.eval_temperature >= 0 and (cfg.eval_samples == 1 or cfg.eval_temperature > 0),
+        not math.isfinite(cfg.eval_temperature)  # said once, below
+        or cfg.eval_samples >= 1
+        and cfg.eval_temperature >= 0
+        and (cfg.eval_samples == 1 or cfg.eval_temperature > 0),
         f"--eval_samples {cfg.eval_samples} / --eval_temperature {cfg.eval_temperature}: k >= 1, temperature >= 0, "
         f"and k > 1 needs --eval_temperature > 0 (greedy samples are all the same).",
     )
@@ -64,12 +68,40 @@ def check_eval_settings(cfg: EvalSettings) -> list[str]:
     return problems
 
 
+def check_half_weights(dtype: str, lora_r: int) -> list[str]:
+    """float16 weights trained in full: AdamW steps them in float16 with no loss scaling and no float32 copy,
+    and its first update overflows (on tiny-arith every weight tensor is NaN or inf after one step, and the
+    run would save that model as done). bfloat16 has float32's range; LoRA's adapters are float32 (peft)."""
+    import torch
+
+    if getattr(torch, dtype, None) is not torch.float16 or lora_r:
+        return []
+    return [
+        f"--dtype {dtype} for full fine-tuning: AdamW would step float16 weights without loss scaling, and one "
+        f"update leaves them NaN or inf; use --dtype bfloat16 (the same memory) or float32 (the default), or "
+        f"train LoRA adapters on the float16 model (--lora_r 16)."
+    ]
+
+
 def check_output_dir(output_dir: str) -> list[str]:
-    return (
-        []
-        if not Path(output_dir).exists() or Path(output_dir).is_dir()
-        else [f"--output_dir {output_dir} is a file; pass a directory (it is created if missing)."]
-    )
+    """Whether --output_dir can be a folder: not a file, and not under one (the first part of it that exists
+    must be a folder this process can write in)."""
+    path = Path(output_dir)
+    if path.exists():
+        return (
+            []
+            if path.is_dir()
+            else [f"--output_dir {output_dir} is a file; pass a directory (it is created if missing)."]
+        )
+    above = next((p for p in path.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        return [f"--output_dir {output_dir}: {above} is a file, so no folder can be made under it; pass another path."]
+    if above is not None and not os.access(above, os.W_OK | os.X_OK):
+        return [
+            f"--output_dir {output_dir}: {above} is not writable by this user, so the folder cannot be made there; "
+            "pass another path."
+        ]
+    return []
 
 
 def check_launch(mixed_precision: str, distributed_type: str, num_processes: int = 1, fsdp: bool = False) -> list[str]:
@@ -189,7 +221,18 @@ def check_config(cfg: Config, num_processes: int, launch: list[str] = ()) -> Non
     for name in ("warmup_steps", "eval_every", "save_every"):
         need(getattr(cfg, name) >= 0, f"--{name} {getattr(cfg, name)}: must be >= 0.")
     problems += check_model_settings(cfg) + check_eval_settings(cfg) + check_backend_settings(cfg)
+    problems += check_half_weights(cfg.dtype, cfg.lora_r)
     problems += check_output_dir(cfg.output_dir)
     problems += lora.check_settings(cfg.lora_r, cfg.lora_target_modules, default_targets=Config.lora_target_modules)
     if problems:
-        raise ValueError("\n".join(problems))
+        raise ValueError("\n".join(one_per_flag(problems)))
+
+
+FINITE = "must be a finite number."
+
+
+def one_per_flag(problems: list[str]) -> list[str]:
+    """A flag whose value is not a finite number is named once, for that: NaN also fails every range check
+    (--learning_rate nan is neither finite nor > 0), which would only repeat it."""
+    nonfinite = {p.split()[0] for p in problems if p.endswith(FINITE)}
+    return [p for p in problems if p.endswith(FINITE) or p.split()[0] not in nonfinite]

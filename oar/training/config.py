@@ -336,6 +336,8 @@ UNMAPPED = {
     "top_entropy_quantile": "the forking-tokens mask is a credit method here: --method entropy-mask (lambda 0.2)",
     "use_peft": "--lora_r > 0 trains LoRA adapters",
     "bf16": "mixed precision comes from the accelerate config (accelerate launch --mixed_precision bf16)",
+    "fp16": "float16 training is refused (no loss scaling here: NaN weights after a step); launch with "
+    "--mixed_precision bf16, or train LoRA adapters on a --dtype float16 model",
     "use_vllm": "--rollout_backend vllm samples with a vLLM engine in each process (docs/vllm.md)",
     "save_total_limit": "the newest 2 checkpoints are kept",
     "deepspeed": "train.py runs DDP or FSDP2 (accelerate launch --config_file configs/fsdp2.yaml; docs/gpu.md)",

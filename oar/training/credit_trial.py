@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from oar.credit import METHODS, CreditError, CreditSettings, credit_methods, step_credit
+from oar.credit import METHODS, CreditError, CreditSettings, MethodRaised, credit_methods, step_credit
 from oar.grpo import group_advantages
 from oar.probes import clean_forward, outcome_from_logits
 from oar.rewards import reward
@@ -102,6 +102,8 @@ def try_credit(
     try:
         with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
             first, second = once(), once()
+    except MethodRaised as err:  # prepare or weigh raised (oar.credit.user_call names where)
+        raise CreditError(f"{str(err).removesuffix('.')}, on a synthetic step tried before training.") from None
     except CreditError:
         raise
     except Exception as err:

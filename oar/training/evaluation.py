@@ -12,13 +12,15 @@ one process, and the per-problem records are gathered and put back in order. Sco
 from __future__ import annotations
 
 from math import comb
+from pathlib import Path
 
 import torch
 
 from oar.answers import extract_answer
 from oar.training.console import bar
 from oar.rewards import reward
-from oar.sampler import format_prompt, sample
+from oar.sampler import sample
+from oar.training.data import problem_prompt
 
 
 def evaluate(
@@ -51,7 +53,7 @@ def evaluate(
     shown = bar(len(mine), "held-out", progress and rank == 0, unit="problem")
     for start in range(0, len(mine), per_batch):
         idx = mine[start : start + per_batch]
-        prompts = [format_prompt(tokenizer, problems[i].problem, instruction) for i in idx]
+        prompts = [problem_prompt(tokenizer, problems[i], instruction) for i in idx]  # a system turn first
         seeds = [seed * 1_000_003 + i * num_samples + s for i in idx for s in range(num_samples)]
         out = sampler(
             model,
@@ -113,3 +115,14 @@ def summarize(records: list[dict], num_samples: int) -> dict:
 def _mean(values) -> float:
     values = list(values)
     return float(sum(values) / len(values)) if values else 0.0
+
+
+def result_files(folder: Path) -> tuple[Path, Path]:
+    """Where eval.py writes an evaluation in `folder`: eval.jsonl and eval_summary.json, or when an earlier
+    evaluation holds those names, the first free eval-<k>.jsonl and eval_summary-<k>.json (k = 2, 3, ...),
+    so no result is written over."""
+    k, suffix = 1, ""
+    while (folder / f"eval{suffix}.jsonl").exists() or (folder / f"eval_summary{suffix}.json").exists():
+        k += 1
+        suffix = f"-{k}"
+    return folder / f"eval{suffix}.jsonl", folder / f"eval_summary{suffix}.json"

@@ -104,11 +104,32 @@ def exit_at_once(message: str) -> None:
     os._exit(1)
 
 
+THREADS = 1  # torch's threads per process when OMP_NUM_THREADS is unset (docs/speed.md, "Threads")
+
+
+def default_threads() -> str | None:
+    """With OMP_NUM_THREADS unset, run torch on THREADS threads, as `accelerate launch` does (it sets
+    OMP_NUM_THREADS=1 unless told otherwise), and return the line that says so; None when the variable is set
+    (torch reads it itself). Why one: torch's default is a thread per core, and on shared cores a plain
+    `python train.py` ran 3-12x slower than on one thread; docs/bench/threads-cpu.json measures
+    1 against 2 threads, with the machine otherwise as it was and beside another job."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    torch.set_num_threads(THREADS)
+    return (
+        f"torch threads: {THREADS}, as accelerate launch sets them (OMP_NUM_THREADS is unset; on shared cores more "
+        f"ran several times slower: docs/speed.md); OMP_NUM_THREADS=2 sets two"
+    )
+
+
 def run_entry(main, cfg, script: str, parser, hint: str = RESUME_HINT, errors: tuple = ()) -> None:
     """Run an entry point's `main(cfg)` so that every way it ends says something: SIGTERM (`stop_on_sigterm`)
     and a lost peer (`lost_process`) end in one line and at once, Ctrl-C says what to do next (`hint`), a
     flag the user spelled another library's way is named as typed (`parser()`'s `as_typed`), the script's own
-    user-facing `errors` become `script: error: ...`, and the process group ends before the interpreter."""
+    user-facing `errors` become `script: error: ...`, and the process group ends before the interpreter.
+    Torch's thread count is set first (`default_threads`), said by the first process."""
+    if (threads := default_threads()) and os.environ.get("RANK", "0") == "0":
+        print(threads, flush=True)
     stop_on_sigterm(script, hint)
     try:
         main(cfg)

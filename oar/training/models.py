@@ -6,12 +6,13 @@ Calling them (position ids, caches, a logits forward) is oar/lm.py's job.
 from __future__ import annotations
 
 import functools
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from oar.training.checkpoint import file_sha256
+from oar.training.checkpoint import checkpoints, file_sha256
 
 
 def enable_checkpointing(model) -> None:
@@ -85,6 +86,8 @@ def resolve_model(name: str) -> tuple[str, dict]:
             )
         return str(path.parent), {"gguf_file": path.name}
     looks_local = name.startswith((".", "/", "~")) or path.exists() or name.count("/") > 1
+    if path.is_dir() and (problem := run_folder_problem(name, path)):
+        raise ModelError(problem)
     if looks_local and not (path / "config.json").is_file():
         raise ModelError(
             f"--model {name}: not a model folder (no config.json there). Pass a folder written by "
@@ -94,6 +97,35 @@ def resolve_model(name: str) -> tuple[str, dict]:
         return str(path), {}
     _check_hub(name)
     return name, {}
+
+
+def run_folder_problem(name: str, path: Path) -> str | None:
+    """Why a folder train.py wrote is not a model, with the one to pass instead; None for any other folder.
+    A run's folder holds config.json, the run's settings (no model_type), which transformers would misread
+    as a model's and then fail on the tokenizer; a checkpoint holds accelerate's state, not a model folder."""
+    if (path / "trainer_state.json").is_file():  # oar.training.checkpoint: a complete checkpoint-N
+        return (
+            f"--model {name}: a checkpoint of a training run (accelerate's state, not a model folder). Evaluate it "
+            f"with `python eval.py --model {name}`, continue its run with `--resume --output_dir {path.parent}`, or "
+            f"pass the run's final model, {path.parent / 'final'}."
+        )
+    config = path / "config.json"
+    if not (path / "summary.json").is_file() and not (path / "metrics.jsonl").is_file():
+        return None
+    try:
+        settings = json.loads(config.read_text()) if config.is_file() else {}
+    except ValueError:
+        settings = {}
+    if "model_type" in settings:
+        return None
+    found = checkpoints(path)
+    where = [str(path / "final")] if (path / "final" / "config.json").is_file() else []
+    where += [str(found[-1])] if found else []
+    return (
+        f"--model {name}: a training run's folder (its config.json is the run's settings), not a model; pass "
+        + (" or ".join(where) if where else "its final/ once the run has finished")
+        + " (the trained model, or its newest checkpoint)."
+    )
 
 
 def smollm2_gguf() -> Path:
@@ -177,6 +209,13 @@ def load_model(name: str, *, dtype: str = "float32"):
         model = _loaded(
             name, "model", lambda: AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
         )
+    if broken := nonfinite_parameters(model):  # a model saved after its training broke it (NaN weights)
+        total = sum(1 for _ in model.parameters())
+        raise ModelError(
+            f"--model {name}: {len(broken)} of its {total} weight tensors hold NaN or inf ({broken[0]} first): "
+            f"the weights are broken (a training step overflowed before they were saved), and every answer "
+            f"would be wrong. Use the model from before that step, e.g. an earlier checkpoint."
+        )
     if "gguf_file" in kwargs:
         # transformers dequantizes GGUF weights on load: what remains is a plain float model, which
         # save_pretrained refuses while the GGUF quantizer is still attached.
@@ -184,6 +223,16 @@ def load_model(name: str, *, dtype: str = "float32"):
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config
     return model, tokenizer
+
+
+def nonfinite_parameters(model) -> list[str]:
+    """The names of the parameters holding a NaN or an inf ([] for a sound model): one isfinite pass, as
+    the weights are loaded (well under a second for SmolLM2's 135M parameters)."""
+    named = list(model.named_parameters())
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).tolist()
+    return [n for (n, _), ok in zip(named, finite) if not ok]
 
 
 MODEL_FILES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".tiktoken")  # what from_pretrained reads

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from oar.credit import CreditError, CreditMethod, StepCredit, credit_methods, step_credit
-from oar.reward_table import reward_terms
+from oar.reward_table import reward_terms, try_on_row, unnamed_rewards
 from oar.rollout import Rollout
 from oar.sampler import TRAINED_INSTRUCTION, resolve_instruction
 from oar.tasks.tiny_arith_cache import model_source
@@ -32,7 +32,15 @@ from oar.training.checks import check_config, check_launch
 from oar.training.config import Config, collective_timeout, eval_batch, micro_batch
 from oar.training.console import bars_wanted, quiet_libraries
 from oar.training.credit_trial import try_credit
-from oar.training.data import DataError, Problem, problems_digest, run_problems, seen_in_training, step_prompts
+from oar.training.data import (
+    DataError,
+    Problem,
+    problems_digest,
+    run_problems,
+    seen_in_training,
+    step_prompts,
+    takes_system_turn,
+)
 from oar.training.evaluation import evaluate
 from oar.training.launch import end, gather_ragged, make_accelerator
 from oar.training.learner import Learner, build_learner
@@ -62,6 +70,8 @@ class Run:
     micro: int  # rollouts per forward/backward on this process
     local_prompts: int  # this process's prompts per step
     seen: int = 0  # held-out problems that are also training problems
+    tied_steps: int = 0  # steps in a row in which every group's rollouts got one reward (no signal)
+    said_no_signal: bool = False
 
     @property
     def own(self) -> bool:
@@ -152,6 +162,10 @@ class Run:
             self.log.say(
                 f"warning: step {n}: {nonfinite} rollouts had non-finite OAR scores; they got plain GRPO weights"
             )
+        self.tied_steps = self.tied_steps + 1 if metrics["reward/frac_zero_std_groups"] == 1.0 else 0
+        if self.tied_steps == NO_SIGNAL_STEPS and not self.said_no_signal:  # once a run: the metric keeps the rest
+            self.said_no_signal = True
+            self.log.say(no_signal(n, metrics["reward/mean"]))
         if self.eval_set and cfg.eval_every and n % cfg.eval_every == 0 and n < cfg.steps:
             metrics |= on_line(self.held_out()[1])
         if n < cfg.steps:
@@ -163,6 +177,26 @@ class Run:
             ckpt.save_checkpoint(
                 self.accelerator, cfg.output_dir, n, record, cfg.keep_checkpoints, sharded=self.learner.sharded
             )
+
+
+NO_SIGNAL_STEPS = 3  # steps in a row with every group's rewards tied before the run says it cannot learn
+
+
+def no_signal(step: int, mean_reward: float) -> str:
+    """The line a run says after NO_SIGNAL_STEPS steps in a row in which every group's rollouts got one reward:
+    every advantage was 0, so nothing was learned (GRPO learns from the differences within a group)."""
+    first = step - NO_SIGNAL_STEPS + 1
+    why = (
+        "no rollout earned any reward: the task is too hard for the model, or the reward does not match the "
+        "answers (the data's answer column against the final answer the model writes, and --reward)"
+        if mean_reward == 0
+        else "the task is too easy for the model (every rollout earned the same), too hard, or the reward "
+        "does not tell its rollouts apart (--reward)"
+    )
+    return (
+        f"warning: steps {first}-{step}: every group's rollouts got one reward (reward/frac_zero_std_groups 1.0, "
+        f"mean reward {mean_reward:.3f}), so every advantage was 0 and the policy did not move: {why}."
+    )
 
 
 def pass_at(result: dict) -> dict:
@@ -195,6 +229,7 @@ def start(cfg: Config) -> Run:
         train_set, eval_set = run_problems(
             cfg.dataset, cfg.eval_dataset, train_size=cfg.train_size, eval_size=cfg.eval_size, seed=cfg.seed
         )
+        try_on_row(terms, train_set[0].row, train_set[0].answer, train_set[0].problem)  # TRL-style: its columns
         resume_from = ckpt.resume_point(cfg.output_dir, cfg.resume)
         facts = {  # a resume must find them as its checkpoint did (in the history it records)
             "train_data": problems_digest(train_set),
@@ -248,6 +283,11 @@ def start(cfg: Config) -> Run:
         accelerator, cfg.output_dir, asdict(cfg), resume=cfg.resume, total_steps=cfg.steps, start_step=start_step
     )
     code = ckpt.run_code_version(cfg.credit_module, cfg.reward_module)  # recorded in every checkpoint
+    if unnamed := unnamed_rewards(cfg.reward, cfg.reward_module):  # allowed, never silent
+        log.say(
+            f"--reward_module {cfg.reward_module} defines {', '.join(unnamed)}, which --reward {cfg.reward} does not "
+            f"name: they are not in this run's reward (--reward {','.join([cfg.reward, *unnamed])} adds them)"
+        )
     if cfg.resume:
         log.say(f"resumed from {resume_from} (step {start_step})")
         if state.get("code", code) != code:  # allowed (a fix may be why it resumes), but said: two versions
@@ -297,6 +337,16 @@ def _before_training(run: Run) -> None:
         for key in ("eval_before", "eval_before_pass"):
             history.pop(key, None)
         log.say("the held-out set is not the one measured before training: no accuracy before it is reported")
+    if not eval_set and run.start_step == 0:  # allowed (a smoke test may), never silent
+        log.say(
+            f"no held-out set: --dataset {cfg.dataset} has none by default, so this run reports no held-out accuracy; "
+            f"give --eval_dataset a .jsonl file (or pass a folder that holds train.jsonl and test.jsonl)"
+        )
+    if any(p.system for p in run.train_set + eval_set) and not takes_system_turn(run.tokenizer):
+        log.say(
+            f"--model {cfg.model}: its chat template takes no system turn, so each row's system turn opens its "
+            f"user turn instead"
+        )
     run.seen = seen_in_training(run.train_set, eval_set)
     if run.seen:  # allowed (a smoke test may), never silent
         log.say(

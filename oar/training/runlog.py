@@ -261,13 +261,12 @@ def step_log(ro, valid, rewards, scored, group_size, done, reward_parts, lr, tim
 
 
 def reward_term_metrics(reward_parts: dict[str, list[float]], accelerator) -> dict:
-    """reward/<term>: each --reward term's mean over every process's rollouts (unweighted), summed then
-    divided once."""
-    parts = torch.tensor(
-        [[sum(v), len(v)] for v in reward_parts.values()], dtype=torch.float64, device=accelerator.device
-    )
+    """reward/<term>: each --reward term's mean over every process's rollouts (unweighted) that it scored (a
+    TRL-style term's None is left out), summed then divided once; 0 when it scored none."""
+    scored = [[x for x in v if x is not None] for v in reward_parts.values()]
+    parts = torch.tensor([[sum(v), len(v)] for v in scored], dtype=torch.float64, device=accelerator.device)
     parts = accelerator.reduce(parts, "sum") if len(reward_parts) else parts
-    return {f"reward/{name}": float(s / n) for name, (s, n) in zip(reward_parts, parts.tolist())}
+    return {f"reward/{name}": float(s / max(n, 1.0)) for name, (s, n) in zip(reward_parts, parts.tolist())}
 
 
 def mean_over_processes(values: dict[str, float], accelerator) -> dict:

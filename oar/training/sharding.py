@@ -109,7 +109,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor, a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
@@ -127,7 +128,7 @@ def param_optimizer_bytes(model, optimizer) -> dict[str, int]:
         tensors += [v for v in state.values() if torch.is_tensor(v)]
     for t in tensors:
         size = t.element_size()
-        local += _local(t).numel() * size
+        local += local_tensor(t).numel() * size
         unsharded += (t.numel() if isinstance(t, DTensor) else t.numel()) * size  # DTensor.numel is the global count
     return {"local": local, "unsharded": unsharded}
 

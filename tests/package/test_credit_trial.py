@@ -87,3 +87,20 @@ def test_every_built_in_passes_and_the_random_state_is_left_alone(tiny_model):
                 keep_cache=keep_cache,
             )
     assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize(
+    "method, words",
+    [
+        ("fails-on-a-real-step", "raised IndexError: a real micro-batch holds more than one group at "),
+        ("nan-on-a-real-step", "returned non-finite weights for rows slice(0, 8"),
+    ],
+)
+def test_a_method_that_passes_the_trial_and_fails_on_a_real_step_is_one_line(tiny_model, tmp_path, method, words):
+    """Issue 54: such a method printed a 17-20 line traceback from inside train.py's loop."""
+    proc = run_script(TRAIN, _args(tiny_model, tmp_path / "out", method) + ["--steps", "1"])
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith(f"train.py: error: credit method {method!r}") and words in lines[-1], lines[-3:]
+    if method == "fails-on-a-real-step":
+        assert f"{BROKEN}:" in lines[-1] and lines[-1].endswith("in weigh on rows 0:8."), lines[-1]

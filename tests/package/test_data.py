@@ -40,9 +40,20 @@ def test_load_jsonl_reads_rows_skips_blank_lines_and_ignores_extra_keys(tmp_path
         ('{"problem": "p", "answer": "1"}\n["p", "1"]\n', 2, ["expected a JSON object", "list"]),
         ('\n{"problem": "p"}\n', 2, ["missing key 'answer'", "Add 'answer'"]),
         (
-            '{"prompt": "p", "answer": "1"}\n',
+            '{"query": "p", "answer": "1"}\n',
             1,
-            ["missing key 'problem' (or 'question'; keys present: ['answer', 'prompt'])"],
+            ["missing key 'problem' (or 'question', 'prompt', 'messages'; keys present: ['answer', 'query'])"],
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "p"}, {"role": "user", "content": "q"}], "answer": "1"}\n',
+            1,
+            ["key 'prompt' must be a string or a list of turns", "got the roles ['user', 'user']"],
+        ),
+        ('{"messages": "p", "answer": "1"}\n', 1, ["key 'messages' must be a list of turns"]),
+        (
+            '{"messages": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "no idea"}]}\n',
+            1,
+            ["no 'answer' key, and the assistant turn of 'messages' holds no final answer"],
         ),
         ('{"problem": "p", "solution": "it is 7"}\n', 1, ["key 'solution' holds no final answer"]),
         ('{"problem": "p", "answer": "So #### "}\n', 1, ["key 'answer' is empty"]),
@@ -182,6 +193,8 @@ def test_jsonl_and_hub_rows_map_their_columns_the_same_way(tmp_path, monkeypatch
         return datasets.Dataset.from_dict({c: [r.get(c) for r in COLUMNS] for c in columns})
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    # the names are not on any hub: skip the one request that asks (its own tests are test_model_names.py's)
+    monkeypatch.setattr("oar.training.data._check_hub_dataset", lambda name, repo_id: None)
     assert load_problems("org/set:main", split="test") == MAPPED
     assert calls == [("org/set", "main", "test")]
     with pytest.raises(DataError, match=r"rows.jsonl:1: key 'problem' must be a string, got NoneType"):
@@ -292,3 +305,55 @@ def test_seen_in_training_counts_held_out_problems_that_are_training_problems(tm
     assert seen_in_training(*run_problems(one, one, train_size=0, eval_size=0, seed=0)) == 4
     assert seen_in_training(*run_problems(str(tmp_path), str(tmp_path), train_size=0, eval_size=0, seed=0)) == 1
     assert seen_in_training(*run_problems("arith", "", train_size=200, eval_size=50, seed=0)) == 0
+
+
+# --- TRL's data conventions (a newcomer's report: a prompt column and messages rows were refused)
+
+
+def test_a_trl_prompt_column_is_the_problem_and_the_row_is_kept(tmp_path):
+    path = write(
+        tmp_path,
+        '{"prompt": "Compute 3 + 4.", "answer": "7", "source": "mine"}\n'
+        '{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Compute 5 * 2."}],'
+        ' "solution": "So \\\\boxed{10}."}\n',
+    )
+    plain, chat = load_jsonl(path)
+    assert (plain.problem, plain.answer, plain.system) == ("Compute 3 + 4.", "7", "")
+    assert plain.row == {"prompt": "Compute 3 + 4.", "answer": "7", "source": "mine"}  # for TRL-style rewards
+    assert (chat.problem, chat.answer, chat.system) == ("Compute 5 * 2.", "10", "Be brief.")
+
+
+def test_messages_rows_take_the_user_turn_and_the_assistant_turns_answer():
+    turns = [
+        {"role": "system", "content": "Answer with #### N."},
+        {"role": "user", "content": "Compute 6 - 2."},
+        {"role": "assistant", "content": "6 - 2 = 4\n#### 4"},
+    ]
+    (p,) = problems_from_records([{"messages": turns}], "hub")
+    assert (p.problem, p.answer, p.system) == ("Compute 6 - 2.", "4", "Answer with #### N.")
+    (q,) = problems_from_records([{"messages": turns[1:2], "answer": "4"}], "hub")  # an answer column wins
+    assert (q.problem, q.answer, q.system) == ("Compute 6 - 2.", "4", "")
+
+
+def test_a_system_turn_opens_the_prompt(tiny_model):
+    """In the chat template when it takes one; a template that refuses system turns (tiny-arith's) gets it at the
+    top of the user turn (train.py says so once); a problem without one is prompted exactly as before."""
+    from transformers import AutoTokenizer
+
+    from oar.sampler import format_prompt
+    from oar.training.data import problem_prompt, takes_system_turn
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    p = Problem("Compute 1 + 1.", "2", system="Be brief.")
+    assert problem_prompt(tok, Problem("Compute 1 + 1.", "2"), "Go.") == format_prompt(tok, "Compute 1 + 1.", "Go.")
+    if tok.chat_template:
+        assert not takes_system_turn(tok)  # tiny-arith's template knows user and assistant turns only
+        assert problem_prompt(tok, p) == format_prompt(tok, "Be brief.\n\nCompute 1 + 1.")
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    assert takes_system_turn(tok)
+    assert problem_prompt(tok, p, "Go.") == "<system>Be brief.\n<user>Compute 1 + 1.\nGo.\n<assistant>"
+    tok.chat_template = None
+    assert problem_prompt(tok, p) == "Be brief.\nCompute 1 + 1.\n"

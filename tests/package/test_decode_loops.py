@@ -1,4 +1,4 @@
-"""The decode loops without per-token waste (issue 52) give the numbers of the loop they replace, bit for bit.
+"""The decode loops without per-token waste (docs/sampler.md) give the numbers of the loop they replace, bit for bit.
 
 `_loop_before` is the eager loop as it was at c0ec13d: a DynamicCache and an attention mask grown by
 `torch.cat` every step, a host check every step, and under autocast every linear weight cast at every step.

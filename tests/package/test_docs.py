@@ -57,16 +57,31 @@ def test_the_readme_is_a_front_page_and_the_docs_index_links_every_page():
     linked = set(LINK.findall((ROOT / "docs" / "README.md").read_text()))
     unlinked = [p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md" and p.name not in linked]
     assert not unlinked, f"docs/README.md does not link {unlinked}"
-    assert "pip install -r requirements.txt && accelerate launch train.py" in text
+    assert "pip install -r requirements.txt" in text
+
+
+def quick_start() -> list[str]:
+    """The README's quick-start commands, one a line, without their comments."""
+    block = re.search(r"## Quick start\n+```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(1)
+    return [line.split("  #")[0].strip() for line in block.strip().splitlines()]
+
+
+def test_the_quick_start_installs_for_a_cpu_and_runs_the_30_second_command_first():
+    """Issue 54: a CPU-only user is told how to get torch's CPU build, in one line, before the install that
+    would pull the CUDA build; the 30-second first command comes before the 15-minute default run, in its own
+    --output_dir (a run refuses a folder holding another run's checkpoints, so the two would collide)."""
+    lines = quick_start()
+    assert lines[0] == "pip install torch --index-url https://download.pytorch.org/whl/cpu", lines
+    first = next(i for i, line in enumerate(lines) if "python train.py --steps 3 --eval_size 50" in line)
+    default = lines.index("accelerate launch train.py")
+    assert 0 < first < default and lines[first].startswith("pip install -r requirements.txt && "), lines
+    assert "--output_dir" in lines[first].split("&&")[-1], lines[first]
 
 
 def test_ci_runs_the_readmes_test_command_exactly():
     """.ci/run runs the quick start's second command, as it is written there (the vLLM run comes after it)."""
-    quick_start = re.search(r"## Quick start\n+```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(
-        1
-    )
-    command = quick_start.strip().splitlines()[-1]
-    assert command.startswith("python -m pytest"), quick_start
+    command = quick_start()[-1]
+    assert command.startswith("python -m pytest"), command
     assert command in (ROOT / ".ci" / "run").read_text().splitlines(), f".ci/run does not run {command!r}"
 
 

@@ -153,3 +153,54 @@ def test_pass_at_k_is_reported_at_k_itself_as_well_as_at_powers_of_two():
     assert [k for k in summary if k.startswith("pass@")] == ["pass@1", "pass@2", "pass@4", "pass@6"]
     assert summary["pass@6"] == pytest.approx(2 / 3)
     assert summary["pass@4"] == pytest.approx(((1 - comb(5, 4) / comb(6, 4)) + 0 + (1 - comb(3, 4) / comb(6, 4))) / 3)
+
+
+# -- a run's folders: a checkpoint could not be evaluated, the run folder gave a tokenizer error, and a
+# second evaluation into the same folder wrote over the first ----------------------------------------------------
+
+
+def _evaluate(model, out, data):
+    import eval as evaluation
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    args = ["--model", str(model), "--dataset", str(data), "--output_dir", str(out), "--max_new_tokens", "20"]
+    return evaluation.main(evaluation.parser().parse(args))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_checkpoint_evaluates_as_the_model_it_saved(tiny_model, tmp_path, lora):
+    """checkpoint-2 of a 2-step run holds the weights final/ holds: the same completions, problem by problem;
+    the second evaluation into the folder is written beside the first (eval-2.jsonl), not over it."""
+    from tinyrun import TINY, run_inprocess
+
+    run, out, data = tmp_path / "run", tmp_path / "eval", tiny_model / "data.jsonl"
+    extra = ["--lora_r", "4"] if lora else []
+    train = ["--model", str(tiny_model), "--dataset", str(data), "--output_dir", str(run), "--steps", "2"]
+    run_inprocess([*train, "--save_every", "1", "--micro_batch_size", "8", *TINY, *extra])
+    _evaluate(run / "checkpoint-2", out, data)
+    _evaluate(run / "final", out, data)
+    first = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    second = [json.loads(line) for line in (out / "eval-2.jsonl").read_text().splitlines()]
+    assert [r["completion"] for r in first] == [r["completion"] for r in second]
+    assert json.loads((out / "eval_summary.json").read_text())["model"] == str(run / "checkpoint-2")
+    assert json.loads((out / "eval_summary-2.json").read_text())["model"] == str(run / "final")
+    initial = tmp_path / "initial"
+    _evaluate(tiny_model, initial, data)  # the checkpoint's weights, not --model's, were evaluated
+    before = [json.loads(line) for line in (initial / "eval.jsonl").read_text().splitlines()]
+    assert [r["completion"] for r in before] != [r["completion"] for r in first]
+
+
+def test_a_run_folder_is_refused_with_the_model_it_holds(tiny_model, tmp_path):
+    from tinyrun import TINY, run_inprocess
+
+    run, data = tmp_path / "run", tiny_model / "data.jsonl"
+    train = ["--model", str(tiny_model), "--dataset", str(data), "--output_dir", str(run), "--steps", "1"]
+    run_inprocess([*train, "--micro_batch_size", "8", *TINY])
+    with pytest.raises(SystemExit) as stop:
+        _evaluate(run, tmp_path / "eval", data)
+    message = stop.value.code
+    assert message.startswith(f"eval.py: error: --model {run}: a training run's folder"), message
+    assert f"pass {run / 'final'} or {run / 'checkpoint-1'}" in message and "\n" not in message
+    assert "tokenizer" not in message and not (tmp_path / "eval").exists()

@@ -53,7 +53,7 @@ def test_train_names_a_malformed_jsonl_line(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_eval_names_a_missing_field(tiny_model, tmp_path):
     data = tmp_path / "test.jsonl"
-    data.write_text('{"problem": "Compute 1 + 1.", "answer": "2"}\n{"prompt": "Compute 2 + 2.", "answer": "4"}\n')
+    data.write_text('{"problem": "Compute 1 + 1.", "answer": "2"}\n{"query": "Compute 2 + 2.", "answer": "4"}\n')
     out = tmp_path / "out"
     proc = run_script(EVAL, ["--model", str(tiny_model), "--dataset", str(data), "--output_dir", str(out)])
     _assert_named(proc, "eval.py: error:", f"{data}:2: missing key 'problem'")
@@ -237,3 +237,77 @@ def test_resume_without_a_checkpoint_and_a_rerun_over_one_are_named(tiny_model, 
     with pytest.raises(SystemExit) as stop:
         run_inprocess(_args(tiny_model, out, "--steps", "1"))
     assert "holds checkpoints of an earlier run: pass --resume" in str(stop.value)
+
+
+# -- no silent wrong model (a newcomer's report: a float16 run saved NaN weights as done) -----------------------------
+
+
+def test_float16_full_fine_tuning_is_refused_before_anything_loads(tiny_model, tmp_path):
+    """--dtype float16 without LoRA: AdamW steps float16 weights with no loss scaling, and one update leaves every
+    weight NaN or inf; refused in one line with the dtypes that work (LoRA on a float16 base trains float32
+    adapters, and is allowed)."""
+    message = _stops(_args(tiny_model, tmp_path / "out", "--dtype", "float16"), "--dtype float16 for full", "bfloat16")
+    assert len(message.splitlines()) == 1
+    check_config(parse_args(["--dtype", "float16", "--lora_r", "4"]), num_processes=1)  # adapters: float32
+
+
+def test_a_step_that_leaves_weights_non_finite_stops_before_anything_is_saved(tiny_model, tmp_path, monkeypatch):
+    """The newcomer's run, with the refusal above taken away: --dtype float16, full fine-tuning, a checkpoint
+    due at every step. Before, step 1 left every weight tensor NaN/inf and the run saved final/ with
+    skipped_steps 0 (held-out 0.4 -> 0.0, no word why). Now the step's own check stops it, naming the cause,
+    and no checkpoint, final/ or summary.json holds the broken weights."""
+    import oar.training.checks as checks
+
+    monkeypatch.setattr(checks, "check_half_weights", lambda dtype, lora_r: [])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stop:
+        run_inprocess(_args(tiny_model, out, "--dtype", "float16", "--steps", "2", "--save_every", "1"))
+    message = stop.value.code
+    assert message.startswith("train.py: error: step 1: the optimizer step left "), message
+    assert "float16 weights: AdamW runs without loss scaling" in message and "\n" not in message, message
+    assert not list(out.glob("checkpoint-*")) and not (out / "final").exists() and not (out / "summary.json").exists()
+
+
+def test_eval_refuses_a_model_with_non_finite_weights(tiny_model, tmp_path):
+    """eval.py on the NaN model that run saved reported accuracy 0 and nothing else; now it says the weights are
+    broken, before evaluating (train.py refuses to start from one the same way)."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan-model"
+    shutil.copytree(tiny_model, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name][0] = float("nan")
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    base = ["--model", str(broken), "--dataset", str(broken / "data.jsonl"), "--output_dir", str(tmp_path / "out")]
+    message = _stops(base, f"--model {broken}: 1 of its", "hold NaN or inf", script="eval.py")
+    assert len(message.splitlines()) == 1
+    _stops(_args(broken, tmp_path / "out"), "hold NaN or inf")
+
+
+# -- one line each --------------------------------------------------------------------------
+
+
+def test_an_output_dir_under_a_file_is_named_before_anything_loads(tiny_model, tmp_path):
+    """Before: NotADirectoryError from pathlib's mkdir, a traceback, after the model had loaded."""
+    (tmp_path / "afile").write_text("not a folder")
+    message = _stops(_args(tiny_model, tmp_path / "afile" / "run"), f"{tmp_path / 'afile'} is a file, so no folder")
+    assert len(message.splitlines()) == 1
+    base = ["--model", str(tiny_model), "--dataset", str(tiny_model / "data.jsonl")]
+    _stops([*base, "--output_dir", str(tmp_path / "afile" / "eval")], "is a file, so no folder", script="eval.py")
+
+
+@pytest.mark.parametrize("flag", ["--learning_rate", "--temperature", "--kl_beta", "--clip_low", "--gate_boost"])
+def test_a_value_that_is_not_a_number_is_named_once(flag):
+    """--learning_rate nan printed two lines (not finite; not > 0): NaN fails every range check as well."""
+    with pytest.raises(ValueError) as err:
+        check_config(parse_args([flag, "nan"]), num_processes=1)
+    assert str(err.value) == f"{flag} nan: must be a finite number."
+
+
+def test_a_checkpoint_passed_to_train_py_as_a_model_is_named_with_what_works(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    run_inprocess(_args(tiny_model, run, "--steps", "1"))
+    message = _stops(_args(run / "checkpoint-1", tmp_path / "out"), "a checkpoint of a training run")
+    assert f"python eval.py --model {run / 'checkpoint-1'}" in message and f"--resume --output_dir {run}" in message
+    assert len(message.splitlines()) == 1

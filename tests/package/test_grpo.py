@@ -241,3 +241,26 @@ def test_token_entropy_uniform_and_peaked():
 def test_an_empty_completion_has_empty_logprobs_and_entropies():
     assert token_logprobs(torch.zeros(3, 0, 5), torch.zeros(3, 0, dtype=torch.long)).shape == (3, 0)
     assert token_entropy(torch.zeros(3, 0, 5)).shape == (3, 0)
+
+
+def test_a_rollout_no_reward_could_score_has_advantage_zero_and_no_part_in_the_baseline():
+    """Hand-computed (oar.grpo._scorable_advantages' docstring): rewards (1, 0, x, 0), the third not scorable (a
+    TRL-style reward's None from every term): the others' mean 1/3, std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = 1/sqrt(3),
+    so A = (2/3, -1/3, 0, -1/3) * sqrt(3) / (1 + 1e-4 sqrt(3)), whatever x is; the same as the group of three."""
+    from oar.grpo import group_advantages
+
+    scorable = torch.tensor([True, True, False, True])
+    for x in (0.0, 5.0, -3.0):
+        got = group_advantages(torch.tensor([1.0, 0.0, x, 0.0]), 4, scorable=scorable)
+        three = group_advantages(torch.tensor([1.0, 0.0, 0.0]), 3)
+        torch.testing.assert_close(got, torch.tensor([three[0], three[1], 0.0, three[2]]))
+    k = 3**0.5 / (1 + 1e-4 * 3**0.5)
+    torch.testing.assert_close(got, torch.tensor([2 / 3 * k, -1 / 3 * k, 0.0, -1 / 3 * k]))
+    # a group with one scorable rollout has no baseline: 0; all scorable is the unmasked function to the bit
+    lone = torch.tensor([True, False, False, False, True, True, True, True])
+    rewards = torch.tensor([1.0, 0, 5, 1, 2, 0, 1, 3])
+    assert group_advantages(rewards, 4, scorable=lone)[:4].eq(0).all()
+    assert torch.equal(group_advantages(rewards, 4, scorable=lone)[4:], group_advantages(rewards[4:], 4))
+    every = torch.ones(8, dtype=torch.bool)
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(group_advantages(rewards, 4, scale, scorable=every), group_advantages(rewards, 4, scale))

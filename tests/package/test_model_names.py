@@ -188,3 +188,32 @@ def test_the_model_digest_is_the_hub_commit_or_a_hash_of_the_files_read(hub, tin
     (folder / "README.md").write_text("other notes")
     assert models.model_digest(str(folder / "weights.gguf")) == gguf  # the folder's other files are not read
     assert models.model_digest(str(folder)).keys() == whole.keys() and models.model_digest(str(folder)) != whole
+
+
+def test_a_hub_data_set_that_is_not_there_fails_in_seconds_without_network(hub, tmp_path, monkeypatch):
+    """Issue 54: an uncached data set name spent 35-40 s on huggingface_hub's retries before its one-line error."""
+    import datasets
+
+    from oar.training import data
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
+    data._check_hub_dataset.cache_clear()
+    out = tmp_path / "out"
+    cfg = parse_args(["--dataset", "no-such-org/no-such-data", "--output_dir", str(out), "--steps", "1"])
+    from oar.training.checks import check_config
+
+    check_config(cfg, 1)
+    import train
+
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as stop:
+        train.main(cfg)
+    seconds = time.perf_counter() - start
+    data._check_hub_dataset.cache_clear()
+    assert seconds < 10, seconds
+    message = stop.value.code
+    assert message.startswith(
+        "train.py: error: 'no-such-org/no-such-data': not in the local Hugging Face cache and http://127.0.0.1:9 is "
+        "not reachable (ConnectError"
+    ), message
+    assert "\n" not in message and not out.exists()

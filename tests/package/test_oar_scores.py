@@ -194,9 +194,10 @@ def _long_batch(seed=0, lengths=(12, 30, 55, 70, 20), vocab=40):
 
 @pytest.mark.parametrize("mode", ["exact", "window", "auto"])
 def test_oar_p_budget_from_the_device_gives_todays_scores(monkeypatch, mode):
-    # max_chunk_tokens=None is chosen from the device: on a CPU 8192, the budget before issue 52, so the same
-    # numbers bit for bit; on a GPU from its free memory (faked here), forwards many times larger, which, like a
-    # budget of one copy a forward, change the scores by float rounding only (a copy's shapes are its own)
+    # max_chunk_tokens=None is chosen from the device: on a CPU 8192, the budget before it was sized by the device,
+    # so the same numbers bit for bit; on a GPU from its free memory (faked here), forwards many times larger,
+    # which, like a budget of one copy a forward, change the scores by float rounding only (a copy's shapes are its
+    # own)
     import oar.lm as lm
 
     model = tiny_llama(layers=3, seed=3)

@@ -194,3 +194,101 @@ def test_docs_name_the_example():
     page = (ROOT / "docs" / "rewards.md").read_text()
     assert "examples/closeness.py" in page and "--reward correct,closeness:0.5" in page
     assert Path(ROOT / "README.md").read_text().count("docs/rewards.md") >= 1
+
+
+# -- TRL's form: f(completions, **columns) -> list[float | None] -------------------------------------
+
+TRL_EXAMPLE = ROOT / "examples" / "trl_rewards.py"  # a TRL user's reward file, taken unchanged
+
+
+def test_a_trl_style_function_is_called_trls_way_and_none_adds_nothing(tmp_path):
+    from oar.reward_table import scorable
+
+    module = tmp_path / "trl_style.py"
+    module.write_text(
+        "SEEN = []\n"
+        "def only_sevens(completions, answer, source, **kwargs):\n"
+        "    SEEN.append({'completions': completions, 'answer': answer, 'source': source, **kwargs})\n"
+        "    return [None if a != '7' else float('#### 7' in c) for c, a in zip(completions, answer)]\n"
+    )
+    terms = reward_terms("correct,only_sevens:2", str(module))
+    rows = [{"prompt": "Compute 3 + 4.", "answer": "7", "source": "x"}, {"question": "Q", "answer": "8"}]
+    totals, parts = score(terms, ["#### 7", "#### 8"], ["7", "8"], ["Compute 3 + 4.", "Q"], rows)
+    assert parts == {"correct": [1.0, 1.0], "only_sevens": [1.0, None]}
+    assert totals == [3.0, 1.0] and scorable(parts) == [True, True]  # None adds nothing; correct scored both
+    seen = terms[1].fn.__globals__["SEEN"][-1]
+    assert seen["prompts"] == ["Compute 3 + 4.", "Q"] and seen["question"] == [None, "Q"]  # TRL: every column
+    assert seen["source"] == ["x", None] and "prompt" not in seen  # the prompt column is passed as prompts
+    _, alone = score(terms[1:], ["#### 7", "#### 8"], ["7", "8"], ["p", "Q"], rows)
+    assert scorable(alone) == [True, False]  # no term scored the second: advantage 0 (test_grpo.py)
+
+
+def test_a_conversational_row_gives_trls_completions_and_prompts():
+    from oar.reward_table import trl_arguments
+
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Compute 3 + 4."}]
+    kwargs = trl_arguments(["#### 7"], ["7"], ["Compute 3 + 4."], [{"prompt": prompt, "answer": "7"}])
+    assert kwargs == {
+        "prompts": [prompt],
+        "completions": [[{"role": "assistant", "content": "#### 7"}]],
+        "answer": ["7"],
+    }
+
+
+def _prompt_rows(tiny_model, path, conversational=False):
+    rows = [json.loads(line) for line in (tiny_model / "data.jsonl").read_text().splitlines()]
+    if conversational:  # messages rows with a system turn, the answer in its own column
+        rows = [
+            {
+                "messages": [
+                    {"role": "system", "content": "Reply with #### N."},
+                    {"role": "user", "content": r["problem"]},
+                ]
+            }
+            | {"answer": r["answer"]}
+            for r in rows
+        ]
+    else:  # TRL's standard prompt-only format, the gold answer as a column
+        rows = [{"prompt": r["problem"], "answer": r["answer"]} for r in rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("conversational", [False, True], ids=["prompt column", "messages rows"])
+def test_a_trl_reward_file_and_a_prompt_column_data_set_train_unchanged(tiny_model, tmp_path, conversational):
+    data = _prompt_rows(tiny_model, tmp_path / "trl.jsonl", conversational)
+    out = tmp_path / "run"
+    args = _args(tiny_model, out, "--reward_module", str(TRL_EXAMPLE), "--reward", "accuracy_reward,format_reward:0.1")
+    args[args.index("--dataset") + 1] = str(data)
+    summary = run_inprocess(args)
+    assert summary["skipped_steps"] == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["reward/mean"] == pytest.approx(row["reward/accuracy_reward"] + 0.1 * row["reward/format_reward"])
+    assert any(r["reward/std"] > 0 for r in rows)  # the reward reached the loss
+    # the prompt column is the tiny model's own prompt; a system turn above it (tiny-arith's template takes
+    # none: it opens the user turn) is text the model never saw, and it answers less often
+    assert conversational or any(r["reward/accuracy_reward"] > 0 for r in rows)
+
+
+def test_a_trl_function_that_needs_a_column_the_data_lacks_stops_before_the_model_loads(
+    tiny_model, tmp_path, monkeypatch
+):
+    module = tmp_path / "needs.py"
+    module.write_text("def graded(completions, ground_truth, **kwargs):\n    return [0.0 for _ in completions]\n")
+    monkeypatch.setattr(oar_run, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as stop:
+        run_inprocess(_args(tiny_model, tmp_path / "out", "--reward_module", str(module), "--reward", "graded"))
+    message = stop.value.code
+    assert message.startswith("train.py: error: --reward graded: raised on a step's 1 rollouts (TypeError: "), message
+    assert "ground_truth" in message and "first training row" in message and "\n" not in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_functions_the_reward_does_not_name_are_said(tiny_model, tmp_path, capsys):
+    """A TRL user passes the file and expects its functions used; --reward names the terms, so the run says which
+    it leaves out."""
+    run_inprocess(_args(tiny_model, tmp_path / "out", "--reward_module", str(TRL_EXAMPLE), "--steps", "1"))
+    said = capsys.readouterr().out
+    assert "defines accuracy_reward, format_reward, which --reward correct does not name" in said, said[-2000:]
+    assert "--reward correct,accuracy_reward,format_reward adds them" in said
