@@ -26,7 +26,7 @@ Departures from the paper and the authors' code (docs/differences.md has them al
   * Rollout reuse, --num_iterations mu (TRL's name; verl's ppo_epochs): mu optimizer steps on each batch
     of rollouts, clipped against the sampling policy; scores, weights and --steps are per batch.
 
-Degenerate numbers, each with a defined outcome (tests/test_degenerate_numbers.py): a group whose rewards
+Degenerate numbers, each with a defined outcome (tests/package/test_degenerate_numbers.py): a group whose rewards
 are all equal has advantage 0 and is not scored (its loss is 0 whatever w; --score_all scores it); a
 rollout with no extractable answer, or an empty reasoning span, keeps weights 1; non-finite OAR scores give
 their rollout weights 1 (counted, warned); no valid completion token in the batch: the normalizers are
@@ -52,8 +52,7 @@ import time
 import torch
 
 from oar.credit import CreditError
-from oar.grpo import group_advantages, policy_loss, token_logprobs, truncated_is_weights
-from oar.probes import clean_forward, outcome_from_logits
+from oar.grpo import group_advantages, policy_loss, truncated_is_weights
 from oar.reward_table import RewardError, score, scorable
 from oar.training import rollout_backend
 from oar.training.config import Config, parser
@@ -113,42 +112,37 @@ def main(cfg: Config) -> dict:
             label = "credit + update" if it == 0 and method.scores else "update"
             shown = run.log.progress(B // micro, label, unit="micro-batch")
             for m, rows in enumerate(slice(k, k + micro) for k in range(0, B, micro)):
-                mb = ro.select(rows)
+                mb = ro.select(rows).trimmed()  # (b, L') at its own width: the right padding all its rows share cut
+                t = mb.input_ids.shape[1] - lp  # its completion columns T' <= T
                 with acc.accumulate(learner.model):
-                    # 5a. forward: the log-probs of the sampled tokens (b, T), at the sampling temperature
-                    ids, labels = mb.input_ids, mb.input_ids[:, lp:]  # (b, L), (b, T)
-                    logits, clean_kv = clean_forward(  # (b, T + 1, V) from column Lp - 1
-                        learner.model,
-                        ids,
-                        mb.attention_mask,
-                        logits_to_keep=labels.shape[1] + 1,
-                        keep_cache=it == 0 and keep_cache,
-                    )
-                    logprobs = token_logprobs(logits[:, :-1], labels, temperature=cfg.temperature)
+                    # 5a. forward: the log-probs of the sampled tokens (b, T'), at the sampling temperature, from the
+                    # final hidden states through the model's head in chunks (oar/head.py: no (b, T', V) logits kept)
+                    ids, labels = mb.input_ids, mb.input_ids[:, lp:]  # (b, L'), (b, T')
+                    fwd = learner.forward(ids, mb.attention_mask, columns=t + 1, keep_cache=it == 0 and keep_cache)
+                    logprobs, entropy = fwd.logprobs(labels, cfg.temperature)  # (b, T') each, from column Lp - 1
                     if it == 0:  # 5b. what every pass reuses, from the sampling policy (the parameters have not moved)
                         clean = None  # OAR's clean outcome (maths §2): this forward is OAR's clean pass
                         if method.uses_clean:
-                            clean = outcome_from_logits(
-                                logits.detach(), ids[:, lp - 1 :], mb.answer_mask[:, lp - 1 :], cfg.probe
-                            )
+                            clean = fwd.outcome(ids[:, lp - 1 :], mb.answer_mask[:, lp - 1 :], cfg.probe)
                         with learner.gathered(method.scores), learner.autocast():  # OAR's scores through the gate
-                            weights, secs, nonfinite = credit.weigh(rows, mb, logits.detach(), clean, clean_kv)
+                            # the logits (b, T' + 1, V) are made, detached, only if the method reads them
+                            weights, secs, nonfinite = credit.weigh(rows, mb, fwd.logits, clean, fwd.kv)
                         ref = None  # the KL reference's log-probs
                         if cfg.kl_beta > 0:
                             ref = learner.reference_logprobs(ids, mb.attention_mask, labels, cfg.temperature)
                         done.keep(Kept(weights, logprobs.detach(), ref), secs, nonfinite)
                     kept = done.kept[m]
                     # 5c. the loss with token advantages A_it = A_i w_it, normalised by the whole step (maths §1.3)
-                    token_adv = advantages[rows, None] * kept.weights[:, lp:]  # (b, T)
+                    token_adv = advantages[rows, None] * kept.weights[:, lp:]  # (b, T')
                     is_weights = None
                     if is_cap:  # truncated importance sampling (oar/grpo.py truncated_is_weights)
-                        sampled = ro.sample_logprobs[rows, lp:].to(logprobs.device)
-                        is_weights = truncated_is_weights(kept.old_logprobs, sampled, valid[rows], is_cap)
+                        sampled = ro.sample_logprobs[rows, lp : lp + t].to(logprobs.device)
+                        is_weights = truncated_is_weights(kept.old_logprobs, sampled, valid[rows, :t], is_cap)
                     loss, s = policy_loss(
                         logprobs,
                         kept.old_logprobs,
                         token_adv,
-                        valid[rows],
+                        valid[rows, :t],
                         ref_logprobs=kept.ref_logprobs,
                         is_weights=is_weights,
                         **cfg.loss(),
@@ -156,7 +150,7 @@ def main(cfg: Config) -> dict:
                     )
                     bad_loss += int(not torch.isfinite(loss))
                     acc.backward(loss * scale)  # 5d. the gradient of the global loss
-                    stats.append(s | token_stats(logits, valid[rows]))
+                    stats.append(s | token_stats(entropy, valid[rows, :t]))
                 shown.update()
             shown.close()
             # 5e. clip and step, unless the loss or the gradient norm is not finite (then on no process)

@@ -31,11 +31,13 @@ two functions, which train.py calls in its steps 4 and 5:
                                     tokens, through `step.gather`). Default: nothing.
   weigh(step, state, micro) -> w    once per micro-batch of the update's first pass (`MicroBatch`: its
                                     rows and that pass's forward, whose logits OAR reuses as its clean
-                                    pass): weights (b, L) over the rollouts' layout, of which the loss
-                                    reads the completion columns; or (w, n) with n the rollouts whose
-                                    scores were not finite (they should get w = 1).
+                                    pass): weights (b, L') over the rollouts' layout at the micro-batch's
+                                    own width (`micro.rollouts.input_ids.shape`: the step's prompt columns,
+                                    the right padding all its rows share cut; a (B, L) state of prepare's
+                                    is cut to it), of which the loss reads the completion columns; or
+                                    (w, n) with n the rollouts whose scores were not finite (w = 1).
 So a method's weights can be, and every built-in's are, a function of the step, never of the
-micro-batching or of the number of processes (tests/test_credit.py, tests/test_distributed.py).
+micro-batching or of the number of processes (tests/package/test_credit.py, tests/package/test_distributed.py).
 `step_credit` runs a method's prepare and checks, for every method, what the loss relies on: finite
 float weights of the micro-batch's shape, constants of the loss.
 
@@ -106,13 +108,22 @@ class Step:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch of the update: rollouts `step.rollouts.select(rows)` and the update forward's outputs."""
+    """One micro-batch of the update: rollouts `step.rollouts.select(rows).trimmed()` (b rows at their own width
+    L' = Lp + T': the step's prompt columns, then completion columns up to the micro-batch's longest row) and
+    the update forward's outputs. `logits` (b, T' + 1, V), detached, from column Lp - 1 (logits[:, t] predicts
+    completion token t), are made on first read: train.py's forward keeps hidden states, not logits (oar/head.py),
+    so a method that does not read them costs no (b, T', V) tensor."""
 
     rows: slice  # into the step's B rows
-    rollouts: Rollout  # b rows
-    logits: torch.Tensor  # (b, T + 1, V), detached, from column Lp - 1: logits[:, t] predicts completion token t
+    rollouts: Rollout  # b rows, L' columns
+    source: Any  # the logits (b, T' + 1, V) as a tensor, or a function of no argument that makes them
     clean: Any = None  # OAR's clean outcome from that forward (probes.clean_forward), when uses_clean, else None
     clean_kv: Any = None  # and its keys/values
+
+    @functools.cached_property
+    def logits(self) -> torch.Tensor:
+        """(b, T' + 1, V) the update forward's logits, detached (made once, on first read)."""
+        return (self.source() if callable(self.source) else self.source).detach()
 
 
 def _nothing(step: Step) -> None:
@@ -248,10 +259,11 @@ class StepCredit:
     state: Any  # what prepare returned
     seconds_per_rollout: float  # prepare's time, shared out over the step's rollouts
 
-    def weigh(self, rows: slice, mb: Rollout, logits: torch.Tensor, clean=None, clean_kv=None):
-        """(weights (b, L), 0 outside the completion; seconds; rollouts with non-finite scores) for the
-        micro-batch `mb = ro.select(rows)`, whose `logits` (b, T + 1, V) are the update forward's from column
-        Lp - 1. Seconds: the micro-batch's weigh plus its rollouts' share of prepare."""
+    def weigh(self, rows: slice, mb: Rollout, logits, clean=None, clean_kv=None):
+        """(weights (b, L'), 0 outside the completion; seconds; rollouts with non-finite scores) for the
+        micro-batch `mb = ro.select(rows)` (or its `trimmed()` columns, L' of them), whose `logits` (b, T' + 1, V)
+        are the update forward's from column Lp - 1: a tensor, or a function that makes them when the method reads
+        them. Seconds: the micro-batch's weigh plus its rollouts' share of prepare."""
         method, start = self.method, time.perf_counter()
         micro = MicroBatch(rows, mb, logits, clean, clean_kv)
         out = user_call(method, self.step.settings, f"in weigh on rows {rows.start}:{rows.stop}", method.weigh)(
@@ -268,7 +280,7 @@ class StepCredit:
             )
             raise CreditError(
                 f"credit method {method.name!r}: weigh returned {got}; it must return float weights of "
-                f"the micro-batch's shape {shape} (b, L)."
+                f"the micro-batch's shape {shape} (b, L': micro.rollouts.input_ids.shape)."
             )
         if not torch.isfinite(weights).all():
             raise CreditError(

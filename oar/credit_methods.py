@@ -55,8 +55,9 @@ def ones(step: Step, state, micro: MicroBatch) -> torch.Tensor:
 
 
 def precomputed(step: Step, state: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
-    """The micro-batch's rows of weights (B, L) that prepare computed for the whole step."""
-    return state[micro.rows]
+    """The micro-batch's rows of weights (B, L) that prepare computed for the whole step, at its width L' <= L
+    (the columns cut are padding of all its rows)."""
+    return state[micro.rows, : micro.rollouts.input_ids.shape[1]]
 
 
 # -- OAR-G and OAR-P -------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ def oar_scorer(scorer: str) -> Callable[[Step, Any, MicroBatch], tuple[torch.Ten
 def oar_g_plus_tempo(step: Step, td: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, int]:
     """OAR-G's weights plus TEMPO's TD share (w^TEMPO - 1: 0 off the branch tokens), prepared by tempo_prepare."""
     w, nonfinite = oar_weights(step, micro, "gradient")
-    return w + (td[micro.rows] - 1.0).to(w.device), nonfinite
+    return w + (td[micro.rows, : w.shape[1]] - 1.0).to(w.device), nonfinite
 
 
 def oar_weights(step: Step, micro: MicroBatch, scorer: str) -> tuple[torch.Tensor, int]:

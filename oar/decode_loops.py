@@ -12,7 +12,7 @@ sampling: oar/inverse_cdf.py). They differ only in where the state lives:
   a DynamicCache would, until every row has ended. Its keys/values and its attention mask are preallocated
   (`lm.in_place_cache`: each step writes its column, the forward reads the written ones as views), which
   gives the numbers of growing them by `torch.cat`, bit for bit, without a copy of the whole cache a step.
-* `decode_static` (issue 20, for a GPU to replay): the keys and values go into a preallocated
+* `decode_static` (for a GPU to replay; docs/sampler.md): the keys and values go into a preallocated
   `StaticCache` of width Lp + T rounded up (`cache_width`: at most 1/8 more, so that calls with nearby
   prompt widths share compiled shapes), the attention mask is one (B, width) tensor made up front, and
   the step counter, the positions, the done flags and the output tokens and log-probs are tensors updated
@@ -24,7 +24,7 @@ sampling: oar/inverse_cdf.py). They differ only in where the state lives:
   torch captures it as a CUDA graph and replays it; on a CPU, the same call runs inductor's compiled
   step, which the CPU suite tests. Attention runs over the whole width (the unwritten columns are
   masked), so the logits agree with the eager loop's up to float rounding, not bit for bit: the tokens
-  are the same unless two tokens are tied to within rounding (tests/test_static_decode.py: 16 families
+  are the same unless two tokens are tied to within rounding (tests/package/test_static_decode.py: 16 families
   in float64).
 
 The fixed-shape loop hands over to the eager one, said once per process, for a model whose cache is not
@@ -33,7 +33,7 @@ static cache gave other tokens than the eager loop on every family tried: 4.57.6
 and under autocast (accelerate's mixed precision) with a transformers before 5.24, whose static cache
 holds the values in the keys' dtype (an H200 run stopped at its first step).
 
-What neither loop does per token (issue 52), each giving the same numbers as doing it: wait for the device
+What neither loop does per token (docs/sampler.md), each giving the same numbers as doing it: wait for the device
 (whether every row is done is read every `check_interval` steps, every step on a CPU, where the read costs
 nothing, and the output is cut where a check after every step would have stopped; transformers' own sdpa mask
 still reads the padding mask once a forward, outside the compiled step), or cast the policy again under autocast
@@ -175,7 +175,9 @@ def static_cache_or_reason(model, width: int):
     from transformers import StaticCache, __version__
     from transformers.cache_utils import StaticLayer
 
-    if Version(__version__).major < 5:  # 4.57.6 samples other tokens than the eager loop (tests/test_static_decode.py)
+    if (
+        Version(__version__).major < 5
+    ):  # 4.57.6 samples other tokens than the eager loop (tests/package/test_static_decode.py)
         return None, f"transformers {__version__}'s static cache does not give the eager loop's tokens; 5.x does"
     try:
         cache = StaticCache(config=model.config, max_cache_len=width)

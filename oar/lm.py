@@ -50,7 +50,7 @@ def full_cache(kv=None):
     window, Gemma 2, Gemma 3) it keeps only the last window of positions, and OAR reads every clean
     position back. The model builds its attention masks from the cache's length and offsets in index
     space (transformers' masking_utils), so with a cache that keeps everything it still applies its own
-    window: the attention computed is the one the model defines (tests/test_families.py pins it)."""
+    window: the attention computed is the one the model defines (tests/package/test_families.py pins it)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()  # no config: every layer a full DynamicLayer
@@ -99,7 +99,7 @@ def in_place_cache(cache, width: int, repeats: int = 1):
 
     A DynamicCache grows by `torch.cat` (a copy of the whole cache, every layer, every step); here a step writes
     its one column and the forward reads the written columns as views: the same tensors, so the same numbers
-    (tests/test_sampler.py pins it, bit for bit, on every family of tests/families.py). A layer of another kind
+    (tests/package/test_sampler.py pins it, bit for bit, on every family of tests/families.py). A layer of another kind
     than a plain DynamicLayer (a model's own sliding or linear-attention layer) keeps growing as it did; so does
     a layer once a step brings another dtype than its buffer's or more columns than `width`."""
     layer_type = _in_place_layer()

@@ -14,7 +14,7 @@ its exact mode (oar/oar_perturb_exact.py) recomputes a masked copy only from the
 on the clean pass's keys/values, and packs the copies of many rollouts into shared forwards; its
 window mode (oar/oar_perturb_window.py) is an approximation linear in the reasoning length.
 Rows with no answer token or no reasoning token score 0 everywhere.
-tests/test_families.py pins fast == naive on 15 families, sliding windows shorter than the sequence.
+tests/package/test_families.py pins fast == naive on 15 families, sliding windows shorter than the sequence.
 """
 
 from __future__ import annotations

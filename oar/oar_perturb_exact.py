@@ -17,11 +17,11 @@ change anything before j:
   * a copy's cached prefix is left-padded (masked out) so that every copy attends to
     L + COPY_LENGTH_STEP - 1 positions, and a chunk too small for the BLAS kernels of large matrices is filled up with
     duplicate copies (probes.min_rows): a copy's numbers do not depend on which rollouts share its
-    batch, so micro-batching stays exact to float rounding (tests/test_speed_paths.py);
+    batch, so micro-batching stays exact to float rounding (tests/package/test_speed_paths.py);
   * a chunk holds at most `max_chunk_tokens` (cached + recomputed) positions, which bounds memory,
     and so does a block of rollouts whose clean keys/values are held at once (rows x L); None sizes it by
     the device (`lm.positions_that_fit`: 8192 on a CPU, from the free memory on a GPU). Any budget gives the
-    same scores to float rounding: a copy's shapes are its own (tests/test_oar_scores.py);
+    same scores to float rounding: a copy's shapes are its own (tests/package/test_oar_scores.py);
   * the host reads the masks once per call and builds each block's tables of copies (row, start, masked
     positions) once: no read of a device tensor per copy or per chunk, so a GPU's queue is not drained.
 `span > 1` is an approximate mode: mask `span` consecutive reasoning tokens at once and give each
@@ -133,7 +133,7 @@ def _score_block(model, block: list[_Row], batch: _Batch, scores: torch.Tensor, 
     Every copy's computation has a shape fixed by the copy alone (and the batch width L): it
     recomputes round_up(end - start, COPY_LENGTH_STEP) positions after a cache left-padded to
     L + COPY_LENGTH_STEP - 1 - that many. So a copy's score does not depend on which rollouts share its
-    chunk, and micro-batching cannot change it (tests/test_distributed.py checks whole updates).
+    chunk, and micro-batching cannot change it (tests/package/test_distributed.py checks whole updates).
     Writes the block's scores into `scores` (B, L).
     """
     input_ids, attention_mask, answer_mask = batch.input_ids, batch.attention_mask, batch.answer_mask

@@ -16,9 +16,10 @@ i.e. influence that travels through an intermediate token more than W positions 
 positions still attend directly to the masked token at every layer. The mode is exact
   * when W reaches the answer (j + W >= a0 - 2 for every j: then P_j holds every position j .. E-1),
   * for a one-layer model whatever W (keys/values of layer 1 depend on one token each),
-and tests/test_perturb_window.py pins both against `perturbation_scores_naive`.
+and tests/package/test_perturb_window.py pins both against `perturbation_scores_naive`.
 
-How it runs, batched across rows (issue 52): rows sorted by length form blocks whose clean keys/values are
+How it runs, batched across rows (docs/long-reasoning.md): rows sorted by length form blocks whose clean keys/values
+are
 held at once, from one clean forward per block (or the caller's clean keys/values). A row's copies are
 packed c at a time side by side in one sequence of c N new tokens after the row's clean cache, and U such
 sequences, of any rows of the block, make one forward, under a custom 4D attention mask: copy m's slot for
@@ -32,7 +33,7 @@ outcome is the probe of a copy that masks nothing, computed in the same forwards
 Logits come from the model's own forward (`logits_to_keep` = the answer slots), so a family's logit scaling
 or soft-cap is the model's own. The mask is boolean for `sdpa` and additive float (0 / dtype min) for
 `eager`. The host reads the masks once per call and builds each block's tables once: nothing per copy.
-Any budget gives the same scores to float rounding (tests/test_perturb_window.py).
+Any budget gives the same scores to float rounding (tests/package/test_perturb_window.py).
 
 Limits, checked: attention implementations other than sdpa/eager (flash kernels take no 4D mask)
 and sliding-window attention shorter than the row (one 4D mask would override every layer's window)

@@ -62,6 +62,28 @@ class Rollout:
             None if self.sample_logprobs is None else self.sample_logprobs[rows],
         )
 
+    def trimmed(self) -> "Rollout":
+        """The same rollouts without the right-padding columns that every row has (a micro-batch at its own
+        width L' <= L: up to its longest row's last token, and at least one completion column), same
+        prompt width. Only the right: the prompt's columns stay the step's, so column Lp is every row's first
+        completion token in the step and in each micro-batch alike."""
+        real = self.attention_mask.bool().any(0).nonzero()
+        width = max(self.prompt_width + 1, int(real.max()) + 1 if len(real) else 0)
+        if width >= self.input_ids.shape[1]:
+            return self
+        cut = lambda t: t[:, :width]  # noqa: E731
+        return Rollout(
+            cut(self.input_ids),
+            cut(self.attention_mask),
+            cut(self.completion_mask),
+            cut(self.reasoning_mask),
+            cut(self.answer_mask),
+            self.truncated,
+            self.texts,
+            self.prompt_width,
+            None if self.sample_logprobs is None else cut(self.sample_logprobs),
+        )
+
 
 def build_rollout(tokenizer, prompt_ids, prompt_mask, completion, eos_token_ids, logprobs=None) -> Rollout:
     """Assemble the (B, L) layout and the masks from prompts (B, Lp) and completions (B, T), with the

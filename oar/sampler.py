@@ -9,7 +9,7 @@ Why a sampling loop of our own rather than `generate`: each rollout draws its ra
 own seeded generator (one uniform per token, inverse-CDF sampling), so a rollout is the same
 whatever batch or process it lands in — one process and eight give the same rollouts, and a resumed
 run replays the interrupted one. A call draws each rollout's uniforms as one row of a (B, T) table up
-front (`torch.rand(T, generator=g)` is the same stream as T single draws: tests/test_sampler.py), so
+front (`torch.rand(T, generator=g)` is the same stream as T single draws: tests/package/test_sampler.py), so
 the loop reads them on the device with no per-token work on the host. What is invariant: the
 uniforms, exactly; the tokens, as far as the logits are: the batch a rollout is sampled in changes
 the kernels' rounding, which can flip a token where two are nearly equally likely. `chunk` fixes the

@@ -11,7 +11,7 @@ texts and the sampled log-probs, so rewards, OAR and the loss do not know which 
 
   * One request per rollout, with the rollout's own seed (`SamplingParams(seed=...)`, the seeds
     train.py already derives, oar/training/data.py rollout_seeds): a rollout is a function of its
-    seed and the engine's weights, alone or in any batch, on any process (tests/test_vllm.py).
+    seed and the engine's weights, alone or in any batch, on any process (tests/package/test_vllm.py).
   * Log-probs: vLLM's `processed_logprobs`, log_softmax(logits / temperature) of the sampled token,
     the trainer's `token_logprobs(..., temperature)` definition (vLLM's default is before the
     temperature). Under top-p they would be renormalised over the nucleus, which the trainer does

@@ -1,4 +1,4 @@
-"""A token-credit method defined outside oar/, for tests/test_credit_methods.py:
+"""A token-credit method defined outside oar/, for tests/package/test_credit_methods.py:
 `--credit_module tests/credit_plugin.py`.
 
 equal-mass: under token_mean aggregation each valid token carries A_i, so a rollout's pull grows with

@@ -1,4 +1,4 @@
-"""Credit methods that break the protocol, for tests/test_credit_trial.py: each must stop train.py in
+"""Credit methods that break the protocol, for tests/package/test_credit_trial.py: each must stop train.py in
 its trial on a synthetic step, before any evaluation or file, with one line naming the method."""
 
 import torch

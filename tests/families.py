@@ -1,6 +1,6 @@
 """Tiny random models of every causal-LM family the tests try, built from transformers' own config classes
-(hidden 32, 2 layers, vocab 96), and a batch laid out as the sampler lays rollouts out (tests/test_families.py,
-tests/test_dropout.py). Sliding-window families get a window of 6, shorter than every sequence of
+(hidden 32, 2 layers, vocab 96), and a batch laid out as the sampler lays rollouts out (tests/package/test_families.py,
+tests/package/test_dropout.py). Sliding-window families get a window of 6, shorter than every sequence of
 `long_batch`, and the families that scale or cap their logits (Granite, Cohere, Gemma 2/3) get scales far
 from 1, so a head that skipped them would be far off. Every model runs eager attention (Llama also sdpa)."""
 

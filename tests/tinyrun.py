@@ -69,7 +69,7 @@ TINY = [
 def build_model(out: Path, hidden_size: int = 32, num_heads: int = 4) -> Path:
     """Save a briefly trained tiny-arith-style model, its tokenizer and `data.jsonl` into `out`
     (once per session: a finished folder is reused). Returns `out`. (vLLM's CPU kernels need heads of
-    32 or more: tests/test_vllm.py builds one with hidden_size 64 and 2 heads.)"""
+    32 or more: tests/package/test_vllm.py builds one with hidden_size 64 and 2 heads.)"""
     if (out / "data.jsonl").is_file():
         return out
     from oar.training.data import Problem
@@ -104,13 +104,13 @@ def build_model(out: Path, hidden_size: int = 32, num_heads: int = 4) -> Path:
 
 def env() -> dict:
     """Environment of a child run: one torch thread (2 shared cores; oversubscription makes a
-    tiny step 20x slower), no network, the repository importable."""
+    tiny step 20x slower), no network, the repository and tests/ (this module) importable."""
     return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
     }
 
 
@@ -292,7 +292,7 @@ def assert_same_metrics(got: list[dict], want: list[dict], later_rel: float = 1e
     starts from the same parameters: DISCRETE keys equal to the bit, the rest within 1e-5 relative (sums
     of float32 numbers in another order, other kernels for other batch shapes), ROUNDING's within their
     absolute tolerance. Later steps start from parameters that differ by float rounding (~1e-7), which
-    OAR-G's scores magnify ~1/noise_std-fold (tests/test_distributed.py): `later_rel` relative."""
+    OAR-G's scores magnify ~1/noise_std-fold (tests/package/test_distributed.py): `later_rel` relative."""
     assert [g["step"] for g in got] == [w["step"] for w in want]
     for g, w in zip(got, want, strict=True):
         assert g.keys() == w.keys(), (g["step"], sorted(g.keys() ^ w.keys()))

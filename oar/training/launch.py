@@ -11,7 +11,7 @@ once and SIGKILL 30 s later; `stop_on_sigterm` turns that into a one-line exit. 
 (alive, not answering) is seen by nobody: the others block in their next collective until the process
 group's timeout (OAR_COLLECTIVE_TIMEOUT, `config.collective_timeout`), then `lost_process` names what
 happened, and the launcher then ends the stalled one. Either way the run stops with a message saying how to resume
-(tests/test_lost_process.py), and without the interpreter's teardown (`exit_at_once`), which can
+(tests/package/test_lost_process.py), and without the interpreter's teardown (`exit_at_once`), which can
 deadlock once a peer is lost. On GPUs NCCL's watchdog ends a process whose collective timed out
 itself, with its own message.
 """

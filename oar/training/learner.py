@@ -8,6 +8,7 @@ with its adapters off; and the optimizer with its LR schedule. `build_learner` a
 the one order that works (adapters before checkpointing and sharding, sharding before the optimizer,
 the optimizer before `prepare`), and `Learner` answers the questions the loop would otherwise branch
 on: `gathered()` (whole parameters for calls a shard cannot serve, oar/training/sharding.py),
+`forward` (the update forward: through the head in chunks, or the model's logits, oar/head.py),
 `reference_logprobs` (which model and which context), `sharded` (what a checkpoint writes itself),
 `final_state` (what final/ gets).
 
@@ -23,8 +24,8 @@ from typing import Any
 
 import torch
 
-from oar.grpo import token_logprobs
-from oar.lm import forward_logits
+from oar.head import Forward, Head, hidden_forward, reproduces
+from oar.probes import clean_forward
 from oar.tasks.tiny_arith_cache import model_source
 from oar.training import checkpoint as ckpt
 from oar.training import lora, sharding
@@ -44,6 +45,20 @@ class Learner:
     autocast: Any = nullcontext  # the context the policy's forward computes in: accelerate's autocast, or
     # none when sharded, by train.py or accelerate's plugin (FSDP2's MixedPrecisionPolicy casts the shards, and
     # accelerate wraps no autocast around an FSDP2 forward; the reference is sharded the same way)
+    chunked_head: bool = False  # the update reads the final hidden states through the head in chunks (oar/head.py)
+
+    def forward(self, input_ids, attention_mask, *, columns: int, keep_cache: bool = False, model=None) -> Forward:
+        """The update forward of (b, L) inputs, read from their last `columns` columns (oar.head.Forward): the
+        final hidden states and the head when `chunked_head`, else the model's own logits; with OAR's clean
+        keys/values when `keep_cache`. `model`: another one to run (the KL reference), else the trained one."""
+        model, unwrapped = (self.model, self.policy) if model is None else (model, model)
+        if not self.chunked_head:
+            logits, kv = clean_forward(model, input_ids, attention_mask, logits_to_keep=columns, keep_cache=keep_cache)
+            return Forward(logits, None, kv)
+        hidden, kv = hidden_forward(
+            model, unwrapped.base_model, input_ids, attention_mask, columns=columns, keep_cache=keep_cache
+        )
+        return Forward(hidden, Head(unwrapped), kv, self.autocast)
 
     def gathered(self, when: bool = True):
         """Whole parameters inside the block when the model is sharded (collective: every process
@@ -62,8 +77,8 @@ class Learner:
             self.autocast(),
         ):
             model = self.reference if self.reference is not None else self.policy
-            logits = forward_logits(model, input_ids, attention_mask, logits_to_keep=labels.shape[1] + 1)
-            return token_logprobs(logits[:, :-1], labels, temperature=temperature)
+            fwd = self.forward(input_ids, attention_mask, columns=labels.shape[1] + 1, model=model)
+            return fwd.logprobs(labels, temperature)[0]
 
     @property
     def sharded(self):
@@ -127,4 +142,35 @@ def build_learner(cfg, accelerator, model, *, n_micro: int) -> Learner:
         ckpt.skip_frozen(accelerator)
     policy = accelerator.unwrap_model(model)
     autocast = nullcontext if own_fsdp or plugin_fsdp else accelerator.autocast  # FSDP2 casts, not autocast
-    return Learner(model, optimizer, schedule, policy, peft, reference, own_fsdp, adapters_only, autocast)
+    chunked = chunked_head(model, policy, accelerator.device, autocast, sharded=own_fsdp or plugin_fsdp)
+    return Learner(model, optimizer, schedule, policy, peft, reference, own_fsdp, adapters_only, autocast, chunked)
+
+
+FULL_LOGITS = (
+    "the update reads the model's full logits (b, T, V) and their gradient, not its hidden states through the "
+    "head in chunks (oar/head.py): {why}"
+)
+
+
+def chunked_head(model, policy, device, autocast, *, sharded: bool) -> bool:
+    """Whether the update can read the final hidden states through the head in chunks (oar/head.py): not under
+    FSDP2, where the head's parameters belong to a unit whose hooks (accelerate's plugin gives the head and the
+    embeddings a unit of their own) would run once per chunk, and chunks differ between processes; and only
+    where the head reproduces the model's logits (oar.head.reproduces). Said once when not."""
+    if sharded:
+        warnings.warn(FULL_LOGITS.format(why="the model is sharded (FSDP2; docs/gpu.md)"), stacklevel=2)
+        return False
+    if policy.base_model is policy or policy.get_output_embeddings() is None:
+        warnings.warn(
+            FULL_LOGITS.format(why=f"{type(policy).__name__} has no separate decoder and head"), stacklevel=2
+        )
+        return False
+    if not reproduces(model, policy.base_model, Head(policy), device, autocast):
+        warnings.warn(
+            FULL_LOGITS.format(
+                why=f"{type(policy).__name__}'s forward changes its logits in a way oar.head.Head does not reproduce"
+            ),
+            stacklevel=2,
+        )
+        return False
+    return True

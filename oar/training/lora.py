@@ -14,7 +14,7 @@ One model, two views of it:
     model whether activation checkpointing is on (a property of the transformers class, which the
     PeftModel wrapper does not have), and with the wrapper it would read the noise-free prefix from
     a cache that checkpointed layers drop in training mode: wrong scores, no error
-    (tests/test_lora.py pins it).
+    (tests/package/test_lora.py pins it).
   * the KL reference is the same model with its adapters off (`adapters_off`): no second copy.
 
 What `final/` holds: `merged_state_dict` folds s B A into W and drops peft's names; saving the inner

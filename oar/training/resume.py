@@ -15,7 +15,7 @@ from dataclasses import asdict
 from oar.training.config import REMOVED, Config
 
 # Settings a resumed run may change: they change neither the data, the rollouts nor the updates
-# (micro-batching and processes give the same update, tests/test_distributed.py). Any other setting
+# (micro-batching and processes give the same update, tests/package/test_distributed.py). Any other setting
 # must match the checkpoint's, or a resume would splice two different runs into one.
 RESUMABLE = {
     "steps",

@@ -247,10 +247,11 @@ def step_log(ro, valid, rewards, scored, group_size, done, reward_parts, lr, tim
     lp = ro.prompt_width
     sampled = ro.sample_logprobs[:, lp:]  # (B, T) log pi_sample, the sampler's own numbers
     gaps, start = [], 0
-    for kept in done.kept:  # each micro-batch's |log pi_sample - log pi_old| on its loss tokens
-        r, start = slice(start, start + len(kept.old_logprobs)), start + len(kept.old_logprobs)
-        gaps.append((kept.old_logprobs - sampled[r].to(kept.old_logprobs.device)).abs()[valid[r]])
-    first = done.passes[0], done.weights, done.grad_norms[0]  # the first pass's statistics, weights, norm
+    for kept in done.kept:  # each micro-batch's |log pi_sample - log pi_old| on its loss tokens, at its width T'
+        b, t = kept.old_logprobs.shape
+        r, start = slice(start, start + b), start + b
+        gaps.append((kept.old_logprobs - sampled[r, :t].to(kept.old_logprobs.device)).abs()[valid[r, :t]])
+    first = done.passes[0], done.weights(ro.input_ids.shape[1]), done.grad_norms[0]  # the first pass's statistics
     metrics = step_metrics(ro, rewards, scored, group_size, *first, lr, accelerator, nonfinite=done.nonfinite)
     metrics |= pass_metrics(done.passes[1:], done.grad_norms[1:], accelerator)  # none for mu = 1
     metrics |= sampler_gap_metrics(gaps, accelerator)

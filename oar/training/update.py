@@ -3,7 +3,7 @@ keeps for the later ones, the loss's global normalizers, the guarded optimizer s
 leaves for the step's log.
 
 Legend: B this process's rollouts, b a micro-batch's, L positions (prompt width Lp + completion),
-T = L - Lp completion positions.
+T = L - Lp completion positions; a micro-batch has its own width L' = Lp + T' <= L (Rollout.trimmed).
 
 Rollout reuse, --num_iterations mu (TRL's name and meaning; verl's ppo_epochs): mu passes over each
 batch of rollouts, each pass one optimizer step over the whole batch (every micro-batch of every
@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oar.grpo import token_entropy
 from oar.training import sharding
 from oar.training.learner import Learner
 
@@ -33,9 +32,9 @@ from oar.training.learner import Learner
 class Kept:
     """What the first pass keeps of one micro-batch for every pass, from the sampling policy."""
 
-    weights: torch.Tensor  # (b, L): w_it, the credit method's token weights on the rollouts' layout
-    old_logprobs: torch.Tensor  # (b, T) log pi_old, detached
-    ref_logprobs: torch.Tensor | None  # (b, T) log pi_ref (kl_beta > 0), else None
+    weights: torch.Tensor  # (b, L'): w_it, the credit method's token weights on the micro-batch's layout
+    old_logprobs: torch.Tensor  # (b, T') log pi_old, detached
+    ref_logprobs: torch.Tensor | None  # (b, T') log pi_ref (kl_beta > 0), else None
 
 
 @dataclass
@@ -49,10 +48,10 @@ class Update:
     nonfinite: int = 0  # rollouts whose scores were not finite (they got weights 1)
     skipped: int = 0  # passes whose optimizer step was skipped
 
-    @property
-    def weights(self) -> torch.Tensor:
-        """(B, L) the step's token weights."""
-        return torch.cat([k.weights for k in self.kept])
+    def weights(self, width: int) -> torch.Tensor:
+        """(B, L) the step's token weights at the step's `width` L: each micro-batch's padded with 0 (the weight
+        of padding) past its own width."""
+        return torch.cat([torch.nn.functional.pad(k.weights, (0, width - k.weights.shape[1])) for k in self.kept])
 
     def keep(self, kept: Kept, seconds: float, nonfinite: int) -> None:
         """The first pass's micro-batch: what every pass reuses, and the credit method's time and count."""
@@ -80,10 +79,10 @@ def loss_normalizers(valid: torch.Tensor, accelerator) -> dict[str, torch.Tensor
     return {"num_sequences": n_seq, "num_tokens": n_tok}
 
 
-def token_stats(logits: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+def token_stats(entropy: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
     """A micro-batch's mean policy entropy over its loss tokens and their count (which weights the micro-batch
-    means into the step's token means: runlog.token_means). logits (b, T + 1, V), valid (b, T)."""
-    entropy = token_entropy(logits[:, :-1].detach())  # (b, T)
+    means into the step's token means: runlog.token_means). entropy (b, T') at temperature 1, as the update
+    forward gives it (oar.head.Forward.logprobs), valid (b, T')."""
     # selected, not multiplied: a padded column's non-finite entropy stays out
     mean = torch.where(valid, entropy, 0.0).sum() / valid.sum().clamp(min=1)
     return {"entropy": float(mean), "tokens": float(valid.sum())}

@@ -1,7 +1,7 @@
 """The paired t-test of a study's seeds, without scipy: Student's t tail and quantile, and a list of paired
 differences' mean, standard error, t, two-sided p and interval.
 
-Used by research/signal-or-gate/report.py (its tests: tests/test_signal_or_gate_report.py, against closed
+Used by research/signal-or-gate/report.py (its tests: tests/studies/test_signal_or_gate_report.py, against closed
 forms and tables). The tail is the regularized incomplete beta function's continued fraction (Numerical
 Recipes' betacf); the quantile inverts it by bisection.
 """

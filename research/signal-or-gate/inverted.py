@@ -18,7 +18,7 @@ outcome from the update forward, the same probe, the same gate settings (--gate_
 and the fixed floor and mass preservation, oar.credit_settings.GATE_FLOOR and PRESERVE_MASS). If OAR's
 scores carry information about which tokens matter, this arm should learn worse than `random-gate`
 (which gates scores that carry none); if only the reshaping matters, the three gated arms should tie.
-tests/test_signal_or_gate.py checks that with the inversion switched off the weights are the
+tests/studies/test_signal_or_gate.py checks that with the inversion switched off the weights are the
 built-in oar-g's, and with it on they are the gate of 1 - n.
 
 Scope: the rollout's own answer is the outcome (the study's, and train.py's only one).

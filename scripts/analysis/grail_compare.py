@@ -39,7 +39,7 @@ mass (the mean weight over R_i and over the completion).
     pip install --no-deps --target /tmp/trl trl==1.16.0
     python scripts/analysis/grail_compare.py --grail ~/grail --trl /tmp/trl --json docs/bench/grail-compare.json
 
-No GRAIL code is in this repository; tests/test_grail_compare.py runs the script against a fake of the class.
+No GRAIL code is in this repository; tests/scripts/test_grail_compare.py runs the script against a fake of the class.
 """
 
 from __future__ import annotations

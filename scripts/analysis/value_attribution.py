@@ -121,7 +121,7 @@ from scripts.analysis.delta_v import (
     same_rollouts,
     values_code,
 )
-from scripts.analysis.value_metrics import (  # noqa: F401 (re-exported: tests/test_value_attribution.py uses them)
+from scripts.analysis.value_metrics import (  # noqa: F401 (re-exported: tests/scripts/test_value_attribution.py uses them)
     ALPHA,
     FDR,
     benjamini_hochberg,

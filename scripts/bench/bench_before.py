@@ -1,15 +1,15 @@
-"""Today's decode loop and OAR-P against the code they replaced (issue 52), side by side in one process.
+"""Today's decode loop and OAR-P against the code they replaced, side by side in one process.
 
     python scripts/bench/bench_before.py --decode --threads 1 --json docs/bench/decode-before-cpu.json
     python scripts/bench/bench_before.py --oar_p --threads 1 --json docs/bench/oar-p-before-cpu.json
 
-The code before is read from git (`--before`, by default c0ec13d, the commit before issue 52's changes) into
-modules of its own (`oar_before.*`, importing today's oar.lm, oar.probes and oar.inverse_cdf, which the
-changes left as they were for what these modules call) and runs beside today's on the same inputs: the two
-interleaved after a warm-up, the order reversed every other repeat, medians. Read the ratios, measured side by
-side; the seconds move with the machine's load. Each side's outputs are compared: the decode loops must give
-the same tokens and log-probs bit for bit, OAR-P the same scores to float rounding (the largest difference is
-reported against the largest score).
+The code before is read from git (`--before`, by default c0ec13d, the commit before the changes docs/sampler.md and
+docs/long-reasoning.md describe) into modules of its own (`oar_before.*`, importing today's oar.lm, oar.probes and
+oar.inverse_cdf, which the changes left as they were for what these modules call) and runs beside today's on the
+same inputs: the two interleaved after a warm-up, the order reversed every other repeat, medians. Read the ratios,
+measured side by side; the seconds move with the machine's load. Each side's outputs are compared: the decode loops
+must give the same tokens and log-probs bit for bit, OAR-P the same scores to float rounding (the largest difference
+is reported against the largest score).
 
 --decode: SmolLM2-135M's eager loop in float32 and under accelerate's bf16 autocast (float32 master weights, as
 train.py under --mixed_precision bf16), and tiny-arith at the default run's batch; every row runs exactly T
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_parts as bp  # noqa: E402
 
-BEFORE = "c0ec13d"  # the commit before issue 52's sampler and OAR-P changes
+BEFORE = "c0ec13d"  # the commit before today's sampler and OAR-P changes
 
 
 def before_modules(commit: str, names: list[str]) -> dict[str, types.ModuleType]:
@@ -70,7 +70,7 @@ def _timed(fns: dict, repeats: int) -> dict:
     }
 
 
-# ------------------------------------------------------------------ the decode loop (issue 52, part 3)
+# ------------------------------------------------------------------ the decode loop (docs/sampler.md)
 
 
 def decode_case(model, ids, attn, *, group_size: int, new_tokens: int, pad: int, repeats: int, before) -> dict:
@@ -164,7 +164,7 @@ def _say_decode(say, title, r):
     )
 
 
-# ------------------------------------------------------------------ OAR-P (issue 52, part 1)
+# ------------------------------------------------------------------ OAR-P (docs/long-reasoning.md)
 
 
 def mixed_rollouts(lengths: list[int], *, prompt: int, answer: int, seed: int = 0):

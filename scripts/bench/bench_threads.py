@@ -6,7 +6,7 @@ process that keeps one core busy, at the same nice level), the two thread counts
     python scripts/bench/bench_threads.py --model <folder> --data <file.jsonl> --toy --out /tmp/t.json  # a test
 
 Why: a plain `python train.py` lets torch take a thread per core, `accelerate launch` sets OMP_NUM_THREADS=1;
-on shared cores the first was measured 3-12x slower (issue 54). The runs differ only in OMP_NUM_THREADS;
+on shared cores the first was measured 3-12x slower. The runs differ only in OMP_NUM_THREADS;
 each is a whole process (imports, model load, the work), timed by its wall clock and its CPU seconds
 (resource.getrusage of the children), with the step's own `time/step_s` for train.py. The load average
 before each run is recorded: on a machine shared with other jobs it says what else ran.
