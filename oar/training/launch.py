@@ -110,15 +110,15 @@ THREADS = 1  # torch's threads per process when OMP_NUM_THREADS is unset (docs/s
 def default_threads() -> str | None:
     """With OMP_NUM_THREADS unset, run torch on THREADS threads, as `accelerate launch` does (it sets
     OMP_NUM_THREADS=1 unless told otherwise), and return the line that says so; None when the variable is set
-    (torch reads it itself). Why one: torch's default is a thread per core, and on shared cores a plain
-    `python train.py` ran 3-12x slower than on one thread; docs/bench/threads-cpu.json measures
-    1 against 2 threads, with the machine otherwise as it was and beside another job."""
+    (torch reads it itself). Why one: torch's default is a thread per core, and on 2 cores that other jobs
+    used two threads ran 1.4-10x slower than one (docs/bench/threads-cpu.json), on 2 idle cores at most 1.3x
+    faster (docs/bench/threads-cpu-quiet.json): one is never the slow case by a multiple (docs/speed.md)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
     torch.set_num_threads(THREADS)
     return (
-        f"torch threads: {THREADS}, as accelerate launch sets them (OMP_NUM_THREADS is unset; on shared cores more "
-        f"ran several times slower: docs/speed.md); OMP_NUM_THREADS=2 sets two"
+        f"torch threads: {THREADS}, as accelerate launch sets them (OMP_NUM_THREADS is unset; two ran up to 1.3x "
+        f"faster on idle cores, up to 10x slower on busy ones: docs/speed.md#threads); OMP_NUM_THREADS=2 sets two"
     )
 
 
