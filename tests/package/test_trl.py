@@ -641,6 +641,10 @@ def main() -> None:
             )
     if int(os.environ["RANK"]) == 0:
         torch.save(results, out / "results.pt")
+    # as train.py ends (oar.training.launch.end): a gloo process that exits with its group alive can abort in
+    # C++ teardown after its work is done ("terminate called without an active exception", exit -6)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
