@@ -8,7 +8,9 @@ stops it first. A stopped rank is seen by nobody: rank 0 waits in its next colle
 OAR_COLLECTIVE_TIMEOUT, exits with a message, and the launcher then kills the stopped rank (SIGTERM,
 which a stopped process does not act on, then SIGKILL 30 s later). Nothing in the code knows about
 the test: the signals are real. eval.py, which has nothing to resume, stops the same way, whether a process never
-joins or is lost mid-evaluation (the eval.py tests).
+joins or is lost mid-evaluation (the eval.py tests); there the stopped rank is let run again once the launcher's
+SIGTERM waits in it (`continue_once_told_to_stop`), which ends it at once instead of 30 s later: train.py's test
+keeps the launcher's SIGKILL of a rank that never runs again, the same launcher path for both scripts.
 """
 
 import os
@@ -95,6 +97,26 @@ def _ranks(token: str, script: str = "train.py") -> dict[int, int]:
     return ranks
 
 
+def continue_once_told_to_stop(pid: int, timeout: float) -> None:
+    """Wait until a SIGTERM is pending in stopped process `pid` (the launcher's, after another rank exited), then
+    let it run again (SIGCONT): it acts on the SIGTERM as a hung process that wakes up would, and exits."""
+    sigterm = 1 << (signal.SIGTERM - 1)
+
+    def pending() -> bool:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:  # gone already
+            return True
+        masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+        return any(m & sigterm for m in masks)
+
+    _wait(pending, timeout, f"the launcher's SIGTERM to reach process {pid}")
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
 def _wait(condition, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -174,7 +196,8 @@ def test_a_timed_out_run_leaves_nothing_behind_even_in_another_session():
 def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout(tiny_model, tmp_path):
     """eval.py has train.py's OAR_COLLECTIVE_TIMEOUT and its way to stop: rank 1 is stopped as soon as it exists
     (long before it joins the process group), so rank 0 waits in the group's start until the timeout, then
-    says so in one line, and the launcher ends the stopped rank (gloo's default wait would be 30 minutes)."""
+    says so in one line, and the launcher's SIGTERM ends the stopped rank once it runs again (gloo's default wait
+    would be 30 minutes)."""
     args = [
         "--model",
         str(tiny_model),
@@ -200,7 +223,8 @@ def test_eval_py_with_a_process_that_never_joins_stops_at_its_collective_timeout
             "rank 0 to exit",
         )  # + 30: rank 0 imports torch and loads the model before it waits
         survivor_s = time.monotonic() - stalled
-        done = finish(proc, token, timeout=GRACE + MARGIN)
+        continue_once_told_to_stop(ranks[1], MARGIN)
+        done = finish(proc, token, timeout=MARGIN)
         left = marked(token)
     finally:
         kill_all(proc, token)
@@ -280,7 +304,9 @@ def test_eval_py_that_loses_a_process_mid_evaluation_stops_with_a_message(tiny_m
             "rank 0 to exit",
         )  # + 60: rank 0 first evaluates its own share
         survivor_s = time.monotonic() - lost
-        done = finish(proc, token, timeout=GRACE + MARGIN)
+        if sig == signal.SIGSTOP:
+            continue_once_told_to_stop(ranks[1], MARGIN)
+        done = finish(proc, token, timeout=MARGIN)
         left = marked(token)
     finally:
         kill_all(proc, token)

@@ -641,10 +641,14 @@ def main() -> None:
             )
     if int(os.environ["RANK"]) == 0:
         torch.save(results, out / "results.pt")
-    # as train.py ends (oar.training.launch.end): a gloo process that exits with its group alive can abort in
-    # C++ teardown after its work is done ("terminate called without an active exception", exit -6)
+    # as train.py ends (oar.training.launch): a gloo process that exits with its group alive can abort in C++
+    # teardown after its work is done ("terminate called without an active exception", exit -6), and even with
+    # the group destroyed, so the process ends without the interpreter's teardown
+    from oar.training.launch import finished
+
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    finished()
 
 
 if __name__ == "__main__":
