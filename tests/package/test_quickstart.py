@@ -40,6 +40,8 @@ def test_the_first_command_shows_every_part_of_a_run(tmp_path):
     said = proc.stdout
     assert said.startswith("torch threads: 1") and "held-out accuracy before training" in said, said[:2000]
     assert len(re.findall(r"^step +\d+ \|", said, re.MULTILINE)) == 3 and "summary: " in said
+    # no library's alarm about the checkpoint's tied head (accelerate's "Removed shared tensor"): resumes re-tie it
+    assert "Removed shared tensor" not in said + proc.stderr, (said + proc.stderr)[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_problems"] == 50 and summary["accuracy_before"] == pytest.approx(0.4, abs=0.2)
     assert summary["skipped_steps"] == 0 and summary["accuracy_after"] is not None
