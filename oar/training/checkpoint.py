@@ -103,25 +103,22 @@ def resume_point(output_dir: str | Path, resume: bool) -> Path | None:
     return found
 
 
-class _TiedHeadNote(logging.Filter):
-    """Drops accelerate's note that save_state left out a tensor sharing another's memory ("Removed shared
+def _not_the_tied_head_note(record: logging.LogRecord) -> bool:
+    """False for accelerate's note that save_state left out a tensor sharing another's memory ("Removed shared
     tensor {'lm_head.weight'} while saving ... check by verifying ..."): a head tied to the embedding, as in
     tiny-arith and SmolLM2. What reads a checkpoint (--resume, eval.py given checkpoint-N/) builds the run's
     model, whose tie gives the left-out name its values again (tests/package/test_resume.py)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Removed shared tensor" not in record.getMessage()  # after accelerate's "[RANK 0] " prefix
+    return "Removed shared tensor" not in record.getMessage()  # after accelerate's "[RANK 0] " prefix
 
 
 @contextlib.contextmanager
 def _tied_head_unannounced():
     logger = logging.getLogger("accelerate.utils.other")  # where accelerate's clean_state_dict_for_safetensors logs
-    note = _TiedHeadNote()
-    logger.addFilter(note)
+    logger.addFilter(_not_the_tied_head_note)
     try:
         yield
     finally:
-        logger.removeFilter(note)
+        logger.removeFilter(_not_the_tied_head_note)
 
 
 def save_checkpoint(accelerator, output_dir: str | Path, step: int, state: dict, keep: int, sharded=None) -> Path:

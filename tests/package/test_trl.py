@@ -644,10 +644,10 @@ def main() -> None:
     # as train.py ends (oar.training.launch): a gloo process that exits with its group alive can abort in C++
     # teardown after its work is done ("terminate called without an active exception", exit -6), and even with
     # the group destroyed, so the process ends without the interpreter's teardown
-    from oar.training.launch import finished
+    from oar.training.launch import finished, release
 
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    release()
     finished()
 
 
